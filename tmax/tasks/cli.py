@@ -1,0 +1,160 @@
+"""`tmax tasks ...`: validate, list, show and convert tasks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from tmax.tasks.model import TaskError
+from tmax.tasks.native import find_tasks, load_task, validate_task, write_task
+from tmax.tasks.readers import detect_format, read_any
+
+output_option = click.option("-o", "--output", type=click.Choice(["text", "json"]),
+                             default="text", show_default=True, help="Output format.")
+
+
+def _find(paths: tuple[str, ...]) -> list[Path]:
+    try:
+        found = find_tasks(*paths)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    if not found:
+        raise click.ClickException(f"no tasks found under: {', '.join(paths)}")
+    return found
+
+
+def _load_all(paths: tuple[str, ...]):
+    tasks, errors = [], []
+    for path in _find(paths):
+        try:
+            tasks.append(load_task(path))
+        except TaskError as e:
+            errors.append(e)
+    return tasks, errors
+
+
+@click.group("tasks")
+def tasks_group() -> None:
+    """Terminal tasks in the native (Harbor / Terminal-Bench 2.x) layout."""
+
+
+@tasks_group.command("validate")
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--strict", is_flag=True, help="Treat warnings as errors.")
+@output_option
+def validate_cmd(paths: tuple[str, ...], strict: bool, output: str) -> None:
+    """Check task directories (or folders of them); exit 1 on any error."""
+    report = []
+    for path in _find(paths):
+        fmt = detect_format(path)
+        problems = validate_task(path) if fmt == "native" else _convert_problems(path)
+        report.append({"task": path.name, "path": str(path), "format": fmt,
+                       "problems": [p.to_dict() for p in problems]})
+    bad = [r for r in report if any(p["severity"] == "error" or strict for p in r["problems"])]
+    if output == "json":
+        click.echo(json.dumps({"tasks": report, "ok": not bad}, indent=2))
+    else:
+        for r in report:
+            status = "FAIL" if r in bad else "ok"
+            note = "" if r["format"] == "native" else f" ({r['format']}, convert it first)"
+            click.echo(f"{status:4} {r['task']}{note}")
+            for p in r["problems"]:
+                where = p["file"] + (f" [{p['field']}]" if p["field"] else "")
+                fix = f" -> {p['fix']}" if p["fix"] else ""
+                click.echo(f"     {p['severity']}: {where}: {p['message']}{fix}")
+        click.echo(f"{len(report) - len(bad)}/{len(report)} tasks valid")
+    sys.exit(1 if bad else 0)
+
+
+def _convert_problems(path: Path):
+    try:
+        draft = read_any(path)
+    except TaskError as e:
+        return e.problems
+    return draft.warnings
+
+
+@tasks_group.command("ls")
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@output_option
+def ls_cmd(paths: tuple[str, ...], output: str) -> None:
+    """List tasks with domain, difficulty and resources."""
+    tasks, errors = _load_all(paths)
+    rows = [t.summary() for t in tasks]
+    if output == "json":
+        click.echo(json.dumps({"tasks": rows, "invalid": [e.task for e in errors]}, indent=2))
+    else:
+        width = max([len(r["id"]) for r in rows] + [4])
+        click.echo(f"{'TASK':{width}}  {'DOMAIN':22}  {'DIFFICULTY':10}  ENV")
+        for r in rows:
+            click.echo(f"{r['id']:{width}}  {r['domain']:22}  {r['difficulty']:10}  "
+                       f"{r['environment']}")
+        for e in errors:
+            click.echo(f"{e.task:{width}}  INVALID (run `tmax tasks validate`)", err=True)
+    sys.exit(1 if errors else 0)
+
+
+@tasks_group.command("show")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@output_option
+def show_cmd(path: str, output: str) -> None:
+    """Show one task: metadata, files and instruction."""
+    try:
+        task = load_task(path)
+    except TaskError as e:
+        raise click.ClickException(str(e)) from None
+    files = sorted(str(f.relative_to(task.root)) for f in task.root.rglob("*") if f.is_file())
+    if output == "json":
+        click.echo(json.dumps({**task.summary(), "config": task.config.model_dump(mode="json"),
+                               "files": files, "instruction": task.instruction}, indent=2))
+        return
+    s = task.summary()
+    click.echo(f"{task.task_id}  ({s['domain']}, {s['difficulty']}, {s['environment']})")
+    click.echo(f"  path: {task.root}")
+    click.echo(f"  resources: {s['cpus']} cpus, {s['memory_mb']} MB, "
+               f"network {'on' if s['network'] else 'off'}")
+    click.echo(f"  timeouts: agent {s['agent_timeout_sec']:g}s, "
+               f"verifier {s['verifier_timeout_sec']:g}s")
+    click.echo("  files: " + ", ".join(files))
+    click.echo("\n" + task.instruction.rstrip())
+
+
+@tasks_group.command("convert")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-d", "--dest", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the native tasks into.")
+@click.option("--force", is_flag=True, help="Replace tasks that already exist in DEST.")
+@output_option
+def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, output: str) -> None:
+    """Convert Terminal-Bench 1 / TMax v1.0 / native tasks to the native layout.
+
+    Each task is written to a temporary folder, validated, then renamed into place:
+    a failure leaves nothing half-written.
+    """
+    results = []
+    for path in _find(paths):
+        try:
+            draft = read_any(path)
+            task = write_task(draft, dest, overwrite=force)
+        except TaskError as e:
+            results.append({"task": path.name, "source": str(path), "ok": False,
+                            "problems": [p.to_dict() for p in e.problems]})
+        else:
+            results.append({"task": task.task_id, "source": str(path), "ok": True,
+                            "format": draft.source_format, "path": str(task.root),
+                            "problems": [p.to_dict() for p in draft.warnings]})
+    failed = [r for r in results if not r["ok"]]
+    if output == "json":
+        click.echo(json.dumps({"converted": results, "ok": not failed}, indent=2))
+    else:
+        for r in results:
+            head = f"ok   {r['task']} ({r['format']}) -> {r['path']}" if r["ok"] else \
+                f"FAIL {r['task']} ({r['source']})"
+            click.echo(head)
+            for p in r["problems"]:
+                click.echo(f"     {p['severity']}: {p['file']}: {p['message']}"
+                           + (f" -> {p['fix']}" if p["fix"] else ""))
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,1 @@
+"""Training: DPPO on a Hugging Face causal LM with pluggable inference engines."""

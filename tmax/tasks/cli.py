@@ -158,3 +158,63 @@ def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, output: str) -> 
                 click.echo(f"     {p['severity']}: {p['file']}: {p['message']}"
                            + (f" -> {p['fix']}" if p["fix"] else ""))
     sys.exit(1 if failed else 0)
+
+
+@tasks_group.command("check")
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--mode", "modes", multiple=True, type=click.Choice(["oracle", "nop"]),
+              default=("oracle", "nop"), show_default=True,
+              help="Run the reference solution (oracle) and/or nothing (nop).")
+@click.option("-j", "--jobs", default=2, show_default=True, help="Checks run in parallel.")
+@output_option
+def check_cmd(paths: tuple[str, ...], modes: tuple[str, ...], jobs: int, output: str) -> None:
+    """Run each task's solution and verifier in a throwaway sandbox on this machine.
+
+    A task passes when the oracle scores 1.0 and doing nothing scores below 1.0. The
+    sandbox is bubblewrap over this machine's system directories (see tmax.tasks.check):
+    a quick check before any image is built.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from tmax.tasks.check import check_task
+
+    tasks, errors = _load_all(paths)
+    if errors:
+        raise click.ClickException("\n".join(str(e) for e in errors))
+    jobs_list = [(t, m) for t in tasks for m in modes]
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        results = list(tqdm(pool.map(lambda tm: check_task(*tm), jobs_list),
+                            total=len(jobs_list), desc="checking", unit="run",
+                            disable=output == "json" or None))
+    verdicts = summarize_checks(results)
+    if output == "json":
+        click.echo(json.dumps({"results": [r.to_dict() for r in results],
+                               "tasks": verdicts}, indent=2))
+    else:
+        width = max(len(t) for t in verdicts)
+        click.echo(f"{'TASK':{width}}  {'ORACLE':>6}  {'NOP':>6}  VERDICT")
+        for task, v in verdicts.items():
+            cells = [f"{v[m]:6.2f}" if isinstance(v.get(m), float) else f"{'-':>6}"
+                     for m in ("oracle", "nop")]
+            click.echo(f"{task:{width}}  {cells[0]}  {cells[1]}  {v['verdict']}")
+        for r in results:
+            if r.error:
+                click.echo(f"{r.task} ({r.mode}): {r.error}", err=True)
+    sys.exit(0 if all(v["verdict"] == "ok" for v in verdicts.values()) else 1)
+
+
+def summarize_checks(results) -> dict[str, dict]:
+    """Per task: rewards by mode and a verdict (oracle must reach 1, nop must not)."""
+    verdicts: dict[str, dict] = {}
+    for r in results:
+        verdicts.setdefault(r.task, {})[r.mode] = r.reward
+    for v in verdicts.values():
+        problems = []
+        if "oracle" in v and v["oracle"] != 1.0:
+            problems.append("oracle below 1" if v["oracle"] is not None else "oracle: no reward")
+        if "nop" in v and (v["nop"] is None or v["nop"] >= 1.0):
+            problems.append("passes by doing nothing" if v["nop"] else "nop: no reward")
+        v["verdict"] = "; ".join(problems) or "ok"
+    return verdicts

@@ -94,6 +94,13 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
     if not root.is_dir():
         problem("", f"not a directory: {root}", "point at a task directory")
         return problems, None
+    foreign = {"task.yaml": "a Terminal-Bench 1 task", "task.json": "a TMax v1.0 task"}
+    if not (root / INSTRUCTION).exists() and not (root / TASK_TOML).exists():
+        for marker, what in foreign.items():
+            if (root / marker).is_file():
+                problem(marker, f"{what}, not the native layout",
+                        f"convert it first: tmax tasks convert {root} -d DEST")
+                return problems, None
     if not TASK_ID_RE.match(task_id):
         problem("", f"task id {task_id!r} is not lowercase [a-z0-9._-]",
                 "rename the directory (e.g. kebab-case)", severity="warning")

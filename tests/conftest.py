@@ -1,0 +1,63 @@
+"""Shared fixtures. `local_slurm`: one real local Slurm cluster per test session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = REPO / "bin" / "tmax-local-slurm"
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontrol")
+
+
+@dataclass(frozen=True)
+class LocalSlurm:
+    dir: Path
+    conf: Path
+    env: dict[str, str]  # os.environ plus SLURM_CONF, for subprocess calls
+
+
+def local_slurm_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run bin/tmax-local-slurm; the caller checks returncode."""
+    return subprocess.run(
+        [str(LOCAL_SLURM), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory: pytest.TempPathFactory):
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/local/sbin:/sbin"
+    missing = [b for b in SLURM_BINARIES if shutil.which(b, path=path) is None]
+    if missing:
+        pytest.fail(
+            f"Slurm/munge binaries missing: {', '.join(missing)}; run bin/tmax-setup "
+            "(it installs slurm-wlm and munge)",
+            pytrace=False,
+        )
+    root = tmp_path_factory.mktemp("local-slurm")
+    up = local_slurm_cmd("up", "--dir", str(root), "--nodes", "3", "--cpus", "2")
+    if up.returncode != 0:
+        local_slurm_cmd("down", "--dir", str(root))
+        pytest.fail(f"tmax-local-slurm up failed ({up.returncode}):\n{up.stderr}", pytrace=False)
+    conf = root / "etc" / "slurm.conf"
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)  # for in-process clients such as submitit
+    try:
+        yield LocalSlurm(dir=root, conf=conf, env={**os.environ, "SLURM_CONF": str(conf)})
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        down = local_slurm_cmd("down", "--dir", str(root))
+        assert down.returncode == 0, f"tmax-local-slurm down failed:\n{down.stderr}"

@@ -1,0 +1,2 @@
+#!/bin/bash
+tar -czf /app/srv/data/backup.tgz /app/srv/www

@@ -1,0 +1,2 @@
+# shared helpers
+log() { echo "[$(date +%T)] $*"; }

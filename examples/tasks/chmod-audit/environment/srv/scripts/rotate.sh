@@ -1,0 +1,2 @@
+#!/bin/bash
+find /app/srv/www/uploads -mtime +30 -delete

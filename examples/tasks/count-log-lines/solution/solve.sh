@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < /app/data/access.log > /app/answer.txt

@@ -1,0 +1,1 @@
+"""Tiny stock ledger: parse movement files and compute stock levels per warehouse."""

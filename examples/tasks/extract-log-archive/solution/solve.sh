@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app/logs && tar -xzf /app/logs.tar.gz -C /app/logs

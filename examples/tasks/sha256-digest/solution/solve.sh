@@ -1,0 +1,2 @@
+#!/bin/bash
+sha256sum /app/firmware.bin | cut -d' ' -f1 > /app/answer.txt

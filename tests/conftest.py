@@ -61,3 +61,38 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory):
             os.environ["SLURM_CONF"] = old
         down = local_slurm_cmd("down", "--dir", str(root))
         assert down.returncode == 0, f"tmax-local-slurm down failed:\n{down.stderr}"
+
+
+@pytest.fixture(scope="session")
+def base_sif() -> Path:
+    """A real SIF of the slim Debian base (images/debian-slim.def), built once per machine.
+
+    Built with the local builder (debootstrap from this machine's apt mirror, mksquashfs,
+    siftool) into ~/.cache/tmax/test-images/, keyed by the definition's hash, so later
+    sessions reuse it. The first build takes one to two minutes.
+    """
+    import hashlib
+
+    from filelock import FileLock
+
+    from sandfleet.runtime.sif import pack
+    from tmax.images.definition import parse_definition
+    from tmax.images.rootfs import apt_mirror, debootstrap_base, remove_tree
+
+    text = (REPO / "images" / "debian-slim.def").read_text()
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax" / "test-images"))
+    cache.mkdir(parents=True, exist_ok=True)
+    sif = cache / f"debian-slim-{key}.sif"
+    with FileLock(str(cache / f"{sif.name}.lock")):
+        if not sif.exists():
+            mirror = apt_mirror()
+            definition = parse_definition(text.replace("{{ MIRROR }}", mirror))
+            rootfs = cache / f".rootfs-{key}"
+            remove_tree(rootfs)
+            try:
+                debootstrap_base(definition, rootfs, mirror, cache / f"debian-slim-{key}.log")
+                pack(rootfs, sif, definition=definition.render())
+            finally:
+                remove_tree(rootfs)
+    return sif

@@ -1,0 +1,123 @@
+"""Apptainer definition files: parsing, and turning a task's Dockerfile into one."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import io
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+SECTIONS_WITH_ARGS = ("files",)
+
+
+@dataclass
+class Definition:
+    """Header (``Bootstrap``, ``From``, ...; keys lower-cased) and sections by name."""
+
+    header: dict[str, str] = field(default_factory=dict)
+    sections: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[tuple[str, str]]:
+        """(source, destination) pairs of %files; a missing destination repeats the source."""
+        pairs = []
+        for line in self.sections.get("files", "").splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                src, *dest = shlex.split(line)
+                pairs.append((src, dest[0] if dest else src))
+        return pairs
+
+    def render(self) -> str:
+        head = "\n".join(f"{k.title() if k != 'osversion' else 'OSVersion'}: {v}"
+                         for k, v in self.header.items())
+        body = "".join(f"\n%{name}\n{text.rstrip()}\n" for name, text in self.sections.items())
+        return head + "\n" + body
+
+
+def parse_definition(text: str) -> Definition:
+    d = Definition()
+    current = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("%") and not s.startswith("%%"):
+            if current:
+                d.sections[current] = "\n".join(lines)
+            current, lines = s.split()[0][1:].lower(), []
+        elif current:
+            lines.append(line)
+        elif s and not s.startswith("#") and ":" in s:
+            key, _, value = s.partition(":")
+            d.header[key.strip().lower()] = value.strip()
+    if current:
+        d.sections[current] = "\n".join(lines)
+    return d
+
+
+@dataclass(frozen=True)
+class TaskDefinition:
+    """What a task's environment/ says to build, with its registry base resolved."""
+
+    definition: Definition
+    base: str
+    workdir: str
+
+
+class BaseMappingError(Exception):
+    def __init__(self, image: str, table: Path):
+        self.image, self.table = image, table
+        super().__init__(f"no local base for image {image!r}: add a mapping to {table}")
+
+
+def load_base_table(path: Path) -> list[tuple[str, str]]:
+    raw = yaml.safe_load(path.read_text()) or {}
+    if set(raw) - {"mappings"}:
+        raise ValueError(f"{path}: unknown keys {sorted(set(raw) - {'mappings'})}")
+    out = []
+    for i, m in enumerate(raw.get("mappings", [])):
+        if not isinstance(m, dict) or set(m) != {"image", "base"}:
+            raise ValueError(f"{path}: mappings[{i}] needs exactly 'image' and 'base'")
+        out.append((str(m["image"]), str(m["base"])))
+    return out
+
+
+def map_base(image: str, table: list[tuple[str, str]], table_path: Path) -> str:
+    ref = image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest"
+    for pattern, base in table:
+        if fnmatch.fnmatchcase(ref, pattern):
+            return base
+    raise BaseMappingError(image, table_path)
+
+
+def task_definition(env_dir: Path, table: list[tuple[str, str]], table_path: Path
+                    ) -> TaskDefinition:
+    """The task's Apptainer definition (a Dockerfile goes through spython) and its base."""
+    if (env_dir / "Dockerfile").is_file():
+        from spython.main.parse.parsers import DockerParser
+
+        with contextlib.chdir(env_dir), contextlib.redirect_stdout(io.StringIO()):
+            recipe = DockerParser("Dockerfile").recipe
+        (stage,) = recipe.values() if len(recipe) == 1 else (list(recipe.values())[-1],)
+        sections = {}
+        if stage.files:
+            sections["files"] = "\n".join(f"    {shlex.quote(s)} {shlex.quote(d)}"
+                                          for s, d in stage.files)
+        if stage.install:
+            sections["post"] = "\n".join(f"    {line}" for line in stage.install)
+        if stage.environ:
+            sections["environment"] = "\n".join(f"    export {e}" for e in stage.environ)
+        definition = Definition({"bootstrap": "docker", "from": stage.fromHeader}, sections)
+        workdir = stage.workdir or "/"
+    else:
+        definition = parse_definition((env_dir / "container.def").read_text())
+        workdir = "/root"
+    bootstrap = definition.header.get("bootstrap", "").lower()
+    if bootstrap not in ("docker", "localimage", "library", "oras", "shub"):
+        raise ValueError(f"{env_dir}: unsupported Bootstrap {bootstrap!r} (use docker)")
+    base = map_base(definition.header.get("from", ""), table, table_path)
+    return TaskDefinition(definition, base, os.path.normpath(workdir))

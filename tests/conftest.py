@@ -64,35 +64,36 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def base_sif() -> Path:
-    """A real SIF of the slim Debian base (images/debian-slim.def), built once per machine.
+def base_store():
+    """A store holding the slim Debian base (images/debian-slim.def), built once per machine.
 
-    Built with the local builder (debootstrap from this machine's apt mirror, mksquashfs,
-    siftool) into ~/.cache/tmax/test-images/, keyed by the definition's hash, so later
-    sessions reuse it. The first build takes one to two minutes.
+    Built by the local builder (debootstrap from this machine's apt mirror, mksquashfs,
+    siftool) into ~/.cache/tmax/test-store (or $TMAX_TEST_CACHE), so later sessions reuse
+    it; the first build takes one to two minutes.
     """
-    import hashlib
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.store import ImageStore
 
-    from filelock import FileLock
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    builds = ImageBuilds(ImageStore(cache / "test-store"), LocalBuilder(cache))
+    builds.ensure_base("debian-slim")
+    return builds.store
 
-    from sandfleet.runtime.sif import pack
-    from tmax.images.definition import parse_definition
-    from tmax.images.rootfs import apt_mirror, debootstrap_base, remove_tree
 
-    text = (REPO / "images" / "debian-slim.def").read_text()
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax" / "test-images"))
-    cache.mkdir(parents=True, exist_ok=True)
-    sif = cache / f"debian-slim-{key}.sif"
-    with FileLock(str(cache / f"{sif.name}.lock")):
-        if not sif.exists():
-            mirror = apt_mirror()
-            definition = parse_definition(text.replace("{{ MIRROR }}", mirror))
-            rootfs = cache / f".rootfs-{key}"
-            remove_tree(rootfs)
-            try:
-                debootstrap_base(definition, rootfs, mirror, cache / f"debian-slim-{key}.log")
-                pack(rootfs, sif, definition=definition.render())
-            finally:
-                remove_tree(rootfs)
-    return sif
+@pytest.fixture(scope="session")
+def base_sif(base_store) -> Path:
+    """The SIF of the slim Debian base (python3, bash, coreutils, sqlite3, jq, ...)."""
+    return base_store.path(base_store.read().bases["debian-slim"].sif)
+
+
+@pytest.fixture
+def image_store(tmp_path, base_store):
+    """A fresh, empty store that already holds the base (hard-linked, no rebuild)."""
+    from tmax.images.store import ImageStore
+
+    store = ImageStore(tmp_path / "store")
+    entry = base_store.read().bases["debian-slim"]
+    os.link(base_store.path(entry.sif), store.path(entry.sif))
+    store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+    return store

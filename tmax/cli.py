@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from tmax.images.cli import images_group
 from tmax.tasks.cli import tasks_group
 
 
@@ -23,6 +24,7 @@ def main(verbose: int) -> None:
 
 
 main.add_command(tasks_group)
+main.add_command(images_group)
 
 
 @main.command("demo")

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Literal, Protocol
 
 from sandfleet.runtime.bwrap import BwrapSpec, host_root
 from tmax.tasks.model import Problem, Task, TaskError
@@ -80,6 +80,9 @@ class HostSandbox:
         self.log.append((proc.stdout + proc.stderr)[-4000:].rstrip())
         self.log.append(f"[exit {proc.returncode}]")
         return proc.returncode
+
+    def fetch(self, path: str, dest: Path) -> Path:
+        return self.host_path(path)
 
     def copy_in(self, src: Path, dest: str) -> None:
         """Docker COPY semantics: a directory's contents go into dest; a file into dest/ if
@@ -150,26 +153,48 @@ def _apply_definition(box: HostSandbox, task: Task) -> None:
     box.spec.cwd = "/root"
 
 
+class CheckSandbox(Protocol):
+    """What a check needs from a sandbox (the host sandbox here, image sandboxes elsewhere)."""
+
+    def run(self, command: str, timeout: float, cwd: str | None = None) -> int: ...
+
+    def copy_in(self, src: Path, dest: str) -> None: ...
+
+    def fetch(self, path: str, dest: Path) -> Path:
+        """Copy sandbox ``path`` (a directory) out to ``dest``; return the local copy."""
+
+
+def run_solution(box: CheckSandbox, task: Task, cwd: str | None = None) -> int:
+    """Copy solution/ to /solution and run solve.sh under the agent's time budget."""
+    box.copy_in(task.solution_dir, "/solution")
+    return box.run("bash /solution/solve.sh", task.config.agent.timeout_sec, cwd)
+
+
+def run_verifier(box: CheckSandbox, task: Task, scratch: Path, cwd: str | None = None) -> float:
+    """Remove stale rewards, copy tests/ to /tests, run test.sh, read the reward.
+
+    Raises ``VerifierError`` when the verifier leaves no usable reward.
+    """
+    box.run("rm -rf /logs/verifier && mkdir -p /logs/verifier", 60, "/")
+    box.copy_in(task.tests_dir, "/tests")
+    box.run("bash /tests/test.sh", task.config.verifier.timeout_sec, cwd)
+    return read_reward(box.fetch("/logs/verifier", scratch / "verifier"), task.task_id)
+
+
 def check_task(task: Task, mode: Mode = "oracle") -> CheckResult:
-    """Build the task's environment, run ``mode``, then the verifier; return the reward."""
+    """Build the task's environment on the host, run ``mode``, then the verifier."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"tmax-check-{task.task_id}-") as tmp:
-        box = HostSandbox(task, Path(tmp))
+        box = HostSandbox(task, Path(tmp) / "box")
         try:
             if task.definition_kind == "dockerfile":
                 _apply_dockerfile(box, task)
             else:
                 _apply_definition(box, task)
+            box.spec.env.update(task.config.verifier.env | task.config.solution.env)
             if mode == "oracle":
-                box.copy_in(task.solution_dir, "/solution")
-                box.spec.env.update(task.config.solution.env)
-                box.run("bash /solution/solve.sh", task.config.agent.timeout_sec)
-            shutil.rmtree(box.host_path("/logs/verifier"), ignore_errors=True)
-            box.copy_in(task.tests_dir, "/tests")
-            box.spec.env.update(task.config.verifier.env)
-            box.run("bash /tests/test.sh", task.config.verifier.timeout_sec)
-            reward = read_reward(box.host_path("/logs/verifier"), task.task_id)
-            error = ""
+                run_solution(box, task)
+            reward, error = run_verifier(box, task, Path(tmp)), ""
         except (VerifierError, TaskError, RuntimeError, OSError) as e:
             reward, error = None, str(e)
         return CheckResult(task.task_id, mode, reward, error,

@@ -1,0 +1,292 @@
+"""Task images: definitions, the base table, builders, the store, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandfleet.errors import ImageMissing
+from sandfleet.runtime.sif import SifError, read_partition
+from tests.test_tasks import EXAMPLES, make_task, run_cli
+from tmax.images.build import ImageBuilds
+from tmax.images.builders import (
+    ApptainerBuilder, LocalBuilder, _task_definition_over, apptainer_build_argv,
+)
+from tmax.images.definition import (
+    BaseMappingError, load_base_table, map_base, parse_definition, task_definition,
+)
+from tmax.images.rootfs import BuildError, apt_mirror
+from tmax.tasks import load_task
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = REPO / "configs" / "base-images.yaml"
+
+
+def list_sif(sif: Path) -> str:
+    """`unsquashfs -l` of the image's root."""
+    part = read_partition(sif)
+    return subprocess.run(["unsquashfs", "-l", "-o", str(part.offset), str(sif)],
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+def cat_sif(sif: Path, path: str, tmp: Path) -> str:
+    part = read_partition(sif)
+    out = tmp / "cat"
+    subprocess.run(["unsquashfs", "-o", str(part.offset), "-d", str(out), "-no-progress", "-q",
+                    str(sif), path.lstrip("/")], check=True, timeout=120, capture_output=True)
+    return (out / path.lstrip("/")).read_text()
+
+
+# --------------------------------------------------------------------------- definitions
+
+
+def test_dockerfile_becomes_definition_with_mapped_base(tmp_path):
+    task = make_task(tmp_path, **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nENV GREETING=hi MODE=test\n"
+                                  "WORKDIR /app\nCOPY data.txt /app/\nRUN echo built > /app/b\n",
+        "environment/data.txt": "x\n"})
+    tdef = task_definition(task / "environment", load_base_table(TABLE), TABLE)
+    assert tdef.base == "debian-slim" and tdef.workdir == "/app"
+    d = tdef.definition
+    assert d.files == [("data.txt", "/app/")]
+    assert "echo built > /app/b" in d.sections["post"]
+    assert "GREETING" in d.sections["environment"]
+    assert parse_definition(d.render()).files == d.files  # renders back
+
+
+@pytest.mark.parametrize("image, base", [
+    ("python:3.11-slim", "debian-slim"), ("python:3.12-slim-bookworm", "debian-slim"),
+    ("ubuntu:22.04", "debian-slim"), ("debian:bookworm-slim", "debian-slim"),
+    ("jupyter/scipy-notebook", "debian-datasci"),
+])
+def test_base_table_maps_registry_images(image, base):
+    assert map_base(image, load_base_table(TABLE), TABLE) == base
+
+
+def test_unmapped_image_is_a_clear_error(tmp_path):
+    task = make_task(tmp_path, **{"environment/Dockerfile": "FROM alpine:3.19\n"})
+    with pytest.raises(BaseMappingError, match="alpine:3.19.*base-images.yaml"):
+        task_definition(task / "environment", load_base_table(TABLE), TABLE)
+
+
+def test_base_table_rejects_unknown_keys(tmp_path):
+    bad = tmp_path / "t.yaml"
+    bad.write_text("mappings:\n  - {image: 'x:*', base: y, colour: red}\n")
+    with pytest.raises(ValueError, match="mappings\\[0\\]"):
+        load_base_table(bad)
+
+
+def test_apt_mirror_from_deb822_and_list(tmp_path):
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+        "Components: main\n\nTypes: deb\nURIs: http://sec.example/debian-security\n"
+        "Suites: bookworm-security\n")
+    assert apt_mirror("bookworm", tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / "debian.sources").unlink()
+    (tmp_path / "sources.list").write_text(
+        "# comment\ndeb [arch=amd64] http://other.example/debian trixie main\n")
+    assert apt_mirror("trixie", tmp_path) == "http://other.example/debian"
+    with pytest.raises(BuildError, match="no deb source for suite 'bookworm'"):
+        apt_mirror("bookworm", tmp_path)
+
+
+# --------------------------------------------------------------------------- apptainer builder
+
+
+def test_apptainer_build_argv_exact():
+    assert apptainer_build_argv(Path("/s/out.sif"), Path("/t/task.def")) == \
+        ["apptainer", "build", "--force", "/s/out.sif", "/t/task.def"]
+    assert apptainer_build_argv(Path("o.sif"), Path("b.def"), apptainer="/opt/apptainer",
+                                fakeroot=True, build_args={"MIRROR": "http://m/debian"}) == \
+        ["/opt/apptainer", "build", "--force", "--fakeroot", "--build-arg",
+         "MIRROR=http://m/debian", "o.sif", "b.def"]
+
+
+def test_apptainer_builder_runs_the_commands(tmp_path, monkeypatch):
+    """A stand-in `apptainer` records its argv and the definition it was given."""
+    fake = tmp_path / "apptainer"
+    fake.write_text("#!/bin/bash\nprintf '%s\\n' \"$@\" > \"$RECORD\"\n"
+                    "cat \"${@: -1}\" > \"$RECORD.def\"\ntouch \"${@: -2:1}\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("RECORD", str(tmp_path / "argv"))
+    task = make_task(tmp_path, **{"environment/Dockerfile":
+                                  "FROM python:3.11-slim\nCOPY data.txt /app/data.txt\n",
+                                  "environment/data.txt": "x"})
+    tdef = task_definition(task / "environment", load_base_table(TABLE), TABLE)
+    builder = ApptainerBuilder(apptainer=str(fake), fakeroot=False)
+    out = tmp_path / "out" / "image.sif"
+    out.parent.mkdir()
+    builder.build_task(tdef, task / "environment", Path("/store/bases/b.sif"), out,
+                       tmp_path / "log", 60)
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:3] == ["build", "--force", str(out)]
+    definition = (tmp_path / "argv.def").read_text()
+    assert "Bootstrap: localimage\nFrom: /store/bases/b.sif" in definition
+    assert f"{task / 'environment' / 'data.txt'} /app/data.txt" in definition
+    builder.build_base("Bootstrap: debootstrap\nOSVersion: bookworm\nMirrorURL: {{ MIRROR }}\n",
+                       out, tmp_path / "log", 60)
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[2:4] == ["--build-arg", f"MIRROR={apt_mirror()}"]
+
+
+# --------------------------------------------------------------------------- local builder
+
+
+@pytest.fixture
+def builds(image_store, tmp_path):
+    return ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"))
+
+
+def test_local_build_makes_a_real_sif_with_the_task_layer(builds, tmp_path):
+    task = load_task(EXAMPLES / "log-rotation-script")
+    result = builds.build(task, check=False)
+    assert result.status == "built", result.error
+    entry = builds.store.read().tasks["log-rotation-script"]
+    sif = builds.store.path(entry.sif)
+    assert entry.sif == f"sif/{result.digest}.sif" and entry.size == sif.stat().st_size
+    assert (entry.base, entry.builder, entry.workdir) == ("debian-slim", "local", "/app")
+    listing = list_sif(sif)
+    assert "squashfs-root/app/var/log/web access.log" in listing  # RUN ran in the chroot
+    assert "squashfs-root/usr/bin/python3" in listing              # on top of the base
+    assert "squashfs-root/.singularity.d/env/90-environment.sh" in listing
+    # the SIF carries its definition object, like `apptainer build` makes
+    dump = subprocess.run(["siftool", "list", str(sif)], capture_output=True, text=True).stdout
+    assert "Def.FILE" in dump and "Squashfs/*System" in dump
+
+
+def test_rebuild_only_when_inputs_change(builds, tmp_path):
+    src = tmp_path / "tasks" / "t"
+    shutil.copytree(EXAMPLES / "hello-world-file", src)
+    first = builds.build(load_task(src), check=False)
+    assert first.status == "built"
+    assert builds.build(load_task(src), check=False).status == "cached"
+    (src / "tests" / "extra.txt").write_text("tests are not part of the image")
+    assert builds.build(load_task(src), check=False).status == "cached"
+    (src / "environment" / "note.txt").write_text("new input")
+    third = builds.build(load_task(src), check=False)
+    assert third.status == "built" and third.digest != first.digest
+    assert builds.store.read().tasks["t"].digest == third.digest
+
+
+def test_failed_build_leaves_no_entry_and_keeps_the_old_one(builds, tmp_path):
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nRUN echo one > /one\n"})
+    good = builds.build(load_task(src), check=False)
+    assert good.status == "built"
+    (src / "environment/Dockerfile").write_text(
+        "FROM python:3.11-slim\nRUN echo about to fail && exit 3\n")
+    bad = builds.build(load_task(src), check=False)
+    assert bad.status == "failed" and "exit 3" in bad.error
+    assert "about to fail" in Path(builds.store.path(bad.log)).read_text()
+    assert builds.store.read().tasks["t"].digest == good.digest
+    assert list((builds.store.root / "tmp").iterdir()) == []
+    assert not builds.store.path(f"sif/{bad.digest}.sif").exists()
+
+
+def test_hanging_build_times_out(builds, tmp_path):
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nRUN sleep 600\n",
+        "task.toml": "[environment]\nbuild_timeout_sec = 2\n"})
+    result = builds.build(load_task(src), check=False)
+    assert result.status == "failed" and "timed out after 2s" in result.error
+    assert builds.store.read().tasks == {}
+
+
+def test_unmapped_base_fails_the_task_only(builds, tmp_path):
+    src = make_task(tmp_path / "tasks", "t", **{"environment/Dockerfile": "FROM alpine:3\n"})
+    result = builds.build(load_task(src), check=False)
+    assert result.status == "failed" and "no local base for image 'alpine:3'" in result.error
+
+
+def _build_in_process(store_root: str, task_dir: str, queue) -> None:
+    from tmax.images.store import ImageStore
+
+    b = ImageBuilds(ImageStore(store_root), LocalBuilder(Path.home() / ".cache" / "tmax"))
+    queue.put(b.build(load_task(task_dir), check=False).status)
+
+
+def test_two_concurrent_builders_build_once(builds, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_process,
+                         args=(str(builds.store.root), str(EXAMPLES / "hello-world-file"), queue))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert sorted(queue.get(timeout=5) for _ in procs) == ["built", "cached"]
+    assert len(list((builds.store.root / "sif").iterdir())) == 1
+    assert builds.store.verify() == []
+
+
+def test_verify_catches_corruption_and_truncation(builds, tmp_path):
+    builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
+    entry = builds.store.read().tasks["hello-world-file"]
+    sif = builds.store.path(entry.sif)
+    assert builds.store.verify() == []
+    with open(sif, "r+b") as f:  # flip one byte deep inside the squashfs
+        f.seek(entry.size // 2)
+        byte = f.read(1)
+        f.seek(entry.size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    (problem,) = builds.store.verify()
+    assert problem["image"] == "task hello-world-file" and "sha256" in problem["reason"]
+    os.truncate(sif, entry.size // 3)
+    (problem,) = builds.store.verify(deep=False)
+    assert "truncated" in problem["reason"]
+    with pytest.raises(SifError, match="truncated"):
+        read_partition(sif)
+    with pytest.raises(ImageMissing, match="hello-world-file"):
+        builds.store.task_image("hello-world-file", entry.digest)
+
+
+def test_missing_or_stale_image_at_run_time_is_image_missing(builds, tmp_path):
+    with pytest.raises(ImageMissing, match="no image"):
+        builds.store.task_image("nope", "0" * 32)
+    result = builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
+    assert builds.store.task_image("hello-world-file", result.digest).digest == result.digest
+    with pytest.raises(ImageMissing, match="out of date"):
+        builds.store.task_image("hello-world-file", "f" * 32)
+    os.unlink(builds.store.path(f"sif/{result.digest}.sif"))
+    with pytest.raises(ImageMissing, match="no such file"):
+        builds.store.task_image("hello-world-file", result.digest)
+
+
+def test_gc_removes_only_unreferenced(builds, tmp_path):
+    builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
+    stray = builds.store.path("sif/deadbeef.sif")
+    stray.write_bytes(b"old")
+    leftover = builds.store.root / "tmp" / "crashed-build"
+    leftover.mkdir()
+    os.utime(leftover, (0, 0))
+    removed = builds.store.gc()
+    assert set(removed) == {stray, leftover}
+    assert builds.store.verify() == []
+    removed = builds.store.gc(keep_tasks=set())
+    assert builds.store.read().tasks == {}
+    assert any(p.parent.name == "sif" for p in removed)
+    assert builds.store.read().bases  # bases stay
+
+
+def test_cli_build_ls_verify(image_store, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))
+    store = str(image_store.root)
+    res = run_cli("images", "build", EXAMPLES / "hello-world-file", "--store", store,
+                  "--builder", "local", "--no-check", "-o", "json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["results"][0]["status"] == "built"
+    res = run_cli("images", "ls", "--store", store, "-o", "json")
+    assert set(json.loads(res.output)["tasks"]) == {"hello-world-file"}
+    assert run_cli("images", "verify", "--store", store).exit_code == 0
+    sif = image_store.path(image_store.read().tasks["hello-world-file"].sif)
+    os.truncate(sif, 1000)
+    res = run_cli("images", "verify", "--store", store)
+    assert res.exit_code == 1 and "BAD  task hello-world-file" in res.output

@@ -1,0 +1,25 @@
+"""Task images: one content-addressed SIF per task in a store on shared scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None = None,
+                check: bool = True, cache_dir: str | Path | None = None):
+    """An ``ImageBuilds`` over ``store`` with the named builder (and build-time checks)."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import ApptainerBuilder, LocalBuilder, default_builder
+    from tmax.images.cli import default_cache
+    from tmax.images.store import ImageStore
+
+    cache = Path(cache_dir or default_cache())
+    chosen = {"auto": lambda: default_builder(cache, mirror),
+              "apptainer": lambda: ApptainerBuilder(mirror=mirror),
+              "local": lambda: LocalBuilder(cache, mirror)}[builder]()
+    checker = None
+    if check:
+        from tmax.images.checks import image_checker
+
+        checker = image_checker(cache)
+    return ImageBuilds(ImageStore(store), chosen, checker=checker)

@@ -1,0 +1,197 @@
+"""Building the images of a set of tasks into a store: plan, bases, task images, checks."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tmax.images.builders import Builder
+from tmax.images.definition import (
+    BaseMappingError, TaskDefinition, load_base_table, task_definition,
+)
+from tmax.images.rootfs import BuildError, remove_tree
+from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
+from tmax.tasks import Task
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+BUILD_FORMAT = "tmax-images-v1"  # bump when builders change what they produce
+
+
+@dataclass
+class BuildResult:
+    task_id: str
+    status: str  # built | cached | failed
+    digest: str = ""
+    seconds: float = 0.0
+    error: str = ""
+    log: str = ""
+    checks: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    task: Task
+    definition: TaskDefinition
+    base: str
+    base_digest: str
+    digest: str
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class ImageBuilds:
+    """Builds and records images; safe to run on several nodes against one store."""
+
+    def __init__(self, store: ImageStore, builder: Builder, *,
+                 images_dir: Path = REPO / "images",
+                 base_table: Path = REPO / "configs" / "base-images.yaml",
+                 checker: Callable[[Task, Path, str], Checks] | None = None):
+        self.store, self.builder, self.images_dir = store, builder, images_dir
+        self.table_path, self.table = base_table, load_base_table(base_table)
+        self.checker = checker
+
+    # ------------------------------------------------------------------ planning
+
+    def base_text(self, base: str) -> str:
+        path = self.images_dir / f"{base}.def"
+        if not path.is_file():
+            raise BuildError(f"base {base}", f"no definition {path}")
+        return path.read_text()
+
+    def base_digest(self, base: str) -> str:
+        return digest_of(BUILD_FORMAT, "base", base, self.base_text(base))
+
+    def plan(self, task: Task) -> Plan:
+        tdef = task_definition(task.environment_dir, self.table, self.table_path)
+        base_digest = self.base_digest(tdef.base)
+        digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
+                           tdef.workdir, tree_digest(task.environment_dir))
+        return Plan(task, tdef, tdef.base, base_digest, digest)
+
+    # ------------------------------------------------------------------ bases
+
+    def ensure_base(self, base: str) -> BaseEntry:
+        digest = self.base_digest(base)
+        entry = self.store.read().bases.get(base)
+        if entry and entry.digest == digest and self.store.path(entry.sif).exists():
+            return entry
+        with self.store.building(digest):
+            entry = self.store.read().bases.get(base)
+            if entry and entry.digest == digest and self.store.path(entry.sif).exists():
+                return entry  # another builder made it while we waited
+            name = f"{base}-{digest}"
+            log_rel = f"logs/{name}.log"
+            logfile = self.store.path(log_rel)
+            logfile.write_text(f"# base {base} digest {digest} builder {self.builder.name}\n")
+            tmp = self.store.tmp_path(name)
+            tmp.mkdir()
+            start = time.monotonic()
+            try:
+                self.builder.build_base(self.base_text(base), tmp / "image.sif", logfile,
+                                        timeout=3600)
+                size, sha = self.store.publish(tmp / "image.sif", f"bases/{name}.sif")
+            finally:
+                remove_tree(tmp)
+            entry = BaseEntry(name=base, digest=digest, sif=f"bases/{name}.sif", size=size,
+                              sha256=sha, builder=self.builder.name, log=log_rel,
+                              built_at=now(), build_seconds=round(time.monotonic() - start, 1))
+            self.store.update(lambda m: m.bases.__setitem__(base, entry))
+            return entry
+
+    # ------------------------------------------------------------------ tasks
+
+    def is_current(self, plan: Plan) -> ImageEntry | None:
+        entry = self.store.read().tasks.get(plan.task.task_id)
+        if entry and entry.digest == plan.digest and self.store.path(entry.sif).exists():
+            return entry
+        return None
+
+    def build(self, task: Task, *, force: bool = False, check: bool = True) -> BuildResult:
+        """Build one task's image (unless current) and record it; never raises for a
+        task's own failure: the result says what went wrong."""
+        start = time.monotonic()
+        try:
+            plan = self.plan(task)
+        except (BaseMappingError, BuildError, ValueError) as e:
+            return BuildResult(task.task_id, "failed", error=str(e))
+        try:
+            if not force and (entry := self.is_current(plan)):
+                return BuildResult(task.task_id, "cached", plan.digest,
+                                   checks=entry.checks.model_dump() if entry.checks else None)
+            base = self.ensure_base(plan.base)
+            with self.store.building(plan.digest):
+                if not force and (entry := self.is_current(plan)):
+                    return BuildResult(task.task_id, "cached", plan.digest)
+                entry = self._build_locked(plan, base, start, check)
+            return BuildResult(task.task_id, "built", plan.digest,
+                               round(time.monotonic() - start, 1), log=entry.log,
+                               checks=entry.checks.model_dump() if entry.checks else None)
+        except BuildError as e:
+            return BuildResult(task.task_id, "failed", plan.digest,
+                               round(time.monotonic() - start, 1), error=str(e),
+                               log=str(e.log or ""))
+        except OSError as e:
+            reason = "disk full" if e.errno == errno.ENOSPC else str(e)
+            return BuildResult(task.task_id, "failed", plan.digest,
+                               round(time.monotonic() - start, 1), error=f"{reason} ({e})")
+
+    def _build_locked(self, plan: Plan, base: BaseEntry, start: float, check: bool
+                      ) -> ImageEntry:
+        task_id = plan.task.task_id
+        log_rel = f"logs/{task_id}-{plan.digest}.log"
+        logfile = self.store.path(log_rel)
+        logfile.write_text(f"# task {task_id} digest {plan.digest} base {plan.base} "
+                           f"builder {self.builder.name}\n")
+        tmp = self.store.tmp_path(plan.digest)
+        tmp.mkdir()
+        try:
+            self.builder.build_task(plan.definition, plan.task.environment_dir,
+                                    self.store.path(base.sif), tmp / "image.sif", logfile,
+                                    timeout=plan.task.config.environment.build_timeout_sec)
+            rel = f"sif/{plan.digest}.sif"
+            size, sha = self.store.publish(tmp / "image.sif", rel)
+        finally:
+            remove_tree(tmp)
+        checks = None
+        if check and self.checker is not None:
+            checks = self.checker(plan.task, self.store.path(rel), plan.definition.workdir)
+        entry = ImageEntry(task_id=task_id, digest=plan.digest, sif=rel, size=size, sha256=sha,
+                           base=plan.base, base_digest=plan.base_digest,
+                           builder=self.builder.name, log=log_rel, built_at=now(),
+                           build_seconds=round(time.monotonic() - start, 1),
+                           workdir=plan.definition.workdir, checks=checks)
+        self.store.update(lambda m: m.tasks.__setitem__(task_id, entry))
+        return entry
+
+    def build_all(self, tasks: list[Task], *, jobs: int = 2, force: bool = False,
+                  check: bool = True, progress: bool = True) -> list[BuildResult]:
+        """Build every task's image, ``jobs`` at a time, with a progress bar."""
+        from tqdm import tqdm
+
+        plans_ok = []
+        for task in tasks:
+            try:
+                plans_ok.append(self.plan(task).base)
+            except (BaseMappingError, BuildError, ValueError):
+                pass  # reported by build()
+        for base in dict.fromkeys(plans_ok):  # bases first, once each, in order
+            self.ensure_base(base)
+        with ThreadPoolExecutor(max(1, jobs)) as pool, \
+                tqdm(total=len(tasks), desc="images", unit="image", disable=not progress) as bar:
+            futures = [pool.submit(self.build, t, force=force, check=check) for t in tasks]
+            for fut in as_completed(futures):
+                bar.set_postfix_str(f"{fut.result().task_id}: {fut.result().status}")
+                bar.update(1)
+        return [f.result() for f in futures]

@@ -1,0 +1,184 @@
+"""Image builders, one small class each: ``apptainer`` (clusters) and ``local`` (no Apptainer).
+
+Both turn the same inputs into the same kind of file: a base from images/<base>.def, and a
+task image from the task's definition (a Dockerfile converted with spython) on top of its
+base. The local builder's SIF is a real one (squashfs primary system partition, definition
+object), so it runs under Apptainer on a cluster unchanged.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+from filelock import FileLock
+
+from sandfleet.runtime.sif import extract, pack
+from tmax.images.definition import Definition, TaskDefinition, parse_definition
+from tmax.images.rootfs import (
+    BuildError, apt_mirror, chroot_argv, copy_tree, debootstrap_base, finish_rootfs,
+    remove_tree, run_logged,
+)
+
+
+class Builder(Protocol):
+    name: str
+
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
+        """Build a base image from images/<base>.def text (MIRROR not yet filled in)."""
+
+    def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
+                   log: Path, timeout: float) -> None:
+        """Build a task image from its definition and its base's SIF."""
+
+
+def _mirror_for(definition_text: str, mirror: str | None) -> str:
+    suite = parse_definition(definition_text).header.get("osversion", "bookworm")
+    return mirror or apt_mirror(suite)
+
+
+def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -> Definition:
+    """The task's definition bootstrapped from the local base, with absolute %files sources."""
+    sections = dict(task.definition.sections)
+    if task.definition.files:
+        sections["files"] = "\n".join(
+            f"    {shlex.quote(str(env_dir / src))} {shlex.quote(dest)}"
+            for src, dest in task.definition.files)
+    return Definition({"bootstrap": "localimage", "from": str(base_sif)}, sections)
+
+
+# --------------------------------------------------------------------------- apptainer
+
+
+def apptainer_build_argv(out: Path, deffile: Path, *, apptainer: str = "apptainer",
+                         fakeroot: bool = False, build_args: dict[str, str] | None = None
+                         ) -> list[str]:
+    argv = [apptainer, "build", "--force"]
+    if fakeroot:
+        argv.append("--fakeroot")
+    for key, value in (build_args or {}).items():
+        argv += ["--build-arg", f"{key}={value}"]
+    return argv + [str(out), str(deffile)]
+
+
+class ApptainerBuilder:
+    """`apptainer build` from the definitions (as root, or --fakeroot otherwise)."""
+
+    name = "apptainer"
+
+    def __init__(self, apptainer: str = "apptainer", mirror: str | None = None,
+                 fakeroot: bool | None = None):
+        self.apptainer, self.mirror = apptainer, mirror
+        self.fakeroot = os.geteuid() != 0 if fakeroot is None else fakeroot
+
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
+        with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
+            deffile = Path(tmp) / "base.def"
+            deffile.write_text(definition_text)
+            argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
+                                        fakeroot=self.fakeroot,
+                                        build_args={"MIRROR": _mirror_for(definition_text,
+                                                                          self.mirror)})
+            run_logged(argv, log, timeout, "apptainer build (base)")
+
+    def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
+                   log: Path, timeout: float) -> None:
+        with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
+            deffile = Path(tmp) / "task.def"
+            deffile.write_text(_task_definition_over(base_sif, task, env_dir).render())
+            argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
+                                        fakeroot=self.fakeroot)
+            run_logged(argv, log, timeout, "apptainer build")
+
+
+# --------------------------------------------------------------------------- local
+
+
+class LocalBuilder:
+    """debootstrap + bubblewrap chroot + mksquashfs + siftool; needs root (debootstrap,
+    file ownership in the image)."""
+
+    name = "local"
+
+    def __init__(self, cache_dir: Path, mirror: str | None = None):
+        self.cache_dir, self.mirror = Path(cache_dir), mirror
+
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
+        mirror = _mirror_for(definition_text, self.mirror)
+        definition = parse_definition(definition_text.replace("{{ MIRROR }}", mirror))
+        rootfs = out.parent / f"{out.name}.rootfs"
+        try:
+            debootstrap_base(definition, rootfs, mirror, log, timeout)
+            pack(rootfs, out, definition=definition.render(), timeout=timeout)
+        finally:
+            remove_tree(rootfs)
+
+    def base_rootfs(self, base_sif: Path) -> Path:
+        """The base's root filesystem, extracted once per base into the node-local cache."""
+        root = self.cache_dir / "rootfs" / base_sif.stem
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(root) + ".lock"):
+            if not root.exists():
+                extract(base_sif, root)
+        return root
+
+    def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
+                   log: Path, timeout: float, network: bool = True) -> None:
+        rootfs = out.parent / f"{out.name}.rootfs"
+        rootfs.mkdir()
+        try:
+            copy_tree(self.base_rootfs(base_sif), rootfs)
+            for src, dest in task.definition.files:
+                copy_into_rootfs(env_dir, src, rootfs, dest)
+            post = task.definition.sections.get("post", "")
+            if post.strip():
+                run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", post], network=network,
+                                       env={}), log, timeout, "%post")
+            finish_rootfs(rootfs, task.definition)
+            pack(rootfs, out, definition=_task_definition_over(base_sif, task, env_dir).render(),
+                 timeout=timeout)
+        finally:
+            remove_tree(rootfs)
+
+
+def inside(rootfs: Path, path: str) -> Path:
+    """``path`` (absolute, in the image) under ``rootfs``, refusing '..' escapes."""
+    parts = PurePosixPath("/", path).parts[1:]
+    if ".." in parts:
+        raise BuildError("%files", f"destination {path!r} leaves the image")
+    return rootfs.joinpath(*parts)
+
+
+def copy_into_rootfs(env_dir: Path, src: str, rootfs: Path, dest: str) -> None:
+    """Docker COPY semantics: a directory's contents into dest; files into dest/ when dest
+    ends with '/' or names a directory; globs allowed; sources must stay in env_dir."""
+    matches = sorted(glob.glob(str(env_dir / src.lstrip("/"))))
+    if not matches:
+        raise BuildError("%files", f"source {src!r} not found in {env_dir}")
+    target = inside(rootfs, dest)
+    for match in map(Path, matches):
+        if env_dir.resolve() not in match.resolve().parents and match.resolve() != env_dir.resolve():
+            raise BuildError("%files", f"source {src!r} leaves the environment folder")
+        if match.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(match, target, symlinks=True, dirs_exist_ok=True)
+        else:
+            final = target / match.name if dest.endswith("/") or target.is_dir() or \
+                len(matches) > 1 else target
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(match, final)
+
+
+BUILDERS = {"apptainer": ApptainerBuilder, "local": LocalBuilder}
+
+
+def default_builder(cache_dir: Path, mirror: str | None = None) -> Builder:
+    """apptainer where it is on PATH, the local builder otherwise."""
+    if shutil.which("apptainer"):
+        return ApptainerBuilder(mirror=mirror)
+    return LocalBuilder(cache_dir, mirror)

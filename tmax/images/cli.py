@@ -1,0 +1,138 @@
+"""`tmax images ...`: build, list, verify and clean the image store."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from tmax.tasks.cli import _load_all, output_option
+
+
+def default_store() -> str:
+    """$TMAX_IMAGE_STORE, else $TMAX_SCRATCH/tmax/images, else ~/.tmax/images."""
+    if os.environ.get("TMAX_IMAGE_STORE"):
+        return os.environ["TMAX_IMAGE_STORE"]
+    scratch = os.environ.get("TMAX_SCRATCH")
+    return str(Path(scratch) / "tmax" / "images") if scratch else \
+        str(Path.home() / ".tmax" / "images")
+
+
+def default_cache() -> str:
+    """Node-local cache of extracted root filesystems ($TMAX_CACHE or ~/.cache/tmax)."""
+    return os.environ.get("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))
+
+
+store_option = click.option("--store", default=default_store, show_default="$TMAX_IMAGE_STORE "
+                            "or ~/.tmax/images", type=click.Path(file_okay=False),
+                            help="Image store folder (on shared scratch for a cluster).")
+
+
+@click.group("images")
+def images_group() -> None:
+    """One prebuilt SIF image per task, on shared scratch."""
+
+
+@images_group.command("build")
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@store_option
+@click.option("--builder", type=click.Choice(["auto", "apptainer", "local"]), default="auto",
+              show_default=True, help="auto: apptainer where it is on PATH, else local.")
+@click.option("--mirror", default=None, help="Debian mirror (default: from apt sources).")
+@click.option("-j", "--jobs", default=2, show_default=True, help="Parallel builds.")
+@click.option("--force", is_flag=True, help="Rebuild even when the inputs did not change.")
+@click.option("--no-check", is_flag=True, help="Skip the build-time checks.")
+@output_option
+def build_cmd(paths, store, builder, mirror, jobs, force, no_check, output) -> None:
+    """Build (or reuse) the image of every task; then check each new image: it starts,
+    the untouched environment scores below 1, the reference solution scores 1."""
+    from tmax.images import open_builds
+
+    tasks, errors = _load_all(paths)
+    if errors:
+        raise click.ClickException("\n".join(str(e) for e in errors))
+    builds = open_builds(store, builder=builder, mirror=mirror, check=not no_check)
+    results = builds.build_all(tasks, jobs=jobs, force=force, check=not no_check,
+                               progress=output != "json")
+    failed = [r for r in results if r.status == "failed" or
+              (r.checks is not None and not r.checks["ok"])]
+    if output == "json":
+        click.echo(json.dumps({"store": str(store), "results": [r.to_dict() for r in results],
+                               "ok": not failed}, indent=2))
+    else:
+        width = max(len(r.task_id) for r in results)
+        for r in results:
+            checks = "" if r.checks is None else \
+                f"  checks: {'ok' if r.checks['ok'] else 'FAILED: ' + r.checks['reason']}"
+            line = f"{r.status:7} {r.task_id:{width}}  {r.digest[:12]:12} {r.seconds:6.1f}s"
+            click.echo(line + checks)
+            if r.error:
+                click.echo(f"        {r.error}" + (f"\n        log: {r.log}" if r.log else ""))
+        click.echo(f"{len(results) - len(failed)}/{len(results)} images ready in {store}")
+    sys.exit(1 if failed else 0)
+
+
+@images_group.command("ls")
+@store_option
+@output_option
+def ls_cmd(store, output) -> None:
+    """List the images in the store."""
+    from tmax.images.store import ImageStore
+
+    manifest = ImageStore(store).read()
+    if output == "json":
+        click.echo(manifest.model_dump_json(indent=2))
+        return
+    for name, b in sorted(manifest.bases.items()):
+        click.echo(f"base  {name:28} {b.digest[:12]}  {b.size / 2**20:7.1f} MB  {b.builder:9} "
+                   f"{b.build_seconds:6.1f}s  {b.built_at}")
+    for tid, e in sorted(manifest.tasks.items()):
+        checks = "-" if e.checks is None else ("ok" if e.checks.ok else "FAILED")
+        click.echo(f"task  {tid:28} {e.digest[:12]}  {e.size / 2**20:7.1f} MB  {e.builder:9} "
+                   f"{e.build_seconds:6.1f}s  {e.built_at}  base={e.base} checks={checks}")
+
+
+@images_group.command("verify")
+@store_option
+@click.option("--quick", is_flag=True, help="Skip hashing file contents.")
+@output_option
+def verify_cmd(store, quick, output) -> None:
+    """Check every image: present, full size, readable SIF, unchanged content."""
+    from tmax.images.store import ImageStore
+
+    s = ImageStore(store)
+    problems = s.verify(deep=not quick)
+    manifest = s.read()
+    total = len(manifest.tasks) + len(manifest.bases)
+    if output == "json":
+        click.echo(json.dumps({"images": total, "problems": problems}, indent=2))
+    else:
+        for p in problems:
+            click.echo(f"BAD  {p['image']}: {p['reason']} ({p['path']})")
+        click.echo(f"{total - len(problems)}/{total} images ok"
+                   + ("; rebuild the bad ones with `tmax images build --force`" if problems else ""))
+    sys.exit(1 if problems else 0)
+
+
+@images_group.command("gc")
+@store_option
+@click.option("--keep-tasks", type=click.Path(exists=True), default=None,
+              help="Also drop the entries of tasks not found under this folder.")
+@click.option("--tmp-age-hours", default=6.0, show_default=True,
+              help="Remove leftovers in tmp/ older than this.")
+@click.option("--dry-run", is_flag=True)
+def gc_cmd(store, keep_tasks, tmp_age_hours, dry_run) -> None:
+    """Remove unreferenced images, logs and stale build leftovers."""
+    from tmax.images.store import ImageStore
+
+    keep = None
+    if keep_tasks:
+        tasks, _ = _load_all((keep_tasks,))
+        keep = {t.task_id for t in tasks}
+    removed = ImageStore(store).gc(tmp_age_hours * 3600, keep, dry_run)
+    for path in removed:
+        click.echo(("would remove " if dry_run else "removed ") + str(path))
+    click.echo(f"{len(removed)} paths {'to remove' if dry_run else 'removed'}")

@@ -1,0 +1,133 @@
+"""Infrastructure failures: one exception family, each instance carrying its cause.
+
+An ``InfraError`` is a failure the policy did not cause: rollouts record it as
+``infra_failure`` with its ``cause`` and the trainer masks it instead of scoring a zero.
+Policy outcomes (a command timeout, an OOM kill of the agent's own process) are results,
+never exceptions.
+
+Every error carries plain data (strings, numbers) named by ``fields``, so it pickles
+across processes and crosses the wire as ``to_dict()``; ``InfraError.from_dict`` rebuilds
+it on the other side from the allow-list ``ERRORS`` (an unknown name becomes a plain
+``InfraError`` that keeps the message and cause).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class InfraError(Exception):
+    """A failure the policy did not cause; rollouts record it and the trainer masks it."""
+
+    cause: ClassVar[str] = "infra"
+    fields: ClassVar[tuple[str, ...]] = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), tuple(getattr(self, f) for f in self.fields))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"error": class name, "cause", "message", <fields>}``, JSON-ready."""
+        return {"error": type(self).__name__, "cause": self.cause, "message": str(self),
+                **{f: getattr(self, f) for f in self.fields}}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> InfraError:
+        """Rebuild an error sent with ``to_dict()``; only classes in ``ERRORS`` are built."""
+        cls = ERRORS.get(data.get("error", ""))
+        if cls is None or cls is InfraError:
+            err = InfraError(str(data.get("message", "infrastructure failure")))
+            err.cause = str(data.get("cause", InfraError.cause))  # type: ignore[misc]
+            return err
+        return cls(*(data[f] for f in cls.fields))
+
+
+class _WithReason(InfraError):
+    """An error about one named thing (``subject``, a field of the subclass) and why."""
+
+    fields: ClassVar[tuple[str, ...]] = ()
+    what: ClassVar[str] = ""
+
+    def __init__(self, *args: Any):
+        if len(args) != len(self.fields):
+            raise TypeError(f"{type(self).__name__}({', '.join(self.fields)})")
+        for name, value in zip(self.fields, args):
+            setattr(self, name, value)
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        subject, *rest = (getattr(self, f) for f in self.fields)
+        return f"{self.what}{subject}: " + "; ".join(str(r) for r in rest)
+
+    def __reduce__(self):
+        return (type(self), tuple(getattr(self, f) for f in self.fields))
+
+
+class SandboxLost(_WithReason):
+    """A sandbox that is gone: its processes died, it hit its max lifetime, or it never was."""
+
+    cause = "sandbox_lost"
+    fields = ("sandbox_id", "reason")
+    what = "sandbox "
+    sandbox_id: str
+    reason: str
+
+
+class SandboxStartError(_WithReason):
+    """A sandbox that could not be started (the runtime failed, not the image)."""
+
+    cause = "sandbox_start"
+    fields = ("sandbox_id", "reason")
+    what = "sandbox "
+    sandbox_id: str
+    reason: str
+
+
+class ImageMissing(_WithReason):
+    """A task image that is not in the store, out of date, truncated or corrupt."""
+
+    cause = "image_missing"
+    fields = ("image", "reason")
+    image: str
+    reason: str
+
+
+class NodeLost(_WithReason):
+    """A worker node that stopped answering or whose job ended."""
+
+    cause = "node_lost"
+    fields = ("node", "reason")
+    what = "node "
+    node: str
+    reason: str
+
+
+class CapacityTimeout(_WithReason):
+    """No sandbox could be granted within the caller's wait limit."""
+
+    cause = "capacity"
+    fields = ("waited_s", "reason")
+    what = "no capacity after "
+    waited_s: float
+    reason: str
+
+    def _format(self) -> str:
+        return f"no capacity after {self.waited_s:.1f}s: {self.reason}"
+
+
+class ControllerUnreachable(_WithReason):
+    """The fleet controller could not be reached (or its address is unknown)."""
+
+    cause = "controller_unreachable"
+    fields = ("address", "reason")
+    what = "controller "
+    address: str
+    reason: str
+
+
+ERRORS: dict[str, type[InfraError]] = {cls.__name__: cls for cls in (
+    InfraError, SandboxLost, SandboxStartError, ImageMissing, NodeLost, CapacityTimeout,
+    ControllerUnreachable)}

@@ -16,10 +16,16 @@ from sandfleet.runtime.sif import SifError, read_partition
 from tests.test_tasks import EXAMPLES, make_task, run_cli
 from tmax.images.build import ImageBuilds
 from tmax.images.builders import (
-    ApptainerBuilder, LocalBuilder, _task_definition_over, apptainer_build_argv,
+    ApptainerBuilder,
+    LocalBuilder,
+    apptainer_build_argv,
 )
 from tmax.images.definition import (
-    BaseMappingError, load_base_table, map_base, parse_definition, task_definition,
+    BaseMappingError,
+    load_base_table,
+    map_base,
+    parse_definition,
+    task_definition,
 )
 from tmax.images.rootfs import BuildError, apt_mirror
 from tmax.tasks import load_task
@@ -290,3 +296,58 @@ def test_cli_build_ls_verify(image_store, tmp_path, monkeypatch):
     os.truncate(sif, 1000)
     res = run_cli("images", "verify", "--store", store)
     assert res.exit_code == 1 and "BAD  task hello-world-file" in res.output
+
+
+def _build_and_hang(store_root: str, task_dir: str) -> None:
+    from tmax.images.store import ImageStore
+
+    b = ImageBuilds(ImageStore(store_root), LocalBuilder(Path.home() / ".cache" / "tmax"))
+    b.build(load_task(task_dir), check=False)
+
+
+def test_killed_build_leaves_no_entry_and_releases_its_lock(builds, tmp_path):
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nRUN touch /started && sleep 60\n"})
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_build_and_hang, args=(str(builds.store.root), str(src)))
+    proc.start()
+    logs = builds.store.root / "logs"
+    for _ in range(600):  # wait until the RUN step is running
+        if any("touch /started" in p.read_text() for p in logs.glob("t-*.log")):
+            break
+        proc.join(0.1)
+    proc.kill()  # SIGKILL: no finally blocks run
+    proc.join(30)
+    assert builds.store.read().tasks == {}
+    assert list((builds.store.root / "sif").iterdir()) == []
+    # the lock died with the process: a new build of other inputs goes ahead
+    (src / "environment/Dockerfile").write_text("FROM python:3.11-slim\nRUN touch /done\n")
+    assert builds.build(load_task(src), check=False).status == "built"
+    leftovers = list((builds.store.root / "tmp").iterdir())
+    assert leftovers, "SIGKILL skipped the cleanup: the killed build's temp folder remains"
+    assert set(builds.store.gc(tmp_age_s=0)) >= set(leftovers)  # gc takes them
+    assert list((builds.store.root / "tmp").iterdir()) == []
+
+
+def test_full_disk_fails_the_build_cleanly(base_store, tmp_path):
+    from tmax.images.store import ImageStore
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    entry = base_store.read().bases["debian-slim"]
+    size_mb = entry.size // 2**20 + 40  # the base fits, a task image does not
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        store = ImageStore(mnt)
+        shutil.copy(base_store.path(entry.sif), store.path(entry.sif))
+        store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+        b = ImageBuilds(store, LocalBuilder(Path.home() / ".cache" / "tmax"))
+        result = b.build(load_task(EXAMPLES / "hello-world-file"), check=False)
+        assert result.status == "failed"
+        assert "No space left" in result.error or "disk full" in result.error
+        assert store.read().tasks == {}
+        assert list((mnt / "tmp").iterdir()) == [] and list((mnt / "sif").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -12,7 +12,13 @@ from click.testing import CliRunner
 
 from tmax.cli import main
 from tmax.tasks import (
-    DOMAINS, TaskError, find_tasks, load_task, read_any, validate_task, write_task,
+    DOMAINS,
+    TaskError,
+    find_tasks,
+    load_task,
+    read_any,
+    validate_task,
+    write_task,
 )
 from tmax.tasks.readers import fold_setup_script
 

@@ -43,8 +43,8 @@ main.add_command(images_group)
 def demo_cmd(tasks_dir, out_dir, slurm_dir, nodes, cpus, no_slurm) -> None:
     """The main job on its embedded defaults (see tmax.demo)."""
     from tmax.demo import run_demo
-    from tmax.tasks.cli import summarize_checks
     from tmax.tasks.check import CheckResult
+    from tmax.tasks.cli import summarize_checks
 
     out = Path(out_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_demo(Path(tasks_dir), out, Path(slurm_dir), nodes, cpus, not no_slurm)

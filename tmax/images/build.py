@@ -13,7 +13,10 @@ from pathlib import Path
 
 from tmax.images.builders import Builder
 from tmax.images.definition import (
-    BaseMappingError, TaskDefinition, load_base_table, task_definition,
+    BaseMappingError,
+    TaskDefinition,
+    load_base_table,
+    task_definition,
 )
 from tmax.images.rootfs import BuildError, remove_tree
 from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
@@ -48,7 +51,7 @@ class Plan:
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 class ImageBuilds:

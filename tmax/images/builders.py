@@ -12,17 +12,25 @@ import glob
 import os
 import shlex
 import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from filelock import FileLock
 
-from sandfleet.runtime.sif import extract, pack
+from sandfleet.runtime import sif
 from tmax.images.definition import Definition, TaskDefinition, parse_definition
 from tmax.images.rootfs import (
-    BuildError, apt_mirror, chroot_argv, copy_tree, debootstrap_base, finish_rootfs,
-    remove_tree, run_logged,
+    BuildError,
+    apt_mirror,
+    chroot_argv,
+    copy_tree,
+    debootstrap_base,
+    finish_rootfs,
+    remove_tree,
+    run_logged,
 )
 
 
@@ -111,12 +119,22 @@ class LocalBuilder:
     def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
         mirror = _mirror_for(definition_text, self.mirror)
         definition = parse_definition(definition_text.replace("{{ MIRROR }}", mirror))
-        rootfs = out.parent / f"{out.name}.rootfs"
+        rootfs = self._scratch_root()
         try:
             debootstrap_base(definition, rootfs, mirror, log, timeout)
-            pack(rootfs, out, definition=definition.render(), timeout=timeout)
+            pack(rootfs, out, log, definition.render(), timeout)
         finally:
-            remove_tree(rootfs)
+            remove_tree(rootfs.parent)
+
+    def _scratch_root(self) -> Path:
+        """A fresh path for a root filesystem under construction, on the node-local cache
+        (never on the shared store: only the finished SIF goes there)."""
+        build = self.cache_dir / "build"
+        build.mkdir(parents=True, exist_ok=True)
+        for old in build.glob("rootfs-*"):  # left by killed builds: none runs for 6 h
+            if time.time() - old.stat().st_mtime > 6 * 3600:
+                remove_tree(old)
+        return Path(tempfile.mkdtemp(prefix="rootfs-", dir=build)) / "root"
 
     def base_rootfs(self, base_sif: Path) -> Path:
         """The base's root filesystem, extracted once per base into the node-local cache."""
@@ -124,12 +142,12 @@ class LocalBuilder:
         root.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(root) + ".lock"):
             if not root.exists():
-                extract(base_sif, root)
+                sif.extract(base_sif, root)
         return root
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True) -> None:
-        rootfs = out.parent / f"{out.name}.rootfs"
+        rootfs = self._scratch_root()
         rootfs.mkdir()
         try:
             copy_tree(self.base_rootfs(base_sif), rootfs)
@@ -140,10 +158,22 @@ class LocalBuilder:
                 run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", post], network=network,
                                        env={}), log, timeout, "%post")
             finish_rootfs(rootfs, task.definition)
-            pack(rootfs, out, definition=_task_definition_over(base_sif, task, env_dir).render(),
-                 timeout=timeout)
+            pack(rootfs, out, log, _task_definition_over(base_sif, task, env_dir).render(),
+                 timeout)
         finally:
-            remove_tree(rootfs)
+            remove_tree(rootfs.parent)
+
+
+def pack(rootfs: Path, out: Path, log: Path, definition: str, timeout: float) -> None:
+    """sif.pack, its failures as BuildError with the tool's message in the log."""
+    try:
+        sif.pack(rootfs, out, definition=definition, timeout=timeout)
+    except (RuntimeError, sif.SifError) as e:
+        with open(log, "a") as f:
+            f.write(f"pack: {e}\n")
+        raise BuildError("pack", str(e), log) from None
+    except subprocess.TimeoutExpired:
+        raise BuildError("pack", f"timed out after {timeout:g}s", log) from None
 
 
 def inside(rootfs: Path, path: str) -> Path:

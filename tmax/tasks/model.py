@@ -94,7 +94,7 @@ class TaskDraft:
 
     task_id: str
     instruction: str
-    config: "TaskConfig"  # noqa: F821 - forward ref, see tmax.tasks.config
+    config: TaskConfig  # noqa: F821 - forward ref, see tmax.tasks.config
     files: dict[str, FileSpec] = field(default_factory=dict)
     source_format: str = "native"
     warnings: list[Problem] = field(default_factory=list)
@@ -107,7 +107,7 @@ class Task:
     task_id: str
     root: Path
     instruction: str
-    config: "TaskConfig"  # noqa: F821
+    config: TaskConfig  # noqa: F821
     warnings: tuple[Problem, ...] = ()
 
     @property

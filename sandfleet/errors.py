@@ -62,9 +62,6 @@ class _WithReason(InfraError):
         subject, *rest = (getattr(self, f) for f in self.fields)
         return f"{self.what}{subject}: " + "; ".join(str(r) for r in rest)
 
-    def __reduce__(self):
-        return (type(self), tuple(getattr(self, f) for f in self.fields))
-
 
 class SandboxLost(_WithReason):
     """A sandbox that is gone: its processes died, it hit its max lifetime, or it never was."""

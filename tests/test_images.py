@@ -351,3 +351,62 @@ def test_full_disk_fails_the_build_cleanly(base_store, tmp_path):
         assert list((mnt / "tmp").iterdir()) == [] and list((mnt / "sif").iterdir()) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+# --------------------------------------------------------------------------- build-time checks
+
+
+@pytest.fixture
+def checked_builds(image_store):
+    from tmax.images.checks import image_checker
+
+    cache = Path.home() / ".cache" / "tmax"
+    return ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+
+
+@pytest.mark.sandbox
+def test_checks_recorded_in_manifest(checked_builds):
+    result = checked_builds.build(load_task(EXAMPLES / "count-log-lines"))
+    assert result.status == "built"
+    checks = checked_builds.store.read().tasks["count-log-lines"].checks
+    assert (checks.runtime, checks.starts, checks.nop_reward, checks.oracle_reward, checks.ok) \
+        == ("local", True, 0.0, 1.0, True)
+    log = checked_builds.store.path(checks.log).read_text()
+    assert "## nop" in log and "## oracle" in log and "bash /tests/test.sh" in log
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("override, reason", [
+    ({"tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\n"
+                       "echo 1 > /logs/verifier/reward.txt\n"},
+     "the untouched environment already scores 1.0"),
+    ({"solution/solve.sh": "#!/bin/bash\necho 41 > /app/answer.txt\n"},
+     "the reference solution scores 0.0, not 1"),
+    ({"tests/test.sh": "#!/bin/bash\n# reward.txt never written\ntrue\n"},
+     "verifier: wrote no reward.txt or reward.json"),
+])
+def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\n", **override})
+    result = checked_builds.build(load_task(src))
+    assert result.status == "built" and result.checks["ok"] is False
+    assert result.checks["reason"] == reason
+    res = run_cli("images", "ls", "--store", str(checked_builds.store.root))
+    assert "checks=FAILED" in res.output
+
+
+@pytest.mark.sandbox
+def test_every_example_builds_and_passes_checks(checked_builds):
+    """All example tasks from a store that holds only the base: oracle 1, untouched < 1."""
+    from tmax.tasks import find_tasks
+
+    tasks = [load_task(p) for p in find_tasks(EXAMPLES)]
+    results = checked_builds.build_all(tasks, jobs=2, progress=False)
+    bad = {r.task_id: r.error or r.checks for r in results
+           if r.status != "built" or not r.checks["ok"]}
+    assert bad == {}
+    manifest = checked_builds.store.read()
+    assert set(manifest.tasks) == {t.task_id for t in tasks}
+    for entry in manifest.tasks.values():
+        assert entry.checks.oracle_reward == 1.0 and entry.checks.nop_reward < 1.0
+    assert checked_builds.store.verify(deep=False) == []

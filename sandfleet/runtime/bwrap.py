@@ -35,9 +35,13 @@ class BwrapSpec:
     cwd: str = "/"
     network: bool = False
     hostname: str = "sandbox"
+    root: str | None = None
+    """Host directory bound read-write as the sandbox's / (default: an empty tmpfs)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More bwrap options, placed just before the command."""
 
     def argv(self, command: list[str]) -> list[str]:
-        args = ["bwrap", "--tmpfs", "/"]
+        args = ["bwrap"] + (["--bind", self.root, "/"] if self.root else ["--tmpfs", "/"])
         for target, link in self.symlinks:
             args += ["--symlink", target, link]
         for src, dst in self.ro_binds:
@@ -52,7 +56,7 @@ class BwrapSpec:
                  "--clearenv"]
         for key, value in self.env.items():
             args += ["--setenv", key, value]
-        args += ["--chdir", self.cwd, "--"]
+        args += [*self.extra_args, "--chdir", self.cwd, "--"]
         return args + list(command)
 
 

@@ -60,7 +60,7 @@ class ImageBuilds:
     def __init__(self, store: ImageStore, builder: Builder, *,
                  images_dir: Path = REPO / "images",
                  base_table: Path = REPO / "configs" / "base-images.yaml",
-                 checker: Callable[[Task, Path, str], Checks] | None = None):
+                 checker: Callable[[Task, Path, str, Path], Checks] | None = None):
         self.store, self.builder, self.images_dir = store, builder, images_dir
         self.table_path, self.table = base_table, load_base_table(base_table)
         self.checker = checker
@@ -169,7 +169,10 @@ class ImageBuilds:
             remove_tree(tmp)
         checks = None
         if check and self.checker is not None:
-            checks = self.checker(plan.task, self.store.path(rel), plan.definition.workdir)
+            checks_log = f"logs/{task_id}-{plan.digest}.checks.log"
+            checks = self.checker(plan.task, self.store.path(rel), plan.definition.workdir,
+                                  self.store.path(checks_log))
+            checks.log = checks_log
         entry = ImageEntry(task_id=task_id, digest=plan.digest, sif=rel, size=size, sha256=sha,
                            base=plan.base, base_digest=plan.base_digest,
                            builder=self.builder.name, log=log_rel, built_at=now(),

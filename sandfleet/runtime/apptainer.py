@@ -1,0 +1,289 @@
+"""The apptainer runtime: one Apptainer instance per sandbox, for clusters.
+
+Each sandbox is ``apptainer instance start --writable-tmpfs --containall --cleanenv
+--no-home [--net --network none] <sif> <owner>-<id>``; commands are ``apptainer exec
+instance://<owner>-<id> ...`` (the call's environment as ``APPTAINERENV_*``, the working
+directory as ``--pwd``); ``stop`` is ``apptainer instance stop --force``; ``list_running``
+reads ``apptainer instance list --json`` and keeps the names with this owner's prefix. Every
+command line comes from a pure function below, tested as exact lists.
+
+What holds, and what depends on the installation:
+
+- Writes go to a tmpfs over the image (lost at stop; counted against the node's memory).
+- ``--containall``: fresh pid and ipc namespaces, no host home, /tmp or /dev bound, a clean
+  environment. The network is a private namespace with only ``lo`` unless
+  ``spec.network`` (``--network none`` needs no privileges).
+- The hostname is set with ``--hostname`` (which implies ``--uts``).
+- Memory and CPU limits (``--memory``, ``--cpus``) only with ``cgroup_limits=True``:
+  Apptainer applies them through cgroups, which rootless installs allow only on cgroup v2
+  with systemd. Otherwise the Slurm job's own cgroup bounds all sandboxes of a worker
+  together, and ``ExecResult.oom`` is always False.
+- Max lifetime: a detached watchdog (``sleep; apptainer instance stop --force``) in its
+  own session per sandbox, which outlives the worker; if it is killed too, the Slurm job's
+  walltime still ends the instance with the job.
+- ``instance start`` writes to files under ``state_dir`` (never to pipes, which the
+  instance would hold open forever); its pid comes from ``--pid-file`` and, with its start
+  time, is recorded in ``sandbox.json`` for liveness checks without calling apptainer.
+
+Not verified on this machine (no apptainer here): whether ``apptainer exec`` keeps the
+in-container command in the caller's process group on every install (timeouts kill that
+group); the argv lists follow Apptainer 1.1-1.3's documented flags.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
+from sandfleet.runtime import sif
+from sandfleet.runtime.base import (
+    NAME_RE,
+    OWNER_RE,
+    CommandRuntime,
+    SandboxSpec,
+    check_name,
+    default_owner,
+    kill_group,
+    kill_process_group,
+    proc_start_time,
+)
+
+log = logging.getLogger(__name__)
+
+# Stops the instance at the deadline, unless it is no longer the one started (pid gone).
+WATCHDOG_SH = ('sleep "$1" && kill -0 "$4" 2>/dev/null && '
+               'exec "$2" instance stop --force "$3"')
+
+
+def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
+               cgroup_limits: bool = False) -> list[str]:
+    argv = [apptainer, "instance", "start", "--writable-tmpfs", "--containall", "--cleanenv",
+            "--no-home", "--pid-file", str(pid_file), "--hostname", spec.hostname]
+    if not spec.network:
+        argv += ["--net", "--network", "none"]
+    if cgroup_limits:
+        argv += ["--cpus", str(spec.cpus), "--memory", f"{spec.memory_mb}M"]
+    return argv + [str(spec.image), name]
+
+
+def exec_argv(apptainer: str, name: str, argv: Sequence[str], *, cwd: str,
+              env: dict[str, str]) -> list[str]:
+    """``apptainer exec`` in the instance; ``env`` rides as APPTAINERENV_* (no comma
+    splitting, unlike ``--env``), set for apptainer by the host's ``env``."""
+    return (["env", *(f"APPTAINERENV_{k}={v}" for k, v in env.items())]
+            + [apptainer, "exec", "--cleanenv", "--pwd", cwd, f"instance://{name}", *argv])
+
+
+def stop_argv(apptainer: str, name: str) -> list[str]:
+    return [apptainer, "instance", "stop", "--force", name]
+
+
+def list_argv(apptainer: str) -> list[str]:
+    return [apptainer, "instance", "list", "--json"]
+
+
+def watchdog_argv(apptainer: str, name: str, seconds: float, pid: int) -> list[str]:
+    return ["sh", "-c", WATCHDOG_SH, "sandfleet-watchdog", f"{seconds:g}", apptainer, name,
+            str(pid)]
+
+
+def parse_instance_list(text: str) -> dict[str, int]:
+    """``apptainer instance list --json`` -> {instance name: pid}."""
+    data = json.loads(text) if text.strip() else {}
+    return {item["instance"]: int(item.get("pid", 0)) for item in data.get("instances") or []}
+
+
+@dataclass
+class InstanceRecord:
+    """``sandbox.json``: the instance and its watchdog, each as (pid, start time)."""
+
+    sandbox_id: str
+    owner: str
+    uid: int
+    name: str
+    spec: dict
+    created_at: float
+    deadline: float
+    instance: tuple[int, int]
+    watchdog: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def load(cls, path: Path) -> InstanceRecord | None:
+        try:
+            data = json.loads(path.read_text())
+            data["instance"], data["watchdog"] = tuple(data["instance"]), \
+                tuple(data["watchdog"])
+            return cls(**data)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, path)
+
+    def alive(self) -> bool:
+        return proc_start_time(self.instance[0]) == self.instance[1]
+
+
+class ApptainerRuntime(CommandRuntime):
+    """Apptainer instances on this node (see the module doc)."""
+
+    def __init__(self, state_dir: Path, owner: str | None = None,
+                 apptainer: str = "apptainer", *, cgroup_limits: bool = False,
+                 start_timeout_s: float = 300.0, call_timeout_s: float = 60.0):
+        self.state_dir = Path(state_dir).resolve()
+        self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
+        self.apptainer = apptainer
+        self.cgroup_limits = cgroup_limits
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self._env = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_"))}
+        self._lock = threading.Lock()
+
+    def _name(self, sandbox_id: str) -> str:
+        return f"{self.owner}-{check_name('sandbox id', sandbox_id)}"
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.state_dir / "sandboxes" / self._name(sandbox_id)
+
+    def _record(self, sandbox_id: str) -> InstanceRecord | None:
+        record = InstanceRecord.load(self._dir(sandbox_id) / "sandbox.json")
+        if record is None or (record.owner, record.uid) != (self.owner, os.getuid()):
+            return None
+        return record
+
+    def _live(self, sandbox_id: str) -> InstanceRecord:
+        record = self._record(sandbox_id)
+        if record is None:
+            raise SandboxLost(sandbox_id, "no such sandbox on this node")
+        if not record.alive():
+            why = "max lifetime reached" if time.time() >= record.deadline else \
+                "its instance died"
+            raise SandboxLost(sandbox_id, why)
+        return record
+
+    def _check_alive(self, sandbox_id: str) -> None:
+        self._live(sandbox_id)
+
+    def _host_env(self) -> dict[str, str]:
+        return self._env
+
+    def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
+               env: dict[str, str] | None) -> list[str]:
+        record = self._live(sandbox_id)
+        return exec_argv(self.apptainer, record.name, argv, cwd=cwd or record.spec["workdir"],
+                         env={**record.spec["env"], **(env or {})})
+
+    def _call(self, argv: list[str], logfile: Path, timeout: float) -> int:
+        """Run an apptainer command with its output in ``logfile``; its exit status."""
+        with open(logfile, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, env=self._env,
+                                    start_new_session=True)
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_process_group(proc)
+                raise
+
+    def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        name, home = self._name(sandbox_id), self._dir(sandbox_id)
+        try:
+            sif.read_partition(spec.image)
+        except sif.SifError as e:
+            raise ImageMissing(str(spec.image), e.reason) from None
+        if shutil.which(self.apptainer) is None:
+            raise SandboxStartError(sandbox_id, f"no {self.apptainer} on this node")
+        with self._lock:
+            if home.exists():
+                old = self._record(sandbox_id)
+                if old is not None and old.alive():
+                    raise SandboxStartError(sandbox_id, "already running")
+                self._destroy(sandbox_id, old)
+            home.mkdir(parents=True)
+        pid_file, logfile = home / "instance.pid", home / "start.log"
+        argv = start_argv(self.apptainer, spec, name, pid_file,
+                          cgroup_limits=self.cgroup_limits)
+        try:
+            code = self._call(argv, logfile, self.start_timeout_s)
+            pid = int(pid_file.read_text().strip()) if code == 0 else 0
+            start = proc_start_time(pid) if pid else None
+            if start is None:
+                tail = logfile.read_text(errors="replace")[-1500:].strip()
+                raise SandboxStartError(sandbox_id, f"instance start failed ({code}): {tail}")
+            with open(home / "watchdog.log", "wb") as out:
+                dog = subprocess.Popen(
+                    watchdog_argv(self.apptainer, name, spec.max_lifetime_s, pid),
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env=self._env, start_new_session=True)
+            now = time.time()
+            InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), now,
+                           now + spec.max_lifetime_s, (pid, start),
+                           (dog.pid, proc_start_time(dog.pid) or 0)).save(home / "sandbox.json")
+        except BaseException as e:
+            self._destroy(sandbox_id, None)
+            if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
+                raise
+            raise SandboxStartError(sandbox_id, f"{type(e).__name__}: {e}") from e
+
+    def stop(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._destroy(sandbox_id, self._record(sandbox_id))
+
+    def _destroy(self, sandbox_id: str, record: InstanceRecord | None) -> None:
+        home = self._dir(sandbox_id)
+        try:  # also when the record says dead: apptainer may still list it
+            self._call(stop_argv(self.apptainer, self._name(sandbox_id)),
+                       home / "stop.log" if home.is_dir() else Path(os.devnull),
+                       self.call_timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("sandbox %s: instance stop failed: %s", sandbox_id, e)
+        if record is not None and record.watchdog[0] and \
+                proc_start_time(record.watchdog[0], zombie_ok=True) == record.watchdog[1]:
+            kill_group(record.watchdog[0])
+        shutil.rmtree(home, ignore_errors=True)
+
+    def _instances(self) -> dict[str, int] | None:
+        try:
+            out = subprocess.run(list_argv(self.apptainer), capture_output=True, text=True,
+                                 env=self._env, timeout=self.call_timeout_s,
+                                 stdin=subprocess.DEVNULL, check=False)
+            if out.returncode == 0:
+                return parse_instance_list(out.stdout)
+            log.warning("instance list failed (%d): %s", out.returncode, out.stderr[-500:])
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            log.warning("instance list failed: %s", e)
+        return None
+
+    def _own_dirs(self) -> list[str]:
+        root, prefix = self.state_dir / "sandboxes", f"{self.owner}-"
+        return sorted(p.name[len(prefix):] for p in root.glob(f"{prefix}*")) \
+            if root.is_dir() else []
+
+    def list_running(self) -> list[str]:
+        """From ``apptainer instance list`` (the records, if apptainer cannot answer)."""
+        instances, prefix = self._instances(), f"{self.owner}-"
+        if instances is None:
+            return [sid for sid in self._own_dirs()
+                    if (rec := self._record(sid)) is not None and rec.alive()]
+        return sorted(sid for name in instances if name.startswith(prefix)
+                      and NAME_RE.fullmatch(sid := name[len(prefix):]))
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
+        """Stop every instance of this owner not in ``keep``, dead leftovers included."""
+        keep = set(keep)
+        gone = sorted(set(self.list_running()) | set(self._own_dirs()))
+        gone = [sid for sid in gone if sid not in keep]
+        for sandbox_id in gone:
+            self.stop(sandbox_id)
+        return gone

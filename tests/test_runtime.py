@@ -1,0 +1,377 @@
+"""sandfleet.runtime: the interface, and real local sandboxes (bubblewrap) from the base SIF."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sandfleet.errors import (
+    ERRORS,
+    CapacityTimeout,
+    ImageMissing,
+    InfraError,
+    SandboxLost,
+    SandboxStartError,
+)
+from sandfleet.runtime import get_runtime
+from sandfleet.runtime.base import (
+    ExecResult,
+    Runtime,
+    SandboxSpec,
+    cap_output,
+    kill_process_group,
+    proc_start_time,
+)
+from sandfleet.runtime.local import ENTER_SH, JOIN_SH, LocalRuntime, enter_argv, pick_cpus
+
+REPO = Path(__file__).resolve().parents[1]
+OWNER = f"t{os.getpid()}"
+
+# ---- pure parts
+
+
+def test_cap_output_keeps_head_and_tail_and_marks_the_cut():
+    assert cap_output(b"short", 100) == "short"
+    text = cap_output(b"A" * 60 + b"B" * 100 + b"C" * 40, 100)
+    assert text == "A" * 50 + "\n[... 100 bytes cut ...]\n" + "B" * 10 + "C" * 40
+    assert cap_output("é".encode() * 10, 100) == "é" * 10
+
+
+def test_pick_cpus_prefers_the_least_used():
+    from collections import Counter
+
+    assert pick_cpus([0, 1, 2, 3], 2, Counter({0: 2, 1: 1})) == [2, 3]
+    assert pick_cpus([0, 1, 2, 3], 2, Counter({2: 1, 3: 1})) == [0, 1]
+    assert pick_cpus([4, 5], 8, Counter()) == [4, 5]
+
+
+def test_enter_argv_is_exact():
+    argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs"], taskset=None,
+                      cwd="/app", env={"A": "1"}, argv=["ls", "-l"])
+    assert argv == ["sh", "-c", JOIN_SH, "sh", "/cg/m/cgroup.procs", "--",
+                    "nsenter", "-t", "42", "-U", "-m", "-p", "-n", "-i", "-u", "-C", "-r", "-w",
+                    "--", "/bin/sh", "-c", ENTER_SH, "sh", "/app", "--", "A=1", "ls", "-l"]
+
+
+def test_spec_roundtrip_rejects_unknown_fields():
+    spec = SandboxSpec(image=Path("/x.sif"), env={"A": "1"}, network=True)
+    assert SandboxSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="colour"):
+        SandboxSpec.from_dict({**spec.to_dict(), "colour": "red"})
+    with pytest.raises(ValueError):
+        SandboxSpec(image=Path("/x.sif"), workdir="relative")
+
+
+def test_errors_carry_cause_and_data_and_survive_pickle_and_wire():
+    errors = [SandboxLost("s1", "gone"), ImageMissing("/i.sif", "truncated"),
+              CapacityTimeout(12.5, "no nodes"), SandboxStartError("s2", "bwrap failed"),
+              InfraError("plain")]
+    for err in errors:
+        assert isinstance(err, InfraError)
+        for back in (pickle.loads(pickle.dumps(err)), InfraError.from_dict(err.to_dict())):
+            assert type(back) is type(err)
+            assert (str(back), back.cause, back.to_dict()) == (str(err), err.cause, err.to_dict())
+    assert SandboxLost("s1", "gone").sandbox_id == "s1"
+    assert ImageMissing("/i.sif", "truncated").image == "/i.sif"
+    assert {cls.cause for cls in ERRORS.values()} == {
+        "infra", "sandbox_lost", "sandbox_start", "image_missing", "node_lost", "capacity",
+        "controller_unreachable"}
+    unknown = InfraError.from_dict({"error": "Evil", "cause": "x", "message": "m"})
+    assert type(unknown) is InfraError and unknown.cause == "x"
+
+
+def test_registry_is_lazy_and_strict(tmp_path):
+    code = ("import sys, sandfleet.runtime as r; "
+            "print([m for m in sys.modules if m.startswith('sandfleet.runtime.')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+    with pytest.raises(ValueError, match="local, apptainer"):
+        get_runtime("docker")
+    runtime = get_runtime("local", state_dir=tmp_path / "s", cache_dir=tmp_path / "c")
+    assert isinstance(runtime, LocalRuntime) and isinstance(runtime, Runtime)
+
+
+# ---- real sandboxes
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime")
+    return root / "state", root / "cache"
+
+
+@pytest.fixture(scope="module")
+def runtime(dirs):
+    runtime = LocalRuntime(*dirs, owner=OWNER)
+    yield runtime
+    left = runtime.reap(keep=())
+    assert left == [], f"sandboxes left running: {left}"
+    assert not list((dirs[0] / "sandboxes").glob("*")), "sandbox state left behind"
+    for ctrl, parent in runtime.cgroups.parents.items():
+        assert not list(parent.glob(f"{OWNER}-*")), f"{ctrl} cgroups left behind"
+    assert str(dirs[0]) not in Path("/proc/self/mountinfo").read_text()
+
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def make(runtime, base_sif):
+    """Start sandboxes from the base image (spec fields as keywords); all stopped after."""
+    started = []
+
+    def make(**spec) -> str:
+        sandbox_id = f"s{next(_ids)}"
+        runtime.start(sandbox_id, SandboxSpec(image=base_sif, **spec))
+        started.append(sandbox_id)
+        return sandbox_id
+
+    yield make
+    for sandbox_id in started:
+        runtime.stop(sandbox_id)
+
+
+def run(runtime, sandbox_id, command, **kwargs) -> ExecResult:
+    kwargs.setdefault("timeout", 30)
+    return runtime.exec(sandbox_id, command, **kwargs)
+
+
+@pytest.mark.sandbox
+def test_exec_output_exit_code_cwd_env_stdin_and_state(runtime, make):
+    sid = make(env={"FOO": "from-spec"}, workdir="/root")
+    result = run(runtime, sid, "echo out; echo err >&2; exit 3")
+    assert (result.output, result.exit_code, result.timed_out, result.oom) == \
+        ("out\nerr\n", 3, False, False)
+    assert run(runtime, sid, ["pwd"]).output == "/root\n"
+    assert run(runtime, sid, "pwd", cwd="/tmp").output == "/tmp\n"
+    env = run(runtime, sid, "echo $FOO $BAR $LC_ALL $HOME", env={"BAR": "call"}).output
+    assert env == "from-spec call C.UTF-8 /root\n"  # LC_ALL: the image's 90-environment.sh
+    assert run(runtime, sid, ["cat"], stdin=b"piped in").output == "piped in"
+    run(runtime, sid, "echo kept > /root/note && mkdir -p /srv/app && cd /srv/app && touch x")
+    assert run(runtime, sid, "cat /root/note; ls /srv/app").output == "kept\nx\n"
+    big = run(runtime, sid, "seq 1 300000").output  # ~2 MB, over the 1 MiB cap
+    assert big.startswith("1\n2\n") and big.endswith("\n300000\n") and "bytes cut" in big
+    assert run(runtime, sid, "kill -9 $$").exit_code == 137
+
+
+@pytest.mark.sandbox
+def test_timeout_kills_the_process_group_and_the_sandbox_stays_usable(runtime, make):
+    sid = make()
+    result = run(runtime, sid, "sleep 101 & sleep 102; echo never", timeout=1)
+    assert result.timed_out and result.exit_code == 124 and result.duration_s < 5
+    assert "never" not in result.output
+    assert run(runtime, sid, "echo back").output == "back\n"
+    procs = run(runtime, sid, "ps -eo args").output
+    assert "sleep 101" not in procs and "sleep 102" not in procs
+    host = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout
+    assert "sleep 101" not in host
+
+
+@pytest.mark.sandbox
+def test_isolation_from_host_and_other_sandboxes(runtime, make, tmp_path):
+    marker = tmp_path / "host-secret"
+    marker.write_text("x")
+    a, b = make(), make()
+    run(runtime, a, "echo mine > /root/secret-a")
+    check = (f"test -e {marker} && echo host-visible; test -e /work && echo work-visible; "
+             "test -e /root/.cache && echo cache-visible; test -e /root/secret-a && echo a-visible;"
+             "hostname; python3 -c 'import socket; print(socket.if_nameindex())'; "
+             "cat /proc/1/cmdline | tr '\\0' ' '; echo; "
+             "mknod /tmp/disk b 8 0 2>/dev/null && echo mknod-allowed; "
+             "mount -t proc proc /mnt 2>/dev/null; ls /mnt | grep -c . ")
+    out = run(runtime, b, check).output.splitlines()
+    assert out[:2] == ["sandbox", "[(1, 'lo')]"], out
+    assert "sandfleet-init" in out[2]
+    assert "mknod-allowed" not in out
+    assert int(out[-1]) < 100  # a /proc of its own pid namespace: a handful of processes
+    assert run(runtime, a, "cat /root/secret-a").output == "mine\n"
+
+
+@pytest.mark.sandbox
+def test_writes_land_in_the_overlay_never_in_image_or_cache(runtime, make, base_sif, dirs):
+    before = base_sif.stat()
+    sid = make()
+    run(runtime, sid, "echo new > /etc/added; echo changed >> /etc/hostname; rm /bin/ls")
+    assert run(runtime, sid, "cat /etc/added; test -e /bin/ls || echo ls-gone").output == \
+        "new\nls-gone\n"
+    root = runtime.rootfs(base_sif)
+    assert not (root / "etc" / "added").exists() and (root / "bin" / "ls").exists()
+    assert "changed" not in (root / "etc" / "hostname").read_text()
+    other = make()
+    assert run(runtime, other, "test -e /etc/added || ls /bin/ls").output == "/bin/ls\n"
+    after = base_sif.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.mark.sandbox
+def test_copy_in_and_out_round_trip(runtime, make, tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("alpha\n")
+    (src / "sub" / "b.bin").write_bytes(bytes(range(256)) * 10)
+    (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "link").symlink_to("a.txt")
+    sid = make()
+    runtime.copy_in(sid, src, "/data/in")
+    runtime.copy_in(sid, src / "a.txt", "/etc/single.txt")
+    assert run(runtime, sid, "/data/in/run.sh; cat /data/in/link /etc/single.txt").output == \
+        "ran\nalpha\nalpha\n"
+    run(runtime, sid, "echo made > /data/in/sub/new.txt; ln -s /etc/passwd /data/in/evil")
+    runtime.copy_out(sid, "/data/in", tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "a.txt").read_text() == "alpha\n"
+    assert (out / "sub" / "b.bin").read_bytes() == bytes(range(256)) * 10
+    assert (out / "sub" / "new.txt").read_text() == "made\n"
+    assert os.access(out / "run.sh", os.X_OK) and os.readlink(out / "link") == "a.txt"
+    assert not (out / "evil").is_symlink()  # a link out of the copy is skipped
+    runtime.copy_out(sid, "/etc/single.txt", tmp_path / "single.txt")
+    assert (tmp_path / "single.txt").read_text() == "alpha\n"
+    with pytest.raises(FileNotFoundError):
+        runtime.copy_out(sid, "/nope", tmp_path / "nope")
+
+
+@pytest.mark.sandbox
+def test_memory_limit_oom_kill_is_reported(runtime, make):
+    if "memory" not in runtime.cgroups.parents:
+        pytest.skip("no writable memory cgroup here")
+    sid = make(memory_mb=200)
+    result = run(runtime, sid, ["python3", "-c", "b = bytearray(400 << 20); print('survived')"])
+    assert result.oom and result.exit_code == 137 and "survived" not in result.output
+    after = run(runtime, sid, ["python3", "-c", "b = bytearray(50 << 20); print('fits')"])
+    assert (after.output, after.oom) == ("fits\n", False)
+
+
+@pytest.mark.sandbox
+def test_cpu_pinning(runtime, make):
+    one = make(cpus=1)
+    assert run(runtime, one, "nproc").output == "1\n"
+    count = run(runtime, one, "grep Cpus_allowed_list /proc/self/status").output.split()[-1]
+    assert count.isdigit()
+    many = make(cpus=64)  # more than the machine: all of the worker's CPUs
+    assert run(runtime, many, "nproc").output == f"{len(os.sched_getaffinity(0))}\n"
+
+
+@pytest.mark.sandbox
+def test_popen_gives_a_long_lived_shell(runtime, make):
+    sid = make()
+    shell = runtime.popen(sid, ["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    try:
+        shell.stdin.write(b"cd /tmp && export X=41\necho $PWD $((X + 1))\n")
+        shell.stdin.flush()
+        assert shell.stdout.readline() == b"/tmp 42\n"
+        shell.stdin.write(b"sleep 300 &\necho bg $!\n")
+        shell.stdin.flush()
+        assert shell.stdout.readline().startswith(b"bg ")
+        assert os.getpgid(shell.pid) == shell.pid  # leads its own process group
+    finally:
+        assert kill_process_group(shell) != 0
+    assert "sleep 300" not in run(runtime, sid, "ps -eo args").output
+
+
+@pytest.mark.sandbox
+def test_lost_sandboxes_and_idempotent_stop(runtime, make):
+    with pytest.raises(SandboxLost, match="no such sandbox"):
+        runtime.exec("never-started", "true", timeout=5)
+    runtime.stop("never-started")
+    sid = make()
+    os.kill(runtime._live(sid).init[0], signal.SIGKILL)  # its pid 1 dies: everything does
+    with pytest.raises(SandboxLost, match="processes died"):
+        run(runtime, sid, "true")
+    assert sid not in runtime.list_running()
+    runtime.stop(sid)
+    runtime.stop(sid)
+    with pytest.raises(SandboxLost):
+        run(runtime, sid, "true")
+
+
+@pytest.mark.sandbox
+def test_list_running_and_reap_from_a_fresh_instance(runtime, make, dirs):
+    a, b = make(), make()
+    fresh = LocalRuntime(*dirs, owner=OWNER)
+    assert {a, b} <= set(fresh.list_running())
+    stranger = LocalRuntime(*dirs, owner=f"{OWNER}x")
+    assert stranger.list_running() == [] and stranger.reap(keep=()) == []
+    keep = set(fresh.list_running()) - {b}
+    assert fresh.reap(keep=keep) == [b]
+    with pytest.raises(SandboxLost):
+        run(runtime, b, "true")
+    assert run(fresh, a, "echo via-fresh").output == "via-fresh\n"
+    assert run(runtime, a, "echo via-first").output == "via-first\n"
+    c = make()  # its state dir lost: found by its cgroups (where there are any)
+    pid = fresh._live(c).init[0]
+    shutil.rmtree(runtime._dir(c))
+    if runtime.cgroups.parents:
+        assert fresh.reap(keep=[a]) == [c]
+        assert proc_start_time(pid) is None
+
+
+@pytest.mark.sandbox
+def test_max_lifetime_holds_when_the_bookkeeping_is_killed(base_sif, dirs):
+    script = (
+        "import sys, time; from pathlib import Path\n"
+        "from sandfleet.runtime.local import LocalRuntime\n"
+        "from sandfleet.runtime.base import SandboxSpec\n"
+        f"rt = LocalRuntime(Path({str(dirs[0])!r}), Path({str(dirs[1])!r}), owner={OWNER!r})\n"
+        f"rt.start('ttl', SandboxSpec(image=Path({str(base_sif)!r}), max_lifetime_s=3))\n"
+        "print(rt._live('ttl').init[0], flush=True)\n"
+        "time.sleep(600)\n")
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, cwd=REPO)
+    try:
+        started = time.monotonic()
+        init_pid = int(worker.stdout.readline())
+    finally:
+        worker.kill()  # SIGKILL: no cleanup of any kind on the Python side
+        worker.wait()
+    runtime = LocalRuntime(*dirs, owner=OWNER)
+    assert "ttl" in runtime.list_running()
+    assert run(runtime, "ttl", "echo alive").output == "alive\n"
+    while proc_start_time(init_pid) is not None and time.monotonic() - started < 15:
+        time.sleep(0.1)
+    assert 2.5 < time.monotonic() - started < 10
+    with pytest.raises(SandboxLost, match="max lifetime"):
+        run(runtime, "ttl", "true")
+    assert "ttl" not in runtime.list_running()
+    assert runtime.reap(keep=()) == ["ttl"]
+
+
+@pytest.mark.sandbox
+def test_missing_truncated_or_corrupt_image(runtime, base_sif, tmp_path):
+    missing = tmp_path / "missing.sif"
+    with pytest.raises(ImageMissing, match=str(missing)):
+        runtime.start("bad1", SandboxSpec(image=missing))
+    truncated = tmp_path / "truncated.sif"
+    with open(base_sif, "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))
+    with pytest.raises(ImageMissing, match=f"{truncated}.*truncated"):
+        runtime.start("bad2", SandboxSpec(image=truncated))
+    garbage = tmp_path / "garbage.sif"
+    garbage.write_bytes(b"\0" * 4096)
+    with pytest.raises(ImageMissing, match="garbage.sif"):
+        runtime.start("bad3", SandboxSpec(image=garbage))
+    assert not {"bad1", "bad2", "bad3"} & set(runtime.list_running())
+
+
+@pytest.mark.sandbox
+def test_a_failed_start_leaves_nothing_behind(runtime, base_sif, monkeypatch):
+    from sandfleet.runtime import local
+
+    monkeypatch.setattr(local, "INIT_SH", "echo init-failed >&2; exit 3")
+    with pytest.raises(SandboxStartError, match="fail"):
+        runtime.start("broken", SandboxSpec(image=base_sif))
+    assert not runtime._dir("broken").exists()
+    assert "broken" not in runtime.list_running()
+    for parent in runtime.cgroups.parents.values():
+        assert not (parent / runtime._cgroup_name("broken")).exists()

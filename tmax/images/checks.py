@@ -1,0 +1,109 @@
+"""Build-time checks of a task image, run in real sandboxes of the image.
+
+1. the image starts (a sandbox comes up and runs a command);
+2. the verifier on the untouched environment gives less than full reward;
+3. the reference solution gets full reward.
+
+Each check runs in a fresh sandbox with the task's own limits. The result, with the reason
+of a failure, goes into the image's manifest entry; the log next to the build log.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from sandfleet.errors import InfraError
+from sandfleet.runtime.base import Runtime, SandboxSpec
+from tmax.images.store import Checks
+from tmax.tasks import Task
+from tmax.tasks.check import run_solution, run_verifier
+from tmax.tasks.reward import VerifierError
+
+
+class RuntimeBox:
+    """A ``CheckSandbox`` over one sandbox of a runtime; logs what it runs."""
+
+    def __init__(self, runtime: Runtime, sandbox_id: str, workdir: str, log: list[str]):
+        self.runtime, self.id, self.workdir, self.log = runtime, sandbox_id, workdir, log
+
+    def run(self, command: str, timeout: float, cwd: str | None = None) -> int:
+        result = self.runtime.exec(self.id, command, timeout=timeout, cwd=cwd or self.workdir)
+        self.log += [f"$ {command}", result.output.rstrip(),
+                     f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}"
+                     f"{', oom' if result.oom else ''}, {result.duration_s:.1f}s]"]
+        return result.exit_code
+
+    def copy_in(self, src: Path, dest: str) -> None:
+        self.runtime.copy_in(self.id, src, dest)
+
+    def fetch(self, path: str, dest: Path) -> Path:
+        self.runtime.copy_out(self.id, path, dest)
+        return dest
+
+
+def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:
+    env = task.config.environment
+    budget = task.config.agent.timeout_sec + task.config.verifier.timeout_sec + 300
+    return SandboxSpec(image=sif, cpus=env.cpus, memory_mb=env.memory_mb,
+                       network=env.network, max_lifetime_s=budget, workdir=workdir)
+
+
+def run_mode(runtime: Runtime, task: Task, sif: Path, workdir: str, mode: str,
+             log: list[str]) -> float:
+    """One fresh sandbox: optionally the solution, then the verifier; the reward."""
+    sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
+    log.append(f"## {mode} in sandbox {sandbox_id}")
+    runtime.start(sandbox_id, task_spec(task, sif, workdir))
+    try:
+        box = RuntimeBox(runtime, sandbox_id, workdir, log)
+        if mode == "oracle":
+            run_solution(box, task)
+        with tempfile.TemporaryDirectory(prefix="tmax-check-") as scratch:
+            return run_verifier(box, task, Path(scratch))
+    finally:
+        runtime.stop(sandbox_id)
+
+
+def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, workdir: str,
+                log_path: Path) -> Checks:
+    log: list[str] = []
+    rewards: dict[str, float | None] = {"nop": None, "oracle": None}
+    starts, reason = True, ""
+    try:
+        for mode in ("nop", "oracle"):
+            rewards[mode] = run_mode(runtime, task, sif, workdir, mode, log)
+    except InfraError as e:
+        starts = rewards["nop"] is not None
+        reason = f"{'sandbox failed' if starts else 'image does not start'}: {e}"
+    except VerifierError as e:
+        reason = f"verifier: {e.reason}"
+    if not reason:
+        if rewards["nop"] >= 1.0:
+            reason = f"the untouched environment already scores {rewards['nop']}"
+        elif rewards["oracle"] != 1.0:
+            reason = f"the reference solution scores {rewards['oracle']}, not 1"
+    log.append(f"## result: {'ok' if not reason else reason}")
+    log_path.write_text("\n".join(log) + "\n")
+    return Checks(runtime=runtime_name, starts=starts, nop_reward=rewards["nop"],
+                  oracle_reward=rewards["oracle"], ok=not reason, reason=reason)
+
+
+def image_checker(cache_dir: Path, runtime: str = "auto"
+                  ) -> Callable[[Task, Path, str, Path], Checks]:
+    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime."""
+    from sandfleet.runtime import get_runtime
+
+    if runtime == "auto":
+        runtime = "apptainer" if shutil.which("apptainer") else "local"
+    state = Path(cache_dir) / "check-sandboxes"
+    kwargs = {"state_dir": state} | ({"cache_dir": Path(cache_dir)} if runtime == "local" else {})
+    rt = get_runtime(runtime, **kwargs)
+
+    def check(task: Task, sif: Path, workdir: str, log_path: Path) -> Checks:
+        return check_image(rt, runtime, task, sif, workdir, log_path)
+
+    return check

@@ -33,31 +33,38 @@ main.add_command(images_group)
               show_default=True, help="Folder of native tasks.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Run folder (default runs/demo-<time>).")
+@click.option("--store", default=None, type=click.Path(file_okay=False),
+              help="Image store (default $TMAX_IMAGE_STORE or ~/.tmax/images).")
 @click.option("--slurm-dir", type=click.Path(file_okay=False),
               default=lambda: os.environ.get("TMAX_LOCAL_SLURM_DIR",
                                              str(Path.home() / ".tmax" / "local-slurm")),
               help="State folder of the local Slurm cluster (used when SLURM_CONF is unset).")
 @click.option("--nodes", default=2, show_default=True, help="Virtual nodes to start.")
-@click.option("--cpus", default=1, show_default=True, help="CPUs per virtual node.")
-@click.option("--no-slurm", is_flag=True, help="Run the checks in this process instead.")
-def demo_cmd(tasks_dir, out_dir, slurm_dir, nodes, cpus, no_slurm) -> None:
+@click.option("--cpus", default=1, show_default=True, help="CPUs per virtual node and job.")
+@click.option("--no-slurm", is_flag=True, help="Build in this process instead of Slurm jobs.")
+@click.option("--force", is_flag=True, help="Rebuild the task images even if unchanged.")
+def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force) -> None:
     """The main job on its embedded defaults (see tmax.demo)."""
     from tmax.demo import run_demo
-    from tmax.tasks.check import CheckResult
-    from tmax.tasks.cli import summarize_checks
+    from tmax.images.cli import default_cache, default_store
 
     out = Path(out_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_demo(Path(tasks_dir), out, Path(slurm_dir), nodes, cpus, not no_slurm)
-    results = [CheckResult(**{k: v for k, v in r.items() if k != "node"})
-               for r in summary["results"]]
-    verdicts = summarize_checks(results)
-    width = max(len(t) for t in verdicts)
-    click.echo(f"{'TASK':{width}}  ORACLE  NOP   VERDICT")
-    for task, v in verdicts.items():
-        click.echo(f"{task:{width}}  {v['oracle'] if v['oracle'] is not None else '-':<6}  "
-                   f"{v['nop'] if v['nop'] is not None else '-':<4}  {v['verdict']}")
-    ok = sum(v["verdict"] == "ok" for v in verdicts.values())
+    summary = run_demo(Path(tasks_dir), out, Path(store or default_store()),
+                       Path(default_cache()), Path(slurm_dir), nodes=nodes, cpus=cpus,
+                       use_slurm=not no_slurm, force=force)
+    rows = summary["results"]
+    width = max(len(r["task_id"]) for r in rows)
+    click.echo(f"{'TASK':{width}}  IMAGE    NOP   ORACLE  NODE  SECONDS  CHECKS")
+    for r in rows:
+        c = r["checks"] or {}
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        verdict = "ok" if c.get("ok") else (c.get("reason") or r["error"] or "-")
+        click.echo(f"{r['task_id']:{width}}  {r['status']:7}  {fmt(c.get('nop_reward')):5} "
+                   f"{fmt(c.get('oracle_reward')):7} {r['node'] or '-':5} {r['seconds']:7.1f}  "
+                   f"{verdict}")
+    ok = sum(bool(r["checks"] and r["checks"]["ok"]) for r in rows)
     where = f"Slurm nodes {', '.join(summary['nodes'])}" if summary["nodes"] else "this process"
-    click.echo(f"{ok}/{len(verdicts)} tasks ok; {summary['jobs']} sandboxed runs on {where} "
-               f"in {summary['seconds']}s; results in {out / 'results.json'}")
-    sys.exit(0 if ok == len(verdicts) else 1)
+    click.echo(f"{ok}/{len(rows)} task images built and checked on {where} in "
+               f"{summary['seconds']}s; store {summary['store']}; results in "
+               f"{out / 'results.json'}")
+    sys.exit(0 if ok == len(rows) else 1)

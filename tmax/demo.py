@@ -1,10 +1,11 @@
 """`tmax demo`: the main job on its embedded defaults.
 
-Today it exercises the foundation end to end: it loads the example tasks, brings up a local
-Slurm cluster (unless SLURM_CONF points at one), submits one Slurm job per (task, mode) with
-submitit, and in each job builds the task's sandbox, runs the reference solution (oracle)
-or nothing (nop), then the verifier. It prints the table of rewards and writes
-``results.json`` into the run folder. Later stages (images, fleet, training) grow from here.
+Today it runs the foundation end to end: it loads the example tasks, builds the base image
+once, brings up a local Slurm cluster (unless SLURM_CONF points at one), and submits one
+Slurm job per task with submitit. Each job builds the task's SIF into the shared store
+(content-addressed: unchanged tasks are reused) and checks it in real sandboxes of the
+local runtime: the untouched environment must score below 1, the reference solution 1.
+Later stages (the fleet, rollouts, training) grow from here.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from tmax.tasks import find_tasks, load_task
 log = logging.getLogger(__name__)
 
 
-def check_job(task_path: str, mode: str) -> dict:
-    """Runs on a Slurm node: one sandboxed check of one task."""
-    from tmax.tasks.check import check_task
+def build_job(task_path: str, store: str, cache: str, force: bool) -> dict:
+    """Runs on a Slurm node: build (or reuse) and check one task's image."""
+    from tmax.images import open_builds
 
-    result = check_task(load_task(task_path), mode)  # type: ignore[arg-type]
+    builds = open_builds(store, builder="auto", cache_dir=cache)
+    result = builds.build(load_task(task_path), force=force)
     return {**result.to_dict(), "node": os.environ.get("SLURMD_NODENAME", "")}
 
 
@@ -51,7 +53,7 @@ class LocalCluster:
 
     def _call(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([self.helper, *args, "--dir", str(self.dir)], text=True,
-                              capture_output=True, timeout=timeout)
+                              capture_output=True, timeout=timeout, check=False)
 
     def __enter__(self) -> str:
         status = self._call("status", "-o", "json", timeout=30)
@@ -70,43 +72,52 @@ class LocalCluster:
                 log.warning("local Slurm cluster did not stop cleanly: %s", down.stderr)
 
 
-def run_on_slurm(jobs: list[tuple[str, str]], folder: Path) -> list[dict]:
+def run_on_slurm(fn, args: list[list], folder: Path, cpus: int) -> list[dict]:
+    """One Slurm job per argument tuple (a submitit job array); results in order."""
     import submitit
     from tqdm import tqdm
 
     executor = submitit.AutoExecutor(folder=folder / "submitit", cluster="slurm")
-    executor.update_parameters(timeout_min=15, cpus_per_task=1, slurm_partition="debug",
+    executor.update_parameters(timeout_min=30, cpus_per_task=cpus, slurm_partition="debug",
                                name="tmax-demo")
-    submitted = executor.map_array(check_job, [j[0] for j in jobs], [j[1] for j in jobs])
-    with tqdm(total=len(submitted), desc="slurm jobs", unit="job") as bar:
-        pending = set(range(len(submitted)))
+    jobs = executor.map_array(fn, *args)
+    with tqdm(total=len(jobs), desc="slurm jobs", unit="job") as bar:
+        pending = set(range(len(jobs)))
         while pending:
-            done = {i for i in pending if submitted[i].done()}
+            done = {i for i in pending if jobs[i].done()}
             bar.update(len(done))
             pending -= done
             if pending:
                 time.sleep(1.0)
-    return [job.result() for job in submitted]
+    return [job.result() for job in jobs]
 
 
-def run_demo(tasks_dir: Path, out_dir: Path, slurm_dir: Path, nodes: int, cpus: int,
-             use_slurm: bool) -> dict:
+def run_demo(tasks_dir: Path, out_dir: Path, store: Path, cache: Path, slurm_dir: Path, *,
+             nodes: int, cpus: int, use_slurm: bool, force: bool = False) -> dict:
+    from tmax.images import open_builds
+
     tasks = [load_task(p) for p in find_tasks(tasks_dir)]
-    jobs = [(str(t.root.resolve()), mode) for t in tasks for mode in ("oracle", "nop")]
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    builds = open_builds(store, builder="auto", cache_dir=cache, check=False)
+    bases = sorted({builds.plan(t).base for t in tasks})
+    for base in bases:  # once, here, before the per-task jobs fan out
+        log.warning("base image %s: building if missing (a few minutes the first time)", base)
+        builds.ensure_base(base)
+    args = [[str(t.root.resolve()) for t in tasks], [str(store)] * len(tasks),
+            [str(cache)] * len(tasks), [force] * len(tasks)]
     if not use_slurm:
-        results = [check_job(path, mode) for path, mode in jobs]
+        results = [build_job(*a) for a in zip(*args)]
     elif os.environ.get("SLURM_CONF"):
-        results = run_on_slurm(jobs, out_dir)
+        results = run_on_slurm(build_job, args, out_dir, cpus)
     else:
         with LocalCluster(slurm_dir, nodes, cpus) as conf:
             os.environ["SLURM_CONF"] = conf
             try:
-                results = run_on_slurm(jobs, out_dir)
+                results = run_on_slurm(build_job, args, out_dir, cpus)
             finally:
                 os.environ.pop("SLURM_CONF", None)
-    summary = {"tasks": len(tasks), "jobs": len(jobs),
+    summary = {"tasks": len(tasks), "store": str(store),
                "seconds": round(time.monotonic() - started, 1),
                "nodes": sorted({r["node"] for r in results if r["node"]}),
                "results": results}

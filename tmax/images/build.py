@@ -136,7 +136,8 @@ class ImageBuilds:
             base = self.ensure_base(plan.base)
             with self.store.building(plan.digest):
                 if not force and (entry := self.is_current(plan)):
-                    return BuildResult(task.task_id, "cached", plan.digest)
+                    return BuildResult(task.task_id, "cached", plan.digest,
+                                       checks=entry.checks.model_dump() if entry.checks else None)
                 entry = self._build_locked(plan, base, start, check)
             return BuildResult(task.task_id, "built", plan.digest,
                                round(time.monotonic() - start, 1), log=entry.log,

@@ -98,10 +98,15 @@ def task_definition(env_dir: Path, table: list[tuple[str, str]], table_path: Pat
                     ) -> TaskDefinition:
     """The task's Apptainer definition (a Dockerfile goes through spython) and its base."""
     if (env_dir / "Dockerfile").is_file():
+        from spython.logger import bot
         from spython.main.parse.parsers import DockerParser
 
-        with contextlib.chdir(env_dir), contextlib.redirect_stdout(io.StringIO()):
-            recipe = DockerParser("Dockerfile").recipe
+        quiet, bot.level = bot.level, -3  # its warnings about COPY paths are not for users
+        try:
+            with contextlib.chdir(env_dir), contextlib.redirect_stdout(io.StringIO()):
+                recipe = DockerParser("Dockerfile").recipe
+        finally:
+            bot.level = quiet
         (stage,) = recipe.values() if len(recipe) == 1 else (list(recipe.values())[-1],)
         sections = {}
         if stage.files:

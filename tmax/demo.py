@@ -77,6 +77,9 @@ def run_on_slurm(fn, args: list[list], folder: Path, cpus: int) -> list[dict]:
     import submitit
     from tqdm import tqdm
 
+    # A cluster without accounting (the local one) makes submitit warn on every poll
+    # that sacct failed; job results still come back through its own files.
+    logging.getLogger("submitit").setLevel(logging.ERROR)
     executor = submitit.AutoExecutor(folder=folder / "submitit", cluster="slurm")
     executor.update_parameters(timeout_min=30, cpus_per_task=cpus, slurm_partition="debug",
                                name="tmax-demo")

@@ -410,3 +410,18 @@ def test_every_example_builds_and_passes_checks(checked_builds):
     for entry in manifest.tasks.values():
         assert entry.checks.oracle_reward == 1.0 and entry.checks.nop_reward < 1.0
     assert checked_builds.store.verify(deep=False) == []
+
+
+def test_identical_environments_share_one_image(builds, tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(EXAMPLES / "hello-world-file", tmp_path / "tasks" / name)
+    a = builds.build(load_task(tmp_path / "tasks" / "a"), check=False)
+    b = builds.build(load_task(tmp_path / "tasks" / "b"), check=False)
+    assert (a.status, b.status) == ("built", "reused") and a.digest == b.digest
+    tasks = builds.store.read().tasks
+    assert tasks["a"].sif == tasks["b"].sif
+    assert len(list((builds.store.root / "sif").iterdir())) == 1
+    # forcing a rebuild rewrites the shared file; both entries follow it
+    assert builds.build(load_task(tmp_path / "tasks" / "a"), force=True, check=False).status \
+        == "built"
+    assert builds.store.verify() == []

@@ -30,7 +30,7 @@ BUILD_FORMAT = "tmax-images-v1"  # bump when builders change what they produce
 @dataclass
 class BuildResult:
     task_id: str
-    status: str  # built | cached | failed
+    status: str  # built | cached | reused (another task's identical image) | failed
     digest: str = ""
     seconds: float = 0.0
     error: str = ""
@@ -138,8 +138,10 @@ class ImageBuilds:
                 if not force and (entry := self.is_current(plan)):
                     return BuildResult(task.task_id, "cached", plan.digest,
                                        checks=entry.checks.model_dump() if entry.checks else None)
-                entry = self._build_locked(plan, base, start, check)
-            return BuildResult(task.task_id, "built", plan.digest,
+                twin = None if force else self.same_image(plan)
+                entry = self._record(plan, twin, start, check) if twin else \
+                    self._build_locked(plan, base, start, check)
+            return BuildResult(task.task_id, "reused" if twin else "built", plan.digest,
                                round(time.monotonic() - start, 1), log=entry.log,
                                checks=entry.checks.model_dump() if entry.checks else None)
         except BuildError as e:
@@ -150,6 +152,31 @@ class ImageBuilds:
             reason = "disk full" if e.errno == errno.ENOSPC else str(e)
             return BuildResult(task.task_id, "failed", plan.digest,
                                round(time.monotonic() - start, 1), error=f"{reason} ({e})")
+
+    def same_image(self, plan: Plan) -> ImageEntry | None:
+        """Another task's entry with this digest (identical environments share one SIF)."""
+        for entry in self.store.read().tasks.values():
+            if entry.digest == plan.digest and self.store.path(entry.sif).exists():
+                return entry
+        return None
+
+    def _record(self, plan: Plan, twin: ImageEntry, start: float, check: bool) -> ImageEntry:
+        """This task's entry for an image built for another task (its own checks run)."""
+        checks = self._check(plan, twin.sif) if check else None
+        entry = twin.model_copy(update={
+            "task_id": plan.task.task_id, "built_at": now(), "checks": checks,
+            "build_seconds": round(time.monotonic() - start, 1)})
+        self.store.update(lambda m: m.tasks.__setitem__(plan.task.task_id, entry))
+        return entry
+
+    def _check(self, plan: Plan, sif_rel: str) -> Checks | None:
+        if self.checker is None:
+            return None
+        checks_log = f"logs/{plan.task.task_id}-{plan.digest}.checks.log"
+        checks = self.checker(plan.task, self.store.path(sif_rel), plan.definition.workdir,
+                              self.store.path(checks_log))
+        checks.log = checks_log
+        return checks
 
     def _build_locked(self, plan: Plan, base: BaseEntry, start: float, check: bool
                       ) -> ImageEntry:
@@ -168,18 +195,20 @@ class ImageBuilds:
             size, sha = self.store.publish(tmp / "image.sif", rel)
         finally:
             remove_tree(tmp)
-        checks = None
-        if check and self.checker is not None:
-            checks_log = f"logs/{task_id}-{plan.digest}.checks.log"
-            checks = self.checker(plan.task, self.store.path(rel), plan.definition.workdir,
-                                  self.store.path(checks_log))
-            checks.log = checks_log
+        checks = self._check(plan, rel) if check else None
         entry = ImageEntry(task_id=task_id, digest=plan.digest, sif=rel, size=size, sha256=sha,
                            base=plan.base, base_digest=plan.base_digest,
                            builder=self.builder.name, log=log_rel, built_at=now(),
                            build_seconds=round(time.monotonic() - start, 1),
                            workdir=plan.definition.workdir, checks=checks)
-        self.store.update(lambda m: m.tasks.__setitem__(task_id, entry))
+
+        def record(m) -> None:
+            m.tasks[task_id] = entry
+            for other in m.tasks.values():  # a forced rebuild replaced a shared file
+                if other.sif == rel:
+                    other.size, other.sha256 = size, sha
+
+        self.store.update(record)
         return entry
 
     def build_all(self, tasks: list[Task], *, jobs: int = 2, force: bool = False,

@@ -425,3 +425,30 @@ def test_identical_environments_share_one_image(builds, tmp_path):
     assert builds.build(load_task(tmp_path / "tasks" / "a"), force=True, check=False).status \
         == "built"
     assert builds.store.verify() == []
+
+
+@pytest.mark.sandbox
+def test_task_image_holds_neither_tests_nor_solution(builds, tmp_path):
+    """The verifier and the reference solution reach a sandbox only when copied in."""
+    from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.runtime.local import LocalRuntime
+
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\nCOPY data.txt /app/\n",
+        "environment/data.txt": "visible input\n",
+        "tests/test.sh": "#!/bin/bash\n# SECRET-VERIFIER-7f3a\nmkdir -p /logs/verifier\n"
+                         "echo 0 > /logs/verifier/reward.txt\n",
+        "solution/solve.sh": "#!/bin/bash\n# SECRET-SOLUTION-91c2\necho 42 > /app/answer.txt\n"})
+    result = builds.build(load_task(src), check=False)
+    sif = builds.store.path(builds.store.read().tasks["t"].sif)
+    runtime = LocalRuntime(tmp_path / "state", Path.home() / ".cache" / "tmax")
+    runtime.start("leakcheck", SandboxSpec(image=sif, workdir="/app"))
+    try:
+        probe = ("find /tests /solution -mindepth 1; cat /app/data.txt; "
+                 "grep -rl -e SECRET-VERIFIER-7f3a -e SECRET-SOLUTION-91c2 / "
+                 "--exclude-dir=proc --exclude-dir=sys --exclude-dir=dev 2>/dev/null; true")
+        out = runtime.exec("leakcheck", probe, timeout=120).output
+    finally:
+        runtime.stop("leakcheck")
+    assert result.status == "built"
+    assert out.strip() == "visible input"

@@ -1,0 +1,274 @@
+"""Sandfleet benchmarks (see issue 4): exec round trip, acquire latency, 64 concurrent
+episodes, controller capacity with simulated workers. Prints one JSON object per section.
+
+Usage: python benchmarks/sandfleet_bench.py --image IMAGE.sif [exec] [episodes] [capacity]
+(IMAGE.sif: any task or base image, e.g. from `tmax images ls`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+SANDFLEET = [sys.executable, "-m", "sandfleet.cli"]
+SIF = ""  # set from --image
+CACHE = Path(os.environ.get("TMAX_CACHE", Path.home() / ".cache" / "tmax"))
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summary(name, values, unit=1e3):
+    return {"what": name, "n": len(values), "p50_ms": round(pct(values, 0.5) * unit, 3),
+            "p99_ms": round(pct(values, 0.99) * unit, 3),
+            "mean_ms": round(statistics.mean(values) * unit, 3)}
+
+
+def fleet_up(root: Path, **config) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    state = root / "state"
+    data = {"provider": "local", "cache_dir": str(CACHE), "work_dir": str(root / "w"),
+            **config}
+    (root / "fleet.yaml").write_text(yaml.safe_dump(data))
+    subprocess.run([*SANDFLEET, "up", "--config", str(root / "fleet.yaml"), "--state-dir",
+                    str(state)], check=True, timeout=60)
+    return state
+
+
+def fleet_down(state: Path) -> None:
+    subprocess.run([*SANDFLEET, "down", "--state-dir", str(state)], check=True, timeout=180)
+
+
+# ---- exec round trip and acquire latency
+
+
+def bench_exec(root: Path, n: int) -> None:
+    from sandfleet.client import FleetClient
+    from sandfleet.runtime.local import LocalRuntime
+    from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.shell import ShellSession
+
+    state = fleet_up(root / "exec", min_nodes=1, max_nodes=1, cpus_per_node=4)
+    try:
+        with FleetClient(state) as fleet:
+            time.sleep(1)
+            acq = []
+            for _ in range(30):
+                t = time.perf_counter()
+                lease = fleet.acquire(SIF)
+                acq.append(time.perf_counter() - t)
+                lease.release()
+                time.sleep(0.25)  # let the previous sandbox's stop finish
+            print(json.dumps(summary("lease acquire (warm image cache, idle worker)", acq)))
+            with fleet.lease(SIF) as lease:
+                for _ in range(20):
+                    lease.run("true")
+                fleet_rt = []
+                for _ in range(n):
+                    t = time.perf_counter()
+                    lease.run("true")
+                    fleet_rt.append(time.perf_counter() - t)
+            print(json.dumps(summary("exec `true` through a lease (fleet)", fleet_rt)))
+    finally:
+        fleet_down(state)
+
+    # (a) the same persistent shell without the fleet, and a raw bash pipe on the host
+    rt = LocalRuntime(root / "rt-state", CACHE, owner="bench")
+    rt.start("b1", SandboxSpec(image=Path(SIF)))
+    try:
+        with ShellSession(rt, "b1") as shell:
+            for _ in range(20):
+                shell.run("true", 10)
+            direct = []
+            for _ in range(n):
+                t = time.perf_counter()
+                shell.run("true", 10)
+                direct.append(time.perf_counter() - t)
+        print(json.dumps(summary("exec `true` via ShellSession, no fleet", direct)))
+        # (b) v1.0 style: a fresh process per command restoring cwd and env from files
+        script = ('S=/tmp/.v10; [ -r $S.env ] && . $S.env 2>/dev/null; '
+                  'cd "$(cat $S.cwd 2>/dev/null || echo /)"; eval "$1"; r=$?; '
+                  'pwd > $S.cwd; export -p > $S.env; exit $r')
+        fresh = []
+        for _ in range(max(n // 5, 50)):
+            t = time.perf_counter()
+            rt.exec("b1", ["bash", "-c", script, "bash", "true"], timeout=10)
+            fresh.append(time.perf_counter() - t)
+        print(json.dumps(summary("exec `true`, fresh process per command (v1.0 style)",
+                                 fresh)))
+    finally:
+        rt.stop("b1")
+    proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, bufsize=0)
+    raw = []
+    for i in range(n + 20):
+        t = time.perf_counter()
+        proc.stdin.write(b"true; echo __m$?\n")
+        line = proc.stdout.readline()
+        assert line.startswith(b"__m")
+        if i >= 20:
+            raw.append(time.perf_counter() - t)
+    proc.stdin.close()
+    proc.wait()
+    print(json.dumps(summary("exec `true` via raw bash pipe on the host", raw)))
+
+
+# ---- 64 concurrent episodes
+
+
+async def episodes(state: Path, leases: int, commands: int) -> dict:
+    from sandfleet.client import AsyncFleetClient
+    from sandfleet.errors import InfraError
+
+    infra, results, durations = [], [], []
+
+    async def episode(i: int) -> None:
+        try:
+            async with AsyncFleetClient(state, client_id=f"c{i}") as client:
+                async with client.lease(SIF, memory_mb=256, wait_s=300) as lease:
+                    t = time.perf_counter()
+                    for k in range(commands):
+                        cmd = ["cd /tmp && mkdir -p ep && cd ep", f"echo {k} >> log",
+                               "ls -la / | wc -l", "python3 -c 'print(sum(range(10000)))'",
+                               "cat log | wc -l"][k % 5]
+                        r = await lease.run(cmd, timeout=60)
+                        results.append(r.exit_code)
+                    durations.append(time.perf_counter() - t)
+        except InfraError as e:
+            infra.append(f"{e.cause}: {e}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(episode(i) for i in range(leases)))
+    wall = time.perf_counter() - t0
+    return {"what": f"{leases} concurrent leases x {commands} commands", "wall_s": round(wall, 1),
+            "infra_failures": len(infra), "infra": infra[:5],
+            "commands": len(results), "nonzero_exits": sum(1 for c in results if c),
+            "commands_per_s": round(len(results) / wall, 1),
+            "episode_s_p50": round(pct(durations, 0.5), 2) if durations else None}
+
+
+def bench_episodes(root: Path, leases: int, commands: int) -> None:
+    state = fleet_up(root / "ep", min_nodes=1, max_nodes=1, cpus_per_node=2 * leases,
+                     memory_mb_per_node=256 * leases, lease_ttl_s=300)
+    try:
+        time.sleep(1)
+        print(json.dumps(asyncio.run(episodes(state, leases, commands))))
+    finally:
+        fleet_down(state)
+
+
+# ---- controller capacity with simulated workers
+
+
+async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients: int) -> dict:
+    from sandfleet.protocol import (Acquire, Connection, Heartbeat, Register, Release,
+                                    Server, new_id, read_controller_info)
+
+    info = read_controller_info(state)
+
+    async def fake_worker(req, payload, peer):
+        return {"started": True}
+
+    server = Server(fake_worker, info.token, name="fake-worker")
+    host, port = await server.start("127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    conns = [await Connection.open(info.address, info.token) for _ in range(4)]
+    ids = [f"sim{i}" for i in range(nodes)]
+    await asyncio.gather(*(conns[i % 4].request(Register(
+        id=new_id(), worker_id=w, name=w, address=address, node=f"node{i}", slots=slots,
+        memory_mb=slots * 4096)) for i, w in enumerate(ids)))
+    stop = asyncio.Event()
+
+    async def heartbeats():
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.gather(*(conns[i % 4].request(Heartbeat(id=new_id(), worker_id=w))
+                                   for i, w in enumerate(ids)))
+            await asyncio.sleep(max(0, 1.0 - (time.perf_counter() - t)))
+
+    cycles = 0
+
+    async def client(k: int):
+        nonlocal cycles
+        conn = await Connection.open(info.address, info.token)
+        while not stop.is_set():
+            grant, _ = await conn.request(Acquire(id=new_id(), image="/x.sif", cpus=2,
+                                                  client=f"c{k}", wait_s=30))
+            await conn.request(Release(id=new_id(), lease_id=grant["lease_id"]))
+            cycles += 1
+        await conn.close()
+
+    hb = asyncio.create_task(heartbeats())
+    tasks = [asyncio.create_task(client(k)) for k in range(clients)]
+    await asyncio.sleep(1.0)  # warm up
+
+    def cpu() -> float:
+        fields = Path(f"/proc/{info.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    start_cycles, t0, c0 = cycles, time.perf_counter(), cpu()
+    await asyncio.sleep(seconds)
+    done, wall, used = cycles - start_cycles, time.perf_counter() - t0, cpu() - c0
+    rss = int(next(line.split()[1] for line in Path(f"/proc/{info.pid}/status").read_text()
+                   .splitlines() if line.startswith("VmRSS")))
+    stop.set()
+    await asyncio.gather(*tasks, hb, return_exceptions=True)
+    for conn in conns:
+        await conn.close()
+    await server.close()
+    return {"what": f"controller capacity, {nodes} simulated nodes x {slots} slots, "
+                    f"{clients} concurrent clients", "cycles_per_s": round(done / wall),
+            "controller_cpu_s_per_s": round(used / wall, 2),
+            "cycles_per_controller_cpu_s": round(done / used) if used else None,
+            "controller_rss_mib": round(rss / 1024, 1)}
+
+
+def bench_capacity(root: Path, nodes: int, slots: int, seconds: float, clients: int) -> None:
+    state = fleet_up(root / "cap", min_nodes=0, max_nodes=1, cpus_per_node=slots,
+                     memory_mb_per_node=slots * 4096, heartbeat_s=1.0, lost_after_s=10)
+    try:
+        print(json.dumps(asyncio.run(capacity(state, nodes, slots, seconds, clients))))
+    finally:
+        fleet_down(state)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", nargs="*", default=["exec", "episodes", "capacity"])
+    parser.add_argument("--image", required=True, help="a SIF file to lease sandboxes of")
+    parser.add_argument("-n", type=int, default=500)
+    parser.add_argument("--leases", type=int, default=64)
+    parser.add_argument("--commands", type=int, default=25)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10)
+    args = parser.parse_args()
+    global SIF
+    SIF = str(Path(args.image).resolve())
+    root = Path(tempfile.mkdtemp(prefix="sfbench-"))
+    print(json.dumps({"machine": f"{os.cpu_count()} CPUs, "
+                      f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') >> 30} GiB",
+                      "root": str(root)}))
+    if "exec" in args.what:
+        bench_exec(root, args.n)
+    if "episodes" in args.what:
+        bench_episodes(root, args.leases, args.commands)
+    if "capacity" in args.what:
+        bench_capacity(root, args.nodes, args.slots, args.seconds, args.clients)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The fleet's configuration: one strict model, loaded from YAML (``configs/fleet.yaml``).
+
+Unknown keys are an error at load time. ``{user}`` in path fields is replaced by this
+user's name. The controller saves the resolved config as ``fleet.json`` in its state dir;
+workers read it from there, so a worker needs only the state dir and its name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sandfleet.runtime.base import default_owner
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class SlurmConfig(Strict):
+    """How worker jobs are asked of Slurm (``provider: slurm``)."""
+
+    partition: str | None = None
+    """Partition of the CPU nodes (``--partition``); the cluster default when unset."""
+    account: str | None = None
+    """``--account`` to charge; none when unset."""
+    qos: str | None = None
+    """``--qos``; none when unset."""
+    time_min: int = Field(default=240, ge=5)
+    """Walltime of a worker job, in minutes (before staggering)."""
+    stagger_min: int = Field(default=20, ge=0)
+    """Walltimes are staggered: job k gets ``time_min - (k % stagger_steps) * stagger_min /
+    stagger_steps`` minutes, so nodes do not all end at once."""
+    stagger_steps: int = Field(default=4, ge=1)
+    """How many distinct walltimes the stagger cycles through."""
+    drain_before_s: float = Field(default=900.0, ge=0)
+    """No new lease goes to a node whose job ends within this many seconds."""
+    extra_options: list[str] = Field(default_factory=list)
+    """More sbatch options, each as ``--key=value`` (e.g. ``--constraint=cpu``)."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines the job runs before the worker (``module load apptainer``...)."""
+    python: str | None = None
+    """The Python that runs the worker on the nodes; the controller's own when unset."""
+    poll_min_s: float = Field(default=2.0, gt=0)
+    """First interval of the batched ``squeue`` poll; it backs off while nothing changes."""
+    poll_max_s: float = Field(default=30.0, gt=0)
+    """Longest interval of the batched ``squeue`` poll."""
+    command_timeout_s: float = Field(default=60.0, gt=0)
+    """Timeout of each sbatch/squeue/scancel call."""
+
+
+class FleetConfig(Strict):
+    """One fleet: its controller, workers, leases and scaling."""
+
+    provider: Literal["local", "slurm"] = "local"
+    """Where workers run: local processes on this machine, or Slurm jobs."""
+    runtime: Literal["local", "apptainer"] = "local"
+    """The sandbox runtime workers use (``local``: bubblewrap; ``apptainer``: instances)."""
+    host: str = "127.0.0.1"
+    """Address the controller listens on (``0.0.0.0`` on a cluster)."""
+    advertise_host: str | None = None
+    """Host name or IP others use to reach the controller; derived from ``host`` (or this
+    node's address when ``host`` is a wildcard) when unset."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Controller port; 0 picks a free one (a restarted controller tries its old one)."""
+    worker_host: str = "127.0.0.1"
+    """Address workers listen on (``0.0.0.0`` on a cluster); they advertise the address
+    of the interface that routes to the controller."""
+    min_nodes: int = Field(default=0, ge=0)
+    """Workers kept up even when idle."""
+    max_nodes: int = Field(default=2, ge=1)
+    """Most workers (Slurm jobs, or local processes) at once."""
+    cpus_per_node: int = Field(default=8, ge=1)
+    """CPUs each worker hands out as lease slots (and asks Slurm for)."""
+    memory_mb_per_node: int = Field(default=16384, ge=256)
+    """Memory each worker hands out to leases (and asks Slurm for)."""
+    idle_s: float = Field(default=300.0, ge=0)
+    """A worker with no leases for this long is released (down to ``min_nodes``)."""
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    """Interval of worker heartbeats."""
+    lost_after_s: float = Field(default=3.5, gt=0)
+    """A worker silent this long is lost: its leases fail with NodeLost."""
+    lease_ttl_s: float = Field(default=300.0, gt=0)
+    """Default lease TTL: a lease expires this long after its last renewal or exec."""
+    acquire_wait_s: float = Field(default=600.0, ge=0)
+    """Default time an acquire queues for capacity before CapacityTimeout."""
+    max_lease_s: float = Field(default=4 * 3600.0, gt=0)
+    """Hard lifetime of every sandbox (holds even if every daemon dies)."""
+    sandbox_start_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a worker may take to start one sandbox (image unpacking included)."""
+    worker_grace_s: float = Field(default=60.0, gt=0)
+    """A worker that cannot reach its controller this long stops its sandboxes and exits."""
+    scale_interval_s: float = Field(default=1.0, gt=0)
+    """How often the scaler compares desired and current workers."""
+    submit_per_tick: int = Field(default=8, ge=1)
+    """Most worker submissions per scaler tick (polite to the scheduler)."""
+    work_dir: str = "/tmp/sandfleet-{user}"
+    """Node-local directory for sandbox state (one subdirectory per worker)."""
+    cache_dir: str = "/tmp/sandfleet-{user}/cache"
+    """Node-local image cache (unpacked root filesystems), shared by the node's workers."""
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    """Slurm settings, used when ``provider`` is ``slurm``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> FleetConfig:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} > max_nodes {self.max_nodes}")
+        if self.lost_after_s < self.heartbeat_s * 2:
+            raise ValueError("lost_after_s must be at least two heartbeat periods")
+        return self
+
+    def path(self, field: str) -> Path:
+        """A path field with ``{user}`` filled in."""
+        return Path(getattr(self, field).replace("{user}", default_owner())).expanduser()
+
+    def with_overrides(self, **changes) -> FleetConfig:
+        """A copy with some fields changed (validated like a loaded config)."""
+        data = self.model_dump()
+        data.update({k: v for k, v in changes.items() if v is not None})
+        return FleetConfig.model_validate(data)
+
+
+def load_config(path: str | os.PathLike | None = None) -> FleetConfig:
+    """The config in ``path`` (YAML or JSON); the defaults when ``path`` is None."""
+    if path is None:
+        return FleetConfig()
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+    try:
+        return FleetConfig.model_validate(data or {})
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,573 @@
+"""The fleet worker (``sandfleet worker``): one per node job, owning operations.
+
+A worker starts its runtime, serves clients *and* the controller on one TCP server (same
+fleet token), registers with the controller named in the state dir and heartbeats every
+``heartbeat_s``. The controller asks it to start and stop sandboxes; lease holders call it
+directly for ``exec`` (the lease's persistent shell: one per lease, one command at a time),
+``put`` and ``get`` (tar streams). Each of those renews the lease locally; heartbeats carry
+every lease's idle time and whether a command pins it, and the controller renews from
+them. Blocking runtime calls run in a thread pool sized for the node's slots, never on the
+event loop.
+
+Cleanup it owns:
+
+- At start, every sandbox left in its runtime state dir (a previous run under the same
+  name, e.g. a requeued job) is reaped: a shell's state cannot survive its worker, so such
+  leases are not silently resumed; the controller fails them as lost. So are the
+  sandboxes and work dirs of this fleet's dead workers on the node (worker.json names a
+  dead process), e.g. one killed with SIGKILL.
+- A sandbox whose lease the controller no longer knows (heartbeat reply) is stopped.
+- A sandbox that dies under it is reported ``lost`` in the next heartbeat.
+- If the controller stays unreachable for ``worker_grace_s``, it stops every sandbox and
+  exits; SIGTERM (scancel, ``down``) does the same at once. Each sandbox's hard lifetime
+  holds even if the worker is killed with SIGKILL.
+
+Files: ``put`` unpacks the client's tar on the host with tarfile's ``data`` filter after
+checking every member lies under the one top-level name the request declares (absolute
+paths, ``..``, links out and device files are refused: BadRequest), then ``copy_in``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import posixpath
+import shutil
+import signal
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from sandfleet.config import FleetConfig
+from sandfleet.errors import InfraError, SandboxLost
+from sandfleet.protocol import (
+    MAX_PAYLOAD_BYTES,
+    BadRequest,
+    Connection,
+    Exec,
+    ExecReply,
+    Get,
+    Heartbeat,
+    LeaseActivity,
+    Peer,
+    Ping,
+    Put,
+    Register,
+    RemoteError,
+    Server,
+    Shutdown,
+    StartSandbox,
+    StopSandbox,
+    UnknownLease,
+    new_id,
+    parse_address,
+    read_controller_info,
+    write_private,
+)
+from sandfleet.runtime import get_runtime
+from sandfleet.runtime.base import ExecResult, SandboxSpec, proc_start_time
+from sandfleet.shell import ShellSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """A lease this worker runs a sandbox for."""
+
+    lease_id: str
+    spec: SandboxSpec
+    shell: Any = None
+    ready: asyncio.Future | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    running: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+    lost: str | None = None
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def activity(self) -> LeaseActivity:
+        return LeaseActivity(idle_s=round(time.monotonic() - self.last_activity, 3),
+                             pinned=self.running > 0)
+
+
+def fleet_key(state_dir: Path) -> str:
+    return hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:10]
+
+
+def address_towards(host: str) -> str:
+    """This machine's IP on the interface that routes to ``host``."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def unpack_checked(data: bytes, name: str, dest: Path) -> Path:
+    """Unpack a put's tar into ``dest``; every member must lie under ``name``."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            if not members:
+                raise BadRequest("put: empty archive")
+            for member in members:
+                parts = PurePosixPath(member.name).parts
+                if member.name.startswith("/") or ".." in parts or not parts \
+                        or parts[0] != name:
+                    raise BadRequest(f"put: member {member.name!r} escapes {name!r}")
+            tar.extractall(dest, members=members, filter="data")
+    except tarfile.FilterError as e:
+        raise BadRequest(f"put: unsafe archive: {e}") from None
+    except tarfile.TarError as e:
+        raise BadRequest(f"put: not a tar archive: {e}") from None
+    return dest / name
+
+
+class Worker:
+    """One worker process (see the module doc). ``await Worker(...).run()``."""
+
+    def __init__(self, state_dir: Path, name: str, config: FleetConfig, *,
+                 runtime: Any | None = None):
+        self.state_dir = Path(state_dir).resolve()
+        self.name, self.config = name, config
+        self.worker_id = f"{name}-{os.urandom(3).hex()}"
+        self.node = socket.gethostname()
+        self.job_id = os.environ.get("SLURM_JOB_ID", "")
+        self.work = config.path("work_dir") / fleet_key(self.state_dir) / name
+        self.work.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if runtime is None:
+            kwargs: dict[str, Any] = {"state_dir": self.work / "runtime"}
+            if config.runtime == "local":
+                kwargs["cache_dir"] = config.path("cache_dir")
+            runtime = get_runtime(config.runtime, **kwargs)
+        self.runtime = runtime
+        self.leases: dict[str, Held] = {}
+        self.lost: dict[str, str] = {}
+        self.executor = ThreadPoolExecutor(max_workers=max(16, 4 * config.cpus_per_node),
+                                           thread_name_prefix="worker")
+        self.token = ""
+        self.address = ""
+        self._server: Server | None = None
+        self._conn: Connection | None = None
+        self._stopping = asyncio.Event()
+        self._leaving = ""
+        self._tasks: set[asyncio.Task] = set()
+        self.ends_at = _job_end_time()
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- lifecycle
+
+    async def run(self) -> None:
+        write_private(self.work / "worker.json", json.dumps({
+            "pid": os.getpid(), "pid_start": proc_start_time(os.getpid()),
+            "worker_id": self.worker_id, "state_dir": str(self.state_dir)}))
+        if self.job_id and self.ends_at is None:
+            self.ends_at = await self._call(_squeue_end_time, self.job_id)
+        old = await self._call(self.runtime.reap, ())
+        if old:
+            log.warning("reaped %d sandboxes left by an earlier run: %s", len(old), old)
+        for line in await self._call(lambda: reap_dead_workers(
+                self.work.parent, self.config, keep=self.name)):
+            log.warning("%s", line)
+        info = await self._wait_controller()
+        if info is None:
+            log.error("no controller in %s after %.0fs; exiting", self.state_dir,
+                      self.config.worker_grace_s)
+            return
+        self.token = info.token
+        self._server = Server(self.handle, self.token, name=f"worker {self.name}")
+        host, port = await self._server.start(self.config.worker_host, 0)
+        advertise = host if host not in ("0.0.0.0", "::") else \
+            address_towards(parse_address(info.address)[0])
+        self.address = f"{advertise}:{port}"
+        log.info("worker %s serving at %s", self.worker_id, self.address)
+        try:
+            await self._heartbeats()
+        finally:
+            await self.shutdown()
+
+    def request_stop(self, why: str = "") -> None:
+        self._leaving = self._leaving or why
+        self._stopping.set()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        if self._leaving and self.leases:
+            await self._say_goodbye()
+        await asyncio.sleep(0.05)  # let a shutdown request's reply go out
+        if self._server is not None:
+            await self._server.close()
+        leases = list(self.leases)
+        await asyncio.gather(*(self._stop(lid, "worker shutting down") for lid in leases),
+                             return_exceptions=True)
+        await self._call(self.runtime.reap, ())
+        if not await self._call(self.runtime.list_running):
+            shutil.rmtree(self.work, ignore_errors=True)  # nothing left to find later
+        for task in list(self._tasks):
+            task.cancel()
+        if self._conn is not None:
+            await self._conn.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        log.info("worker %s stopped", self.worker_id)
+
+    async def _say_goodbye(self) -> None:
+        """Tell the controller this worker exits, so its leases fail now (NodeLost)."""
+        try:
+            conn = await self._controller()
+            await conn.request(Heartbeat(id=new_id(), worker_id=self.worker_id,
+                                         leaving=self._leaving), timeout=2)
+        except (ConnectionError, OSError, RemoteError) as e:
+            log.info("goodbye not delivered: %s", e)
+
+    async def _wait_controller(self):
+        deadline = time.monotonic() + self.config.worker_grace_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            info = read_controller_info(self.state_dir)
+            if info is not None:
+                return info
+            await asyncio.sleep(min(self.config.heartbeat_s, 1.0))
+        return None
+
+    async def _controller(self) -> Connection:
+        info = read_controller_info(self.state_dir)
+        if info is None:
+            raise ConnectionRefusedError(f"no controller.json in {self.state_dir}")
+        if self._conn is not None and (self._conn.closed or self._conn.address != info.address
+                                       or self._conn.token != info.token):
+            await self._conn.close()
+            self._conn = None
+        if self._conn is None:
+            self._conn = await Connection.open(info.address, info.token, timeout=5)
+        return self._conn
+
+    def _activity(self) -> dict[str, LeaseActivity]:
+        return {lid: held.activity() for lid, held in self.leases.items() if lid not in self.lost}
+
+    async def _register(self, conn: Connection) -> None:
+        reply, _ = await conn.request(Register(
+            id=new_id(), worker_id=self.worker_id, name=self.name, address=self.address,
+            node=self.node, slots=self.config.cpus_per_node,
+            memory_mb=self.config.memory_mb_per_node, job_id=self.job_id,
+            ends_at=self.ends_at, leases=self._activity()), timeout=10)
+        keep = set(reply.get("keep", []))
+        for lease_id in list(self.leases):
+            if lease_id not in keep:
+                self._spawn(self._stop(lease_id, "the controller does not know its lease"))
+
+    async def _heartbeats(self) -> None:
+        registered = False
+        last_ok = time.monotonic()
+        checked = 0.0
+        while not self._stopping.is_set():
+            try:
+                conn = await self._controller()
+                if not registered:
+                    await self._register(conn)
+                    registered = True
+                lost = dict(self.lost)
+                reply, _ = await conn.request(Heartbeat(
+                    id=new_id(), worker_id=self.worker_id, leases=self._activity(), lost=lost),
+                    timeout=max(2.0, 2 * self.config.heartbeat_s))
+                last_ok = time.monotonic()
+                for lease_id, reason in lost.items():
+                    if self.lost.get(lease_id) == reason:
+                        del self.lost[lease_id]
+                        self._spawn(self._stop(lease_id, "lost"))
+                if not reply.get("known", True):
+                    registered = False
+                    continue
+                for lease_id in reply.get("stop", []):
+                    self._spawn(self._stop(lease_id, "the controller ended its lease"))
+            except (ConnectionError, OSError, RemoteError) as e:
+                registered = registered and not isinstance(e, RemoteError)
+                silent = time.monotonic() - last_ok
+                log.warning("controller unreachable for %.1fs: %s", silent, e)
+                if silent > self.config.worker_grace_s:
+                    log.error("controller gone past the %.0fs grace: shutting down",
+                              self.config.worker_grace_s)
+                    self._leaving = ""  # nobody to tell
+                    return
+            if time.monotonic() - checked > 2.0:
+                checked = time.monotonic()
+                await self._check_sandboxes()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.heartbeat_s)
+
+    async def _check_sandboxes(self) -> None:
+        """Report leases whose sandbox died (max lifetime, killed processes)."""
+        try:
+            running = set(await self._call(self.runtime.list_running))
+        except Exception as e:  # noqa: BLE001 - a runtime hiccup must not end the loop
+            log.warning("list_running: %s", e)
+            return
+        for lease_id, held in list(self.leases.items()):
+            if held.ready is not None and held.ready.done() and not held.ready.exception() \
+                    and lease_id not in running and lease_id not in self.lost:
+                held.lost = self.lost[lease_id] = "the sandbox is no longer running"
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests
+
+    async def handle(self, req: Any, payload: bytes, peer: Peer):
+        if isinstance(req, Exec):
+            return await self._exec(req)
+        if isinstance(req, Put):
+            return await self._put(req, payload)
+        if isinstance(req, Get):
+            return await self._get(req)
+        if isinstance(req, StartSandbox):
+            return await self._start(req)
+        if isinstance(req, StopSandbox):
+            await self._stop(req.lease_id, req.reason)
+            return {"stopped": True}
+        if isinstance(req, Ping):
+            return {"role": "worker", "worker_id": self.worker_id, "leases": len(self.leases)}
+        if isinstance(req, Shutdown):
+            self._stopping.set()
+            return {"stopping": True}
+        raise BadRequest(f"a worker does not serve {req.type!r}")
+
+    def _held(self, lease_id: str) -> Held:
+        held = self.leases.get(lease_id)
+        if held is None or held.ready is None or not held.ready.done() \
+                or held.ready.exception() is not None:
+            raise UnknownLease(f"worker {self.worker_id} runs no sandbox for {lease_id}")
+        if held.lost:
+            raise SandboxLost(lease_id, held.lost)
+        return held
+
+    async def _start(self, req: StartSandbox) -> dict:
+        held = self.leases.get(req.lease_id)
+        if held is not None:  # a retried start: wait for the first one
+            await asyncio.shield(held.ready)
+            return {"started": True}
+        if self._stopping.is_set():
+            raise BadRequest("worker shutting down")
+        try:
+            spec = SandboxSpec.from_dict(req.spec)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad sandbox spec: {e}") from None
+        held = Held(req.lease_id, spec, ready=asyncio.get_running_loop().create_future())
+        self.leases[req.lease_id] = held
+        try:
+            await self._call(self.runtime.start, req.lease_id, spec)
+            shell = ShellSession(self.runtime, req.lease_id, cwd=spec.workdir)
+            await self._call(shell.start)
+        except BaseException as e:
+            self.leases.pop(req.lease_id, None)
+            held.ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            held.ready.exception()
+            await self._call(self.runtime.stop, req.lease_id)
+            raise
+        held.shell = shell
+        held.touch()
+        held.ready.set_result(True)
+        if self.leases.get(req.lease_id) is not held:  # stopped while starting
+            await self._teardown(held)
+        return {"started": True}
+
+    async def _stop(self, lease_id: str, reason: str) -> None:
+        held = self.leases.pop(lease_id, None)
+        self.lost.pop(lease_id, None)
+        if held is None:
+            return
+        log.info("stopping %s: %s", lease_id, reason)
+        if held.ready is not None and not held.ready.done():
+            return  # _start tears it down when it finishes
+        await self._teardown(held)
+
+    async def _teardown(self, held: Held) -> None:
+        if held.shell is not None:
+            with contextlib.suppress(Exception):
+                await self._call(held.shell.close)
+        await self._call(self.runtime.stop, held.lease_id)
+
+    async def _exec(self, req: Exec):
+        held = self._held(req.lease_id)
+        async with held.lock:
+            held.running += 1
+            held.touch()
+            try:
+                result: ExecResult = await self._call(held.shell.run, req.command, req.timeout)
+            except InfraError as e:
+                raise await self._lost_or(held, e) from None
+            finally:
+                held.running -= 1
+                held.touch()
+        reply = ExecReply(exit_code=result.exit_code, timed_out=result.timed_out,
+                          oom=result.oom, duration_s=result.duration_s)
+        return reply.model_dump(), result.output.encode("utf-8", "replace")
+
+    def _mark_lost(self, held: Held, reason: str) -> None:
+        if self.leases.get(held.lease_id) is held:
+            held.lost = self.lost[held.lease_id] = reason
+
+    async def _lost_or(self, held: Held, error: InfraError) -> InfraError:
+        """After an infrastructure error under a lease: SandboxLost (reported in the next
+        heartbeat) if its sandbox is gone, else ``error`` as it is."""
+        if isinstance(error, SandboxLost):
+            self._mark_lost(held, error.reason)
+            return error
+        if held.lease_id in await self._call(self.runtime.list_running):
+            return error
+        lost = SandboxLost(held.lease_id, f"the sandbox died ({error})")
+        self._mark_lost(held, lost.reason)
+        return lost
+
+    async def _put(self, req: Put, payload: bytes) -> dict:
+        dest = _abs_path(req.path)
+        if "/" in req.name or req.name in (".", ".."):
+            raise BadRequest(f"put: bad name {req.name!r}")
+        held = self._held(req.lease_id)
+        held.touch()
+
+        def work() -> None:
+            with tempfile.TemporaryDirectory(dir=self._xfer_dir()) as tmp:
+                src = unpack_checked(payload, req.name, Path(tmp))
+                self.runtime.copy_in(req.lease_id, src, dest)
+
+        async with held.lock:
+            held.running += 1
+            try:
+                await self._call(work)
+            except InfraError as e:
+                raise await self._lost_or(held, e) from None
+            finally:
+                held.running -= 1
+                held.touch()
+        return {"path": dest, "bytes": len(payload)}
+
+    async def _get(self, req: Get):
+        src = _abs_path(req.path)
+        held = self._held(req.lease_id)
+        held.touch()
+
+        def work() -> bytes:
+            name = posixpath.basename(src)
+            with tempfile.TemporaryDirectory(dir=self._xfer_dir()) as tmp:
+                local = Path(tmp) / "out" / name
+                self.runtime.copy_out(req.lease_id, src, local)
+                buf = io.BytesIO()
+                with tarfile.open(fileobj=buf, mode="w") as tar:
+                    tar.add(local, arcname=name)
+                if buf.tell() > MAX_PAYLOAD_BYTES:
+                    raise BadRequest(f"get: {src} is over {MAX_PAYLOAD_BYTES >> 20} MiB")
+                return buf.getvalue()
+
+        async with held.lock:
+            held.running += 1
+            try:
+                data = await self._call(work)
+            except InfraError as e:
+                raise await self._lost_or(held, e) from None
+            finally:
+                held.running -= 1
+                held.touch()
+        return {"path": src, "bytes": len(data)}, data
+
+    def _xfer_dir(self) -> Path:
+        path = self.work / "xfer"
+        path.mkdir(exist_ok=True)
+        return path
+
+
+def _abs_path(path: str) -> str:
+    norm = posixpath.normpath(path)
+    if not path.startswith("/") or norm in ("/", "//"):
+        raise BadRequest(f"need an absolute path to a file or directory, not {path!r}")
+    return norm
+
+
+def _job_end_time() -> float | None:
+    value = os.environ.get("SLURM_JOB_END_TIME")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _squeue_end_time(job_id: str) -> float | None:
+    """When Slurm job ``job_id`` hits its time limit (epoch seconds), from squeue."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
+                             text=True, timeout=30, check=False, stdin=subprocess.DEVNULL)
+        return time.mktime(time.strptime(out.stdout.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def worker_alive(work_dir: Path) -> bool:
+    """Whether the worker that owns ``work_dir`` (its worker.json) still runs."""
+    try:
+        data = json.loads((work_dir / "worker.json").read_text())
+        return proc_start_time(int(data["pid"])) == data["pid_start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def reap_dead_workers(root: Path, config: FleetConfig, *, keep: str = "",
+                      min_age_s: float = 3600.0) -> list[str]:
+    """Stop the sandboxes of this fleet's dead workers on this node and remove their work
+    dirs (``root`` = ``work_dir/<fleet key>``). A dir whose worker.json names a live
+    process is kept, and so is one without worker.json younger than ``min_age_s`` (a
+    worker starting now). What was removed, one line each."""
+    done = []
+    for work in sorted(root.iterdir()) if root.is_dir() else []:
+        if not work.is_dir() or work.name == keep or worker_alive(work):
+            continue
+        if not (work / "worker.json").exists():
+            try:
+                if time.time() - work.stat().st_mtime < min_age_s:
+                    continue
+            except OSError:
+                continue
+        kwargs: dict[str, Any] = {"state_dir": work / "runtime"}
+        if config.runtime == "local":
+            kwargs["cache_dir"] = config.path("cache_dir")
+        try:
+            reaped = get_runtime(config.runtime, **kwargs).reap(())
+        except Exception as e:  # noqa: BLE001 - one bad dir must not stop the others
+            log.warning("reaping %s: %s", work, e)
+            continue
+        shutil.rmtree(work, ignore_errors=True)
+        done.append(f"removed dead worker dir {work} ({len(reaped)} sandboxes reaped)")
+    return done
+
+
+def run_worker(state_dir: Path, name: str, config: FleetConfig | None = None) -> None:
+    """``sandfleet worker``: run until shutdown, SIGTERM, or the controller's grace ends."""
+    from sandfleet.controller import fleet_config_of
+
+    config = config or fleet_config_of(state_dir)
+
+    async def main() -> None:
+        worker = Worker(state_dir, name, config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            loop.add_signal_handler(sig, worker.request_stop,
+                                    f"{signal.Signals(sig).name} (job cancelled, preempted or "
+                                    "at its time limit)")
+        await worker.run()
+
+    asyncio.run(main())
+

@@ -55,6 +55,7 @@ from sandfleet.runtime.base import (
     kill_group,
     kill_process_group,
     proc_start_time,
+    write_json_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -127,9 +128,7 @@ class InstanceRecord:
             return None
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     def alive(self) -> bool:
         return proc_start_time(self.instance[0]) == self.instance[1]

@@ -15,6 +15,7 @@ sandbox and a symlink cannot point a copy at the host).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
@@ -171,6 +172,13 @@ def cap_output(data: bytes, limit: int = MAX_OUTPUT_BYTES) -> str:
     buf = OutputBuffer(limit)
     buf.write(data)
     return buf.text()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temp file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def proc_start_time(pid: int, *, zombie_ok: bool = False) -> int | None:

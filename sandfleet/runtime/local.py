@@ -83,6 +83,7 @@ from sandfleet.runtime.base import (
     default_owner,
     kill_group,
     proc_start_time,
+    write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
 
@@ -145,9 +146,7 @@ class SandboxRecord:
             return None
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     def alive(self) -> bool:
         return self.init is not None and proc_start_time(self.init[0]) == self.init[1]

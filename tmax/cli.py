@@ -57,7 +57,7 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force)
     click.echo(f"{'TASK':{width}}  IMAGE    NOP   ORACLE  NODE  SECONDS  CHECKS")
     for r in rows:
         c = r["checks"] or {}
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
         verdict = "ok" if c.get("ok") else (c.get("reason") or r["error"] or "-")
         click.echo(f"{r['task_id']:{width}}  {r['status']:7}  {fmt(c.get('nop_reward')):5} "
                    f"{fmt(c.get('oracle_reward')):7} {r['node'] or '-':5} {r['seconds']:7.1f}  "

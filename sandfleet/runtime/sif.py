@@ -92,7 +92,7 @@ def read_partition(path: Path | str) -> Partition:
 
 def _run(argv: list[str], timeout: float) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
@@ -141,6 +141,6 @@ def extract(sif: Path | str, dest: Path, *, timeout: float = 1800) -> Path:
               str(sif)], timeout)
         os.replace(tmp, dest)
     except BaseException:
-        subprocess.run(["rm", "-rf", "--one-file-system", str(tmp)], timeout=300)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(tmp)], timeout=300, check=False)
         raise
     return dest

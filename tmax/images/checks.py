@@ -32,9 +32,9 @@ class RuntimeBox:
 
     def run(self, command: str, timeout: float, cwd: str | None = None) -> int:
         result = self.runtime.exec(self.id, command, timeout=timeout, cwd=cwd or self.workdir)
-        self.log += [f"$ {command}", result.output.rstrip(),
-                     f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}"
-                     f"{', oom' if result.oom else ''}, {result.duration_s:.1f}s]"]
+        status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}"
+                  f"{', oom' if result.oom else ''}, {result.duration_s:.1f}s]")
+        self.log += [f"$ {command}", result.output.rstrip(), status]
         return result.exit_code
 
     def copy_in(self, src: Path, dest: str) -> None:

@@ -96,7 +96,7 @@ def environment_of(definition: Definition) -> dict[str, str]:
     if not script.strip():
         return {}
     proc = subprocess.run(["sh", "-c", f"{script}\nenv -0"], capture_output=True, text=True,
-                          env={"PATH": DEFAULT_PATH}, timeout=10)
+                          env={"PATH": DEFAULT_PATH}, timeout=10, check=False)
     env = {}
     for item in proc.stdout.split("\0"):
         key, sep, value = item.partition("=")
@@ -152,6 +152,6 @@ def copy_tree(src: Path, dest: Path) -> None:
 
 def remove_tree(path: Path) -> None:
     if path.exists():
-        subprocess.run(["rm", "-rf", "--one-file-system", str(path)], timeout=600)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(path)], timeout=600, check=False)
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)

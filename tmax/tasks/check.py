@@ -71,7 +71,7 @@ class HostSandbox:
         self.log.append(f"$ {command}")
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  start_new_session=True)
+                                  start_new_session=True, check=False)
         except subprocess.TimeoutExpired as e:
             self.log.append(f"[timed out after {timeout:g}s]")
             self.log.append((e.stdout or b"").decode(errors="replace")[-2000:]
@@ -127,27 +127,14 @@ def _parse_env(args: str) -> dict[str, str]:
 
 
 def _apply_definition(box: HostSandbox, task: Task) -> None:
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in task.definition.read_text().splitlines():
-        if line.strip().startswith("%"):
-            current = line.strip().split()[0][1:].lower()
-            sections.setdefault(current, [])
-        elif current:
-            sections[current].append(line)
-    for line in sections.get("files", []):
-        if line.strip() and not line.strip().startswith("#"):
-            src, *dest = shlex.split(line)
-            box.copy_in(task.environment_dir / src, dest[0] if dest else src)
-    env_script = "\n".join(sections.get("environment", []))
-    if env_script.strip():
-        out = subprocess.run(["sh", "-c", f"{env_script}\nenv -0"], capture_output=True,
-                             text=True, env={"PATH": box.spec.env["PATH"]}, timeout=10)
-        for item in out.stdout.split("\0"):
-            key, sep, value = item.partition("=")
-            if sep and key not in ("PWD", "SHLVL", "_"):
-                box.spec.env[key] = value
-    post = "\n".join(sections.get("post", []))
+    from tmax.images.definition import parse_definition
+    from tmax.images.rootfs import environment_of
+
+    definition = parse_definition(task.definition.read_text())
+    for src, dest in definition.files:
+        box.copy_in(task.environment_dir / src, dest)
+    box.spec.env.update(environment_of(definition))
+    post = definition.sections.get("post", "")
     if post.strip() and box.run(post, task.config.environment.build_timeout_sec, "/") != 0:
         raise RuntimeError("%post failed")
     box.spec.cwd = "/root"

@@ -18,7 +18,10 @@ def test_demo_builds_and_checks_images_in_slurm_jobs(local_slurm, image_store, t
     tasks = tmp_path / "tasks"
     shutil.copytree(EXAMPLES / "hello-world-file", tasks / "hello-world-file")
     make_task(tasks, "lazy", **{"tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\n"
-                                "echo 1 > /logs/verifier/reward.txt\n"})
+                                "echo 1 > /logs/verifier/reward.txt\n",
+                                # its own input, so its image is not hello-world-file's
+                                "environment/Dockerfile": "FROM python:3.11-slim\n"
+                                "WORKDIR /app\nRUN echo lazy > /app/marker\n"})
     out = tmp_path / "run"
     summary = run_demo(tasks, out, image_store.root, Path.home() / ".cache" / "tmax",
                        tmp_path / "unused", nodes=2, cpus=1, use_slurm=True)

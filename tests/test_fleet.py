@@ -408,6 +408,9 @@ def test_oom_is_a_result_and_a_killed_sandbox_is_sandbox_lost(shared, client, ba
         record = next(shared.work.glob(f"*/*/runtime/sandboxes/*-{lease.lease_id}"))
         init_pid = json.loads((record / "sandbox.json").read_text())["init"][0]
         os.kill(init_pid, signal.SIGKILL)  # the sandbox dies under its lease
+        deadline = time.monotonic() + 10  # its pid namespace is torn down asynchronously
+        while proc_start_time(init_pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
         with pytest.raises(SandboxLost):
             lease.run("true")
         with pytest.raises(SandboxLost):

@@ -302,7 +302,12 @@ def write_task(draft: TaskDraft, dest_parent: str | Path, *, overwrite: bool = F
         if final.exists():
             old = parent / f".{draft.task_id}.old-{os.getpid()}"
             os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if old is not None:
+                os.rename(old, final)  # put the previous version back
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -452,3 +452,23 @@ def test_task_image_holds_neither_tests_nor_solution(builds, tmp_path):
         runtime.stop("leakcheck")
     assert result.status == "built"
     assert out.strip() == "visible input"
+
+
+def test_a_builder_crash_fails_that_task_only(image_store, tmp_path):
+    """Unexpected tool failures (unsquashfs, cp) fail the task's result, not the whole run."""
+
+    class Crashing(LocalBuilder):
+        def build_task(self, task, env_dir, base_sif, out, log, timeout, network=True):
+            if "boom" in str(env_dir):
+                raise RuntimeError("unsquashfs failed (1): corrupt fragment")
+            return super().build_task(task, env_dir, base_sif, out, log, timeout, network)
+
+    builds = ImageBuilds(image_store, Crashing(Path.home() / ".cache" / "tmax"))
+    boom = make_task(tmp_path / "tasks", "boom")
+    fine = make_task(tmp_path / "tasks", "fine", **{"environment/x.txt": "x"})
+    results = {r.task_id: r for r in builds.build_all([load_task(boom), load_task(fine)],
+                                                       check=False, progress=False)}
+    assert results["boom"].status == "failed" and "corrupt fragment" in results["boom"].error
+    assert results["fine"].status == "built"
+    assert set(image_store.read().tasks) == {"fine"}
+    assert list((image_store.root / "tmp").iterdir()) == []

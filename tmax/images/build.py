@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import errno
 import logging
+import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sandfleet.runtime.sif import SifError
 from tmax.images.builders import Builder
 from tmax.images.definition import (
     BaseMappingError,
@@ -152,6 +154,10 @@ class ImageBuilds:
             reason = "disk full" if e.errno == errno.ENOSPC else str(e)
             return BuildResult(task.task_id, "failed", plan.digest,
                                round(time.monotonic() - start, 1), error=f"{reason} ({e})")
+        except (RuntimeError, SifError, subprocess.SubprocessError) as e:
+            # a base that will not unpack, a copy that failed: this task fails, others go on
+            return BuildResult(task.task_id, "failed", plan.digest,
+                               round(time.monotonic() - start, 1), error=str(e))
 
     def same_image(self, plan: Plan) -> ImageEntry | None:
         """Another task's entry with this digest (identical environments share one SIF)."""

@@ -410,6 +410,8 @@ def test_every_example_builds_and_passes_checks(checked_builds):
     for entry in manifest.tasks.values():
         assert entry.checks.oracle_reward == 1.0 and entry.checks.nop_reward < 1.0
     assert checked_builds.store.verify(deep=False) == []
+    # the checks unpacked each image privately and removed it after: nothing accumulates
+    assert list((Path.home() / ".cache" / "tmax" / "check-roots").iterdir()) == []
 
 
 def test_identical_environments_share_one_image(builds, tmp_path):
@@ -441,7 +443,7 @@ def test_task_image_holds_neither_tests_nor_solution(builds, tmp_path):
         "solution/solve.sh": "#!/bin/bash\n# SECRET-SOLUTION-91c2\necho 42 > /app/answer.txt\n"})
     result = builds.build(load_task(src), check=False)
     sif = builds.store.path(builds.store.read().tasks["t"].sif)
-    runtime = LocalRuntime(tmp_path / "state", Path.home() / ".cache" / "tmax")
+    runtime = LocalRuntime(tmp_path / "state", tmp_path / "cache")
     runtime.start("leakcheck", SandboxSpec(image=sif, workdir="/app"))
     try:
         probe = ("find /tests /solution -mindepth 1; cat /app/data.txt; "

@@ -94,16 +94,28 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
 
 def image_checker(cache_dir: Path, runtime: str = "auto"
                   ) -> Callable[[Task, Path, str, Path], Checks]:
-    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime."""
+    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime.
+
+    The local runtime unpacks each image it starts; for build-time checks that unpacked
+    root (the image's full size) is needed only for the two check sandboxes, so each check
+    gets a private cache that is removed right after: checking a thousand images must not
+    leave a thousand unpacked roots on the node.
+    """
     from sandfleet.runtime import get_runtime
 
     if runtime == "auto":
         runtime = "apptainer" if shutil.which("apptainer") else "local"
     state = Path(cache_dir) / "check-sandboxes"
-    kwargs = {"state_dir": state} | ({"cache_dir": Path(cache_dir)} if runtime == "local" else {})
-    rt = get_runtime(runtime, **kwargs)
+    if runtime != "local":
+        rt = get_runtime(runtime, state_dir=state)
+        return lambda task, sif, workdir, log_path: check_image(rt, runtime, task, sif,
+                                                                  workdir, log_path)
 
     def check(task: Task, sif: Path, workdir: str, log_path: Path) -> Checks:
-        return check_image(rt, runtime, task, sif, workdir, log_path)
+        roots = Path(cache_dir) / "check-roots"
+        roots.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="check-", dir=roots) as private:
+            rt = get_runtime("local", state_dir=state, cache_dir=Path(private))
+            return check_image(rt, "local", task, sif, workdir, log_path)
 
     return check

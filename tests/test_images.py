@@ -298,10 +298,10 @@ def test_cli_build_ls_verify(image_store, tmp_path, monkeypatch):
     assert res.exit_code == 1 and "BAD  task hello-world-file" in res.output
 
 
-def _build_and_hang(store_root: str, task_dir: str) -> None:
+def _build_and_hang(store_root: str, task_dir: str, cache: str) -> None:
     from tmax.images.store import ImageStore
 
-    b = ImageBuilds(ImageStore(store_root), LocalBuilder(Path.home() / ".cache" / "tmax"))
+    b = ImageBuilds(ImageStore(store_root), LocalBuilder(Path(cache)))
     b.build(load_task(task_dir), check=False)
 
 
@@ -309,7 +309,9 @@ def test_killed_build_leaves_no_entry_and_releases_its_lock(builds, tmp_path):
     src = make_task(tmp_path / "tasks", "t", **{
         "environment/Dockerfile": "FROM python:3.11-slim\nRUN touch /started && sleep 60\n"})
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_build_and_hang, args=(str(builds.store.root), str(src)))
+    # its own node cache: the half-built root it leaves behind goes with tmp_path
+    proc = ctx.Process(target=_build_and_hang,
+                       args=(str(builds.store.root), str(src), str(tmp_path / "cache")))
     proc.start()
     logs = builds.store.root / "logs"
     for _ in range(600):  # wait until the RUN step is running

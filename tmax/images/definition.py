@@ -7,12 +7,14 @@ import fnmatch
 import io
 import os
 import shlex
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 SECTIONS_WITH_ARGS = ("files",)
+_SPYTHON_LOCK = threading.Lock()
 
 
 @dataclass
@@ -101,12 +103,16 @@ def task_definition(env_dir: Path, table: list[tuple[str, str]], table_path: Pat
         from spython.logger import bot
         from spython.main.parse.parsers import DockerParser
 
-        quiet, bot.level = bot.level, -3  # its warnings about COPY paths are not for users
-        try:
-            with contextlib.chdir(env_dir), contextlib.redirect_stdout(io.StringIO()):
-                recipe = DockerParser("Dockerfile").recipe
-        finally:
-            bot.level = quiet
+        # Parsed by absolute path, never by changing directory: builds run in threads, and
+        # a chdir is process-wide (it once made one task read another's Dockerfile). The
+        # lock covers spython's global logger level and the stdout swap.
+        with _SPYTHON_LOCK:
+            quiet, bot.level = bot.level, -3  # its warnings about COPY paths are not for users
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    recipe = DockerParser(str(env_dir.resolve() / "Dockerfile")).recipe
+            finally:
+                bot.level = quiet
         (stage,) = recipe.values() if len(recipe) == 1 else (list(recipe.values())[-1],)
         sections = {}
         if stage.files:

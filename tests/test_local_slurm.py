@@ -15,20 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import local_slurm_cmd
+
 pytestmark = pytest.mark.slurm
-
-LOCAL_SLURM = Path(__file__).resolve().parents[1] / "bin" / "tmax-local-slurm"
-
-
-def local_slurm_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(LOCAL_SLURM), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
 
 
 def slurm(*argv: str, env: dict[str, str], timeout: float = 30) -> str:

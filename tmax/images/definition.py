@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-SECTIONS_WITH_ARGS = ("files",)
 _SPYTHON_LOCK = threading.Lock()
 
 

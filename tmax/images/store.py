@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -248,7 +247,3 @@ def tree_digest(root: Path) -> str:
         elif path.is_dir():
             parts += [rel, "dir"]
     return digest_of(*parts)
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True)

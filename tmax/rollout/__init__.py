@@ -1,0 +1,1 @@
+"""Rollouts: one episode of a task through the fleet, recorded as a ``Trajectory``."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "tasks"
 LOCAL_SLURM = REPO / "bin" / "tmax-local-slurm"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontrol")
 
@@ -85,6 +86,52 @@ def base_store():
 def base_sif(base_store) -> Path:
     """The SIF of the slim Debian base (python3, bash, coreutils, sqlite3, jq, ...)."""
     return base_store.path(base_store.read().bases["debian-slim"].sif)
+
+
+@pytest.fixture(scope="session")
+def example_store(base_store):
+    """A store with every example task's image, built with checks, kept between sessions
+    next to the base (content-addressed: only changed tasks are rebuilt).
+
+    The first build takes a few minutes; later sessions find them cached.
+    """
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+    from tmax.images.store import ImageStore
+    from tmax.tasks import find_tasks
+    from tmax.tasks.native import load_task
+
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    store = ImageStore(cache / "test-examples")
+    entry = base_store.read().bases["debian-slim"]
+    if store.read().bases.get("debian-slim") != entry:
+        target = store.path(entry.sif)
+        target.unlink(missing_ok=True)
+        os.link(base_store.path(entry.sif), target)
+        store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+    builds = ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    tasks = [load_task(p) for p in find_tasks(EXAMPLES)]
+    results = builds.build_all(tasks, jobs=2, progress=False)
+    failed = {r.task_id: r.error for r in results if r.status == "failed"}
+    assert not failed, f"example images failed to build: {failed}"
+    return store
+
+
+@pytest.fixture(scope="session")
+def example_fleet(tmp_path_factory):
+    """A local fleet (one worker, 8 CPUs: four 2-CPU sandboxes at once) for rollout tests."""
+    from tests.test_fleet import Fleet
+
+    root = tmp_path_factory.mktemp("example-fleet")
+    fleet = Fleet(root, root / "cache", min_nodes=1, cpus_per_node=8,
+                  memory_mb_per_node=16384)
+    try:
+        fleet.up()
+        fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+        yield fleet
+    finally:
+        fleet.down()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from tmax.tasks.reward import VerifierError, read_reward
 
 log = logging.getLogger(__name__)
 VERIFY_ENDS = ("submitted",)
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class LeaseShell:
@@ -98,6 +99,8 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             traj.timings["queue"] = round(lease.grant.queued_s, 4)
             traj.timings["start"] = round(max(0.0, granted - t0 - lease.grant.queued_s), 4)
             shell = LeaseShell(lease)
+            probe = await shell.run('printf %s "$PATH"', 30)
+            base_path = probe.output.strip() or DEFAULT_PATH
             budget = config.episode_budget_s or task.config.agent.timeout_sec
             deadline = lease.grant.granted_at + budget
             agent = Agent(policy, shell, config)
@@ -108,7 +111,7 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             traj.timings["agent"] = round(t_agent - granted, 4)
             _record_episode(traj, episode)
             if episode.end_reason in VERIFY_ENDS or config.verify_unfinished:
-                await _verify(traj, task, shell, workdir)
+                await _verify(traj, task, shell, workdir, base_path)
                 traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
             else:
                 traj.policy_failure = episode.end_reason
@@ -136,13 +139,23 @@ def _record_episode(traj: Trajectory, ep: Episode) -> None:
                   if c.prompt_ids is not None and c.completion_ids is not None]
 
 
-async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str) -> None:
-    """Remove stale rewards, copy tests/ to /tests, run test.sh, read the reward."""
+async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
+                  base_path: str) -> None:
+    """Remove stale rewards, copy tests/ to /tests, run test.sh, read the reward.
+
+    test.sh runs as ``/bin/bash`` with the PATH the sandbox had before the agent started
+    (plus the task's verifier env), so an agent cannot shadow ``bash`` or the tools the
+    verifier calls through PATH or shell functions. What this does not cover: an agent that
+    rewrites system files (it is root in its sandbox); tasks that care keep their checks in
+    tests/, which is copied in only now.
+    """
     timeout = task.config.verifier.timeout_sec
-    await shell.run("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier", 60)
+    await shell.run("rm -rf /logs/verifier /tests; mkdir -p /logs/verifier", 60)
     await shell.put_file(task.tests_dir, "/tests")
-    env = " ".join(f"{k}={_q(v)}" for k, v in task.config.verifier.env.items())
-    result = await shell.run(f"(cd {_q(workdir)} && {env} bash /tests/test.sh)", timeout)
+    env = " ".join(_q(f"{k}={v}") for k, v in
+                   {"PATH": base_path, **task.config.verifier.env}.items())
+    result = await shell.run(f"cd {_q(workdir)} && env {env} /bin/bash /tests/test.sh",
+                             timeout)
     traj.verifier_output = result.output[-4000:]
     if result.timed_out:
         traj.verifier_error = f"test.sh timed out after {timeout:g} s"

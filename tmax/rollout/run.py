@@ -181,4 +181,4 @@ def _q(value: str) -> str:
     return shlex.quote(value)
 
 
-__all__ = ["rollout", "TaskImages", "LeaseShell", "EpisodeContext", "ImageMissing"]
+__all__ = ["EpisodeContext", "ImageMissing", "LeaseShell", "TaskImages", "rollout"]

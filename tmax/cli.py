@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from tmax.agent.cli import serve_scripted
 from tmax.images.cli import images_group
 from tmax.tasks.cli import tasks_group
 
@@ -25,6 +26,7 @@ def main(verbose: int) -> None:
 
 main.add_command(tasks_group)
 main.add_command(images_group)
+main.add_command(serve_scripted)
 
 
 @main.command("demo")

@@ -31,14 +31,7 @@ def accelerator_report() -> dict:
     }
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
-    """TMax trainer: DPPO with infrastructure-failure masking."""
-
-
-@main.command("env")
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
-def env_cmd(output: str) -> None:
+def env_report(output: str) -> None:
     """What the trainer would run on here: torch build, GPUs, vLLM and DeepSpeed."""
     report = accelerator_report()
     if output == "json":
@@ -46,3 +39,51 @@ def env_cmd(output: str) -> None:
         return
     for key, value in report.items():
         click.echo(f"{key:15} {value if value not in (None, []) else '-'}")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"],
+                                 "ignore_unknown_options": True})
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Training config (YAML), e.g. configs/tiny-cpu.yaml; "
+              "default: the embedded tiny CPU defaults.")
+@click.option("--dry-run", is_flag=True, help="Print the resolved config and exit.")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
+              help="For `tmax-train env`.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.argument("overrides", nargs=-1)
+def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
+         overrides: tuple[str, ...]) -> None:
+    """Train a terminal agent with DPPO: tmax-train --config FILE [key=value ...]
+
+    Overrides use dotted keys (rollout.group_size=4 optim.lr=1e-5). The resolved config is
+    saved as RUN_DIR/config.yaml; a run dir with checkpoints resumes from the latest.
+    `tmax-train env` reports the torch build, GPUs, vLLM and DeepSpeed.
+    """
+    import logging
+
+    if overrides[:1] == ("env",):
+        env_report(output)
+        return
+    from tmax.train.config import TrainConfigError, load_train_config
+
+    try:
+        config = load_train_config(config_path, list(overrides))
+    except TrainConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if dry_run:
+        import yaml
+
+        click.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from tmax.train.loop import TrainError, read_metrics, train
+    from tmax.train.rollouts import RolloutsFailing
+
+    try:
+        run_dir = train(config, progress=not quiet)
+    except (TrainError, RolloutsFailing) as e:
+        raise click.ClickException(str(e)) from None
+    rows = read_metrics(run_dir)
+    curve = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
+    click.echo(f"reward per step: {curve}")
+    click.echo(f"run folder {run_dir}: metrics.jsonl, rollouts.jsonl, reward.png, checkpoints/")

@@ -1,0 +1,160 @@
+"""The training config: one strict model per section, loaded from YAML plus ``key=value``
+overrides (dotted keys, values parsed as YAML). Unknown keys are an error at load time.
+The resolved config is saved into the run folder (``config.yaml``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class TrainConfigError(Exception):
+    def __init__(self, source: str, problems: list[str]):
+        self.source, self.problems = source, problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Strict):
+    path: str | None = Field(None, description="A Hugging Face model dir (local path). "
+                             "None: build the tiny model from `tiny` and the task texts.")
+    n_layers: int = Field(2, ge=1, description="Tiny model: transformer layers.")
+    d_model: int = Field(128, ge=8, description="Tiny model: hidden size.")
+    n_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
+    vocab_size: int = Field(2048, ge=300, description="Tiny model: BPE vocabulary size.")
+    max_positions: int = Field(1024, ge=64, description="Tiny model: context length.")
+    fp32_lm_head: bool = Field(True, description="Compute the LM head (logits) in float32.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Trainer weights.")
+
+
+class SFTSection(_Strict):
+    steps: int = Field(0, ge=0, description="Supervised warm-start steps on the tasks' "
+                       "reference solutions (0: none).")
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(8, ge=1)
+
+
+class TasksSection(_Strict):
+    paths: list[str] = Field(default_factory=lambda: ["examples/tasks"],
+                             description="Task dirs or folders of tasks (globs allowed).")
+    difficulty: list[Literal["easy", "medium", "hard"]] = Field(
+        default_factory=list, description="Keep only these difficulties (empty: all).")
+    image_store: str | None = Field(None, description="Image store; default: the tmax "
+                                    "default store ($TMAX_IMAGE_STORE ...).")
+
+
+class FleetSection(_Strict):
+    state_dir: str | None = Field(None, description="A running fleet's state dir; None: "
+                                  "start a private local fleet for the run.")
+    concurrency: int = Field(8, ge=1, description="Rollouts running at once.")
+    abort_after_infra: int = Field(16, ge=1, description="Stop the run with an error when "
+                                   "this many rollouts in a row fail on infrastructure.")
+
+
+class AgentSection(_Strict):
+    config: str | None = Field(None, description="Agent config file (prompts, limits); "
+                               "default configs/agent.yaml.")
+    step_limit: int | None = Field(None, ge=1, description="Override: max tool calls.")
+    command_timeout_s: float | None = Field(None, gt=0, description="Override.")
+    episode_budget_s: float | None = Field(None, gt=0, description="Override.")
+
+
+class RolloutSection(_Strict):
+    group_size: int = Field(8, ge=2, description="Rollouts per prompt (task).")
+    groups_per_step: int = Field(4, ge=1, description="Usable groups per trainer step.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer "
+                               "divides logits by it too, so pi and mu match).")
+    max_new_tokens: int = Field(256, ge=1, description="Per assistant turn.")
+    async_steps: int = Field(4, ge=0, description="How many policy versions a rollout may "
+                             "lag behind the trainer (0: synchronous; older ones dropped).")
+
+
+class AlgoSection(_Strict):
+    loss: Literal["dppo", "grpo_clip"] = Field("dppo")
+    delta: float = Field(0.1, gt=0, description="DPPO divergence threshold.")
+    divergence: Literal["tv", "kl"] = Field("tv", description="binary TV or binary KL.")
+    ratio_cap: float = Field(10.0, gt=1, description="Cap on pi/mu.")
+    clip_eps: float = Field(0.2, gt=0, description="grpo_clip only.")
+    normalize_std: bool = Field(False, description="Divide advantages by the group std.")
+
+
+class OptimSection(_Strict):
+    lr: float = Field(1e-6, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward; "
+                                  "gradients accumulate over the step's batch.")
+
+
+class TrainConfig(_Strict):
+    """A TMax training run."""
+
+    name: str = "tiny-cpu"
+    out_dir: str = Field("runs/{name}", description="Run folder ({name} is substituted).")
+    seed: int = 0
+    steps: int = Field(20, ge=1, description="Trainer (optimizer) steps.")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Inference engine for rollouts.")
+    checkpoint_every: int = Field(5, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    model: ModelSection = Field(default_factory=ModelSection)
+    sft: SFTSection = Field(default_factory=SFTSection)
+    tasks: TasksSection = Field(default_factory=TasksSection)
+    fleet: FleetSection = Field(default_factory=FleetSection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algo: AlgoSection = Field(default_factory=AlgoSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir.format(name=self.name))
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise TrainConfigError("overrides", [f"{key}: {part} is not a section"])
+    node[parts[-1]] = value
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """The config from ``path`` (YAML) with ``key=value`` overrides applied."""
+    data: dict[str, Any] = {}
+    source = str(path) if path else "<defaults>"
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise TrainConfigError(source, [str(e)]) from None
+        if not isinstance(data, dict):
+            raise TrainConfigError(source, ["expected a mapping of settings"])
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise TrainConfigError("overrides", [f"{item!r}: write key=value, e.g. steps=50"])
+        set_dotted(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise TrainConfigError(source, [f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                        for err in e.errors()]) from None
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)

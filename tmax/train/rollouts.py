@@ -1,0 +1,192 @@
+"""Rollouts for the trainer: groups of episodes per task, async, with active sampling.
+
+``GroupSampler`` launches groups (``group_size`` rollouts of one task) in the background
+while the trainer steps; each rollout is stamped with the policy version that sampled it.
+``next_batch(n, version)`` returns ``n`` usable groups:
+
+- advantages are computed over a group's valid rollouts only (infra failures dropped); a
+  group with fewer than two valid rollouts, or whose valid rewards are all equal, carries
+  no gradient and is filtered; sampling goes on until ``n`` usable groups are ready
+  (active sampling);
+- groups sampled by a policy older than ``version - async_steps`` are dropped as stale;
+- ``async_steps == 0`` is synchronous: nothing is sampled while the trainer steps.
+
+If ``abort_after_infra`` rollouts in a row fail on infrastructure, ``next_batch`` raises
+``RolloutsFailing`` with the causes instead of letting the run train on nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tmax.agent.config import AgentConfig
+from tmax.rl import GroupAdvantages, group_advantages
+from tmax.rollout.run import rollout
+from tmax.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class RolloutsFailing(Exception):
+    """The fleet (or policy endpoint) keeps failing; the run stops rather than train on
+    nothing. Carries the failure causes seen."""
+
+    def __init__(self, count: int, causes: Counter):
+        self.count, self.causes = count, causes
+        what = ", ".join(f"{c} x{n}" for c, n in causes.most_common())
+        super().__init__(f"{count} rollouts in a row failed on infrastructure ({what}); "
+                         "check the fleet (`sandfleet status`, its logs) and the images "
+                         "(`tmax images ls`)")
+
+
+@dataclass
+class Group:
+    task: str
+    trajectories: list[Trajectory]
+    advantages: GroupAdvantages
+    launched_version: int
+    seconds: float
+
+    @property
+    def version(self) -> int:
+        """Oldest policy version among the group's sampled turns."""
+        versions = [t.policy_version for t in self.trajectories if t.policy_version is not None]
+        return min(versions, default=self.launched_version)
+
+
+@dataclass
+class SamplerStats:
+    groups_done: int = 0
+    groups_filtered: Counter = field(default_factory=Counter)
+    groups_stale: int = 0
+    rollouts: list[Trajectory] = field(default_factory=list)
+    """Rollouts finished since the last ``take_stats``."""
+
+
+class GroupSampler:
+    def __init__(self, tasks: list[Any], policy: Any, fleet: Any, images: Any,
+                 agent_config: AgentConfig, *, group_size: int, groups_per_step: int,
+                 concurrency: int, async_steps: int, abort_after_infra: int,
+                 normalize_std: bool = False, seed: int = 0, on_rollout=None):
+        self.tasks, self.policy, self.fleet, self.images = tasks, policy, fleet, images
+        self.agent_config = agent_config
+        self.group_size, self.groups_per_step = group_size, groups_per_step
+        self.async_steps, self.abort_after_infra = async_steps, abort_after_infra
+        self.normalize_std = normalize_std
+        self.on_rollout = on_rollout
+        self.slots = asyncio.Semaphore(concurrency)
+        self.rng = random.Random(seed)
+        self.order: list[Any] = []
+        self.ready: list[Group] = []
+        self.inflight = 0
+        self.wanted = 0
+        self.changed = asyncio.Event()
+        self.infra_streak, self.infra_causes = 0, Counter()
+        self.stats = SamplerStats()
+        self.error: BaseException | None = None
+        self._producer: asyncio.Task | None = None
+        self._groups: set[asyncio.Task] = set()
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        self._producer = asyncio.create_task(self._produce())
+
+    async def stop(self) -> None:
+        for task in [self._producer, *self._groups]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._producer, *self._groups] if t],
+                             return_exceptions=True)
+
+    # ---- producing
+
+    def _next_task(self) -> Any:
+        if not self.order:
+            self.order = list(self.tasks)
+            self.rng.shuffle(self.order)
+        return self.order.pop()
+
+    def _may_launch(self) -> bool:
+        usable = sum(1 for g in self.ready if g.advantages.kept)
+        if self.async_steps == 0:  # synchronous: only what the waiting step still needs
+            return self.wanted > 0 and usable + self.inflight < self.wanted
+        return self.inflight < self.groups_per_step and usable < 2 * self.groups_per_step
+
+    async def _produce(self) -> None:
+        while True:
+            while not self._may_launch():
+                self.changed.clear()
+                await self.changed.wait()
+            self.inflight += 1
+            task = asyncio.create_task(self._group(self._next_task(), self.policy.version))
+            self._groups.add(task)
+            task.add_done_callback(self._groups.discard)
+
+    async def _one(self, task: Any, trial: int) -> Trajectory:
+        async with self.slots:
+            traj = await rollout(task, self.policy, self.fleet, self.images,
+                                 self.agent_config, trial=trial)
+        if self.on_rollout is not None:
+            self.on_rollout(traj)
+        return traj
+
+    async def _group(self, task: Any, version: int) -> None:
+        t0 = time.monotonic()
+        try:
+            trajs = await asyncio.gather(*[self._one(task, i) for i in range(self.group_size)])
+            valid = [t.valid for t in trajs]
+            adv = group_advantages([t.score if t.valid else None for t in trajs], valid,
+                                   normalize_std=self.normalize_std)
+            self.stats.rollouts.extend(trajs)
+            for t in trajs:
+                if t.valid:
+                    self.infra_streak = 0
+                else:
+                    self.infra_streak += 1
+                    self.infra_causes[t.infra_failure.get("cause", "infra")] += 1
+            group = Group(task.task_id, trajs, adv, version, time.monotonic() - t0)
+            self.stats.groups_done += 1
+            if adv.kept:
+                self.ready.append(group)
+            else:
+                self.stats.groups_filtered[adv.reason] += 1
+        except Exception as e:  # noqa: BLE001 - surfaced to the trainer by next_batch
+            self.error = e
+        finally:
+            self.inflight -= 1
+            self.changed.set()
+
+    # ---- consuming
+
+    async def next_batch(self, n: int, version: int) -> list[Group]:
+        """``n`` usable groups no older than ``version - async_steps`` (waits for them)."""
+        self.wanted = n
+        self.changed.set()
+        try:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if self.infra_streak >= self.abort_after_infra:
+                    raise RolloutsFailing(self.infra_streak, self.infra_causes)
+                fresh = [g for g in self.ready if g.version >= version - self.async_steps]
+                self.stats.groups_stale += len(self.ready) - len(fresh)
+                self.ready = fresh
+                if len(self.ready) >= n:
+                    batch, self.ready = self.ready[:n], self.ready[n:]
+                    return batch
+                self.changed.clear()
+                await self.changed.wait()
+        finally:
+            self.wanted = 0
+            self.changed.set()
+
+    def take_stats(self) -> SamplerStats:
+        stats, self.stats = self.stats, SamplerStats()
+        return stats

@@ -90,12 +90,14 @@ class AsyncFleetClient:
         info = read_controller_info(self.state_dir)
         if info is None:
             raise ConnectionRefusedError(f"no controller.json in {self.state_dir}")
-        if self._ctl is not None and (self._ctl.closed or self._ctl.address != info.address):
-            await self._ctl.close()
-            self._ctl = None
-        if self._ctl is None:
-            self._ctl = await Connection.open(info.address, info.token, timeout=5)
-        return self._ctl
+        async with self._opening.setdefault("controller", asyncio.Lock()):  # open it once
+            if self._ctl is not None and (self._ctl.closed
+                                          or self._ctl.address != info.address):
+                await self._ctl.close()
+                self._ctl = None
+            if self._ctl is None:
+                self._ctl = await Connection.open(info.address, info.token, timeout=5)
+            return self._ctl
 
     async def _worker(self, address: str) -> Connection:
         conn = self._workers.get(address)

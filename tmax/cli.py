@@ -45,8 +45,15 @@ main.add_command(serve_scripted)
 @click.option("--cpus", default=1, show_default=True, help="CPUs per virtual node and job.")
 @click.option("--no-slurm", is_flag=True, help="Build in this process instead of Slurm jobs.")
 @click.option("--force", is_flag=True, help="Rebuild the task images even if unchanged.")
-def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force) -> None:
-    """The main job on its embedded defaults (see tmax.demo)."""
+@click.option("--train/--no-train", default=True, show_default=True,
+              help="After the images: train the tiny model with DPPO against the tasks.")
+@click.option("--train-config", type=click.Path(exists=True, dir_okay=False),
+              default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"),
+              show_default=True, help="Training config for the tiny run.")
+def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force, train,
+             train_config) -> None:
+    """The main job on its embedded defaults: build and check every task image in Slurm
+    jobs, then train the tiny CPU model with DPPO against them through a local fleet."""
     from tmax.demo import run_demo
     from tmax.images.cli import default_cache, default_store
 
@@ -69,4 +76,19 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force)
     click.echo(f"{ok}/{len(rows)} task images built and checked on {where} in "
                f"{summary['seconds']}s; store {summary['store']}; results in "
                f"{out / 'results.json'}")
-    sys.exit(0 if ok == len(rows) else 1)
+    if ok != len(rows):
+        sys.exit(1)
+    if train:
+        from tmax.train.config import load_train_config
+        from tmax.train.loop import read_metrics
+        from tmax.train.loop import train as run_training
+
+        config = load_train_config(train_config, [
+            f"out_dir={out / 'train'}", f"tasks.image_store={store or default_store()}",
+            f"tasks.paths=[{Path(tasks_dir).resolve()}]"])
+        click.echo(f"training {config.name}: {config.steps} DPPO steps on "
+                   f"{config.tasks.difficulty or 'all'} tasks (SFT warm start first)")
+        run_dir = run_training(config)
+        curve = [r["reward_mean"] for r in read_metrics(run_dir)]
+        click.echo("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
+        click.echo(f"training run in {run_dir} (metrics.jsonl, reward.png, checkpoints/)")

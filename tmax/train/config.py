@@ -105,6 +105,8 @@ class TrainConfig(_Strict):
     steps: int = Field(20, ge=1, description="Trainer (optimizer) steps.")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="Inference engine for rollouts.")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: "
+                                      "torch's default); 1 is fastest for the tiny model.")
     checkpoint_every: int = Field(5, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -148,10 +150,27 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
             raise TrainConfigError("overrides", [f"{item!r}: write key=value, e.g. steps=50"])
         set_dotted(data, key.strip(), yaml.safe_load(raw))
     try:
-        return TrainConfig.model_validate(data)
+        config = TrainConfig.model_validate(data)
     except ValidationError as e:
         raise TrainConfigError(source, [f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                                         for err in e.errors()]) from None
+    bases = [Path.cwd()] + ([Path(path).resolve().parent, Path(path).resolve().parent.parent]
+                            if path else [])
+    if config.agent.config:
+        config.agent.config = _resolve(config.agent.config, bases)
+    config.tasks.paths = [_resolve(p, bases) for p in config.tasks.paths]
+    return config
+
+
+def _resolve(path: str, bases: list[Path]) -> str:
+    """A relative path as given when it exists from the working directory, else from the
+    config file's folder or its parent (so shipped configs work from anywhere)."""
+    if Path(path).is_absolute() or any(c in path for c in "*?["):
+        return path
+    for base in bases:
+        if (base / path).exists():
+            return str(base / path) if base != Path.cwd() else path
+    return path
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

@@ -120,6 +120,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml")
     seed_everything(config.seed)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     agent_config = load_agent_config(config.agent.config, **{
         k: v for k, v in {"step_limit": config.agent.step_limit,
                           "command_timeout_s": config.agent.command_timeout_s,

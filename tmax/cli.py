@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from tmax.agent.cli import serve_scripted
+from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
 from tmax.tasks.cli import tasks_group
 
@@ -27,6 +28,8 @@ def main(verbose: int) -> None:
 main.add_command(tasks_group)
 main.add_command(images_group)
 main.add_command(serve_scripted)
+main.add_command(eval_cmd)
+main.add_command(report_cmd)
 
 
 @main.command("demo")

@@ -112,17 +112,19 @@ def test_format_errors_are_steps_with_a_corrective_message(example_fleet, images
         {"content": "I think the answer is obvious."},
         {"content": "```bash\nls\n```\n```bash\npwd\n```"},
         {"content": "", "tool_calls": [{"name": "python", "arguments": {"code": "1"}}]},
+        "echo a\x00b",
         HELLO,
     ]))
     traj = run(example_fleet, images, policy, protocol=protocol)
     assert (traj.reward, traj.end_reason, traj.format_errors, traj.steps) == \
-        (1.0, "submitted", 3, 2)
+        (1.0, "submitted", 4, 2)
     corrective = [m for m in traj.messages if str(m.get("content", "")).startswith(
         "Format error")]
     assert len(corrective) == traj.format_errors
+    assert "NUL byte" in corrective[-1]["content"]
     if protocol == "tools":
-        assert "unknown tool 'python'" in corrective[-1]["content"]
-        assert corrective[-1]["role"] == "tool" and corrective[-1]["tool_call_id"]
+        assert "unknown tool 'python'" in corrective[-2]["content"]
+        assert corrective[-2]["role"] == "tool" and corrective[-2]["tool_call_id"]
     else:
         assert "found 0 ```bash blocks" in corrective[0]["content"]
         assert "found 2 ```bash blocks" in corrective[1]["content"]

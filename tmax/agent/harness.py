@@ -219,8 +219,12 @@ class Agent:
         if self.use_tools:
             if not completion.tool_calls:
                 raise FormatError("no bash tool call in the reply")
-            return [(call.id, tool_command(call)) for call in completion.tool_calls]
-        return [(None, parse_text_command(completion.content))]
+            commands = [(call.id, tool_command(call)) for call in completion.tool_calls]
+        else:
+            commands = [(None, parse_text_command(completion.content))]
+        if any("\x00" in command for _, command in commands):
+            raise FormatError("the command contains a NUL byte, which no shell accepts")
+        return commands
 
     def _format_error(self, completion: Completion, error: str) -> None:
         ep, c = self.episode, self.config

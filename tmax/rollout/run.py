@@ -7,6 +7,9 @@ starts at the grant), ``verifier`` (copy tests in, run test.sh, read the reward)
 Infrastructure failures (the fleet's ``InfraError`` family, an unreachable policy endpoint)
 are caught here, at the boundary, and recorded as ``infra_failure`` with their cause; the
 trajectory keeps whatever the episode had done. Everything else the policy did is a result.
+An unexpected exception (a bug) is logged with its traceback and recorded as
+``infra_failure`` with cause ``internal_error``: masked in training, re-run in evaluation,
+counted in the infra-failure rate, so one bad episode never ends a long run.
 """
 
 from __future__ import annotations
@@ -120,6 +123,11 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         traj.infra_failure = e.to_dict()
         traj.reward = None
         log.info("%s trial %d: infra failure %s", task.task_id, trial, e)
+    except Exception as e:  # noqa: BLE001 - the rollout boundary: one bad episode must not end a run
+        log.exception("%s trial %d: unexpected error in the rollout", task.task_id, trial)
+        traj.infra_failure = {"error": type(e).__name__, "cause": "internal_error",
+                              "message": f"{type(e).__name__}: {e}"}
+        traj.reward = None
     finally:
         if episode is not None:
             _record_episode(traj, episode)

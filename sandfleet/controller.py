@@ -688,6 +688,7 @@ class Controller:
         self._spawn(self._start_lease(waiter, lease, node), f"start-{lease_id}")
 
     async def _start_lease(self, waiter: Waiter, lease: Lease, node: Node) -> None:
+        lease.queued_s = round(time.monotonic() - waiter.enqueued, 4)  # until a slot, not start
         try:
             await self._worker_rpc(node, StartSandbox(id=new_id(), lease_id=lease.lease_id,
                                                       spec=lease.spec),
@@ -716,7 +717,6 @@ class Controller:
             return
         now = time.time()
         lease.granted_at = lease.renewed_at = now
-        lease.queued_s = round(time.monotonic() - waiter.enqueued, 4)
         lease.state = "held"
         self.by_request[waiter.request.id] = lease.lease_id
         await self._log(lease.record())

@@ -298,6 +298,7 @@ class Grant(Message):
     granted_at: float
     """Wall-clock time of the grant: the rollout's time budget starts here."""
     queued_s: float
+    """Seconds the acquire waited for a free slot (the sandbox's start is not included)."""
     expires_at: float
     ttl_s: float
 

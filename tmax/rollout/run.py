@@ -94,13 +94,14 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         sif, workdir = await asyncio.to_thread(images.resolve, task)
         traj.image = sif
         env = task.config.environment
+        t_ask = time.monotonic()
         async with fleet.lease(sif, cpus=env.cpus, memory_mb=env.memory_mb,
                                network=env.network, ttl_s=lease_ttl_s,
                                workdir=workdir) as lease:
             granted = time.monotonic()
             traj.node = lease.grant.node
             traj.timings["queue"] = round(lease.grant.queued_s, 4)
-            traj.timings["start"] = round(max(0.0, granted - t0 - lease.grant.queued_s), 4)
+            traj.timings["start"] = round(max(0.0, granted - t_ask - lease.grant.queued_s), 4)
             shell = LeaseShell(lease)
             probe = await shell.run('printf %s "$PATH"', 30)
             base_path = probe.output.strip() or DEFAULT_PATH

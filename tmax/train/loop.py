@@ -129,7 +129,12 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
         if v is not None})
     tasks = load_training_tasks(config)
     model, tokenizer = prepare_model(config, tasks, run_dir, agent_config, progress)
+    if config.model.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     asyncio.run(_rl(config, run_dir, tasks, model, tokenizer, agent_config, progress))
+    from tmax.models.tiny import save_pretrained_dir
+
+    save_pretrained_dir(model, tokenizer, run_dir / "final")  # for `tmax eval --policy hf:...`
     return run_dir
 
 

@@ -76,7 +76,9 @@ def sequence_logprobs(model, input_ids, attention_mask, *, temperature: float,
     """``(logp, entropy)`` [B, T-1] of tokens 1..T-1 given their prefixes."""
     logits = logits_of(model, input_ids, attention_mask, fp32_head=fp32_head)[:, :-1]
     logits = logits / temperature
-    return token_logprobs(logits, input_ids[:, 1:]), entropy_from_logits(logits)
+    with torch.no_grad():  # a statistic only
+        entropy = entropy_from_logits(logits.detach())
+    return token_logprobs(logits, input_ids[:, 1:]), entropy
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

@@ -39,6 +39,10 @@ class SFTSection(_Strict):
                        "reference solutions (0: none).")
     lr: float = Field(3e-3, gt=0)
     batch_size: int = Field(8, ge=1)
+    difficulty: list[Literal["easy", "medium", "hard"]] = Field(
+        default_factory=list, description="SFT on the tasks of tasks.paths with these "
+        "difficulties (empty: the training tasks). More tasks than the RL trains on make a "
+        "policy that knows many solutions but not yet which task wants which.")
 
 
 class TasksSection(_Strict):
@@ -46,6 +50,8 @@ class TasksSection(_Strict):
                              description="Task dirs or folders of tasks (globs allowed).")
     difficulty: list[Literal["easy", "medium", "hard"]] = Field(
         default_factory=list, description="Keep only these difficulties (empty: all).")
+    include: list[str] = Field(default_factory=list, description="Keep only these task ids "
+                               "for RL (empty: all that match).")
     image_store: str | None = Field(None, description="Image store; default: the tmax "
                                     "default store ($TMAX_IMAGE_STORE ...).")
 

@@ -42,17 +42,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_training_tasks(config: TrainConfig) -> list[Any]:
+def load_training_tasks(config: TrainConfig, difficulty: list[str] | None = None) -> list[Any]:
     from tmax.tasks import find_tasks
     from tmax.tasks.native import load_task
 
+    wanted = config.tasks.difficulty if difficulty is None else difficulty
     paths = find_tasks(*config.tasks.paths)
     tasks = [load_task(p) for p in paths]
-    if config.tasks.difficulty:
-        tasks = [t for t in tasks if t.config.metadata.difficulty in config.tasks.difficulty]
+    if wanted:
+        tasks = [t for t in tasks if t.config.metadata.difficulty in wanted]
+    if config.tasks.include and difficulty is None:
+        missing = set(config.tasks.include) - {t.task_id for t in tasks}
+        if missing:
+            raise TrainError(f"tasks.include names {sorted(missing)}, not among the tasks "
+                             f"of {config.tasks.paths} with difficulty {wanted or 'any'}")
+        tasks = [t for t in tasks if t.task_id in config.tasks.include]
     if not tasks:
         raise TrainError(f"no tasks in {config.tasks.paths} with difficulty "
-                         f"{config.tasks.difficulty or 'any'}; check tasks.paths")
+                         f"{wanted or 'any'}; check tasks.paths")
     return sorted(tasks, key=lambda t: t.task_id)
 
 
@@ -86,7 +93,9 @@ def prepare_model(config: TrainConfig, tasks: list[Any], run_dir: Path, agent_co
     if config.sft.steps:
         from tmax.train.sft import sft, sft_conversation
 
-        conversations = [sft_conversation(t, agent_config) for t in tasks]
+        sft_tasks = load_training_tasks(config, config.sft.difficulty) \
+            if config.sft.difficulty else tasks
+        conversations = [sft_conversation(t, agent_config) for t in sft_tasks]
         losses = sft(model, tokenizer, conversations, steps=config.sft.steps,
                      lr=config.sft.lr, batch_size=config.sft.batch_size, seed=config.seed,
                      progress=progress)
@@ -259,7 +268,13 @@ def write_plots(run_dir: Path) -> list[Path]:
     steps = [r["step"] for r in rows]
     out = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward_mean"] for r in rows], marker="o")
+    rewards = [r["reward_mean"] for r in rows]
+    ax.plot(steps, rewards, marker="o", alpha=0.5, label="per step")
+    window = 5
+    smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
+              for i in range(len(rewards))]
+    ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window} steps")
+    ax.legend(loc="lower right")
     ax.set(xlabel="trainer step", ylabel="mean reward (rollouts)", ylim=(-0.02, 1.02),
            title=run_dir.name)
     ax.grid(alpha=0.3)

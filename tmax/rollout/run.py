@@ -124,7 +124,7 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         traj.infra_failure = e.to_dict()
         traj.reward = None
         log.info("%s trial %d: infra failure %s", task.task_id, trial, e)
-    except Exception as e:  # noqa: BLE001 - the rollout boundary: one bad episode must not end a run
+    except Exception as e:  # the rollout boundary: one bad episode must not end a run
         log.exception("%s trial %d: unexpected error in the rollout", task.task_id, trial)
         traj.infra_failure = {"error": type(e).__name__, "cause": "internal_error",
                               "message": f"{type(e).__name__}: {e}"}

@@ -195,6 +195,9 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent
                 groups = await sampler.next_batch(config.rollout.groups_per_step, step)
                 waited = time.monotonic() - t0
                 samples = samples_of(groups, trainer.max_len)
+                if not samples:
+                    raise TrainError("the step's rollouts carry no token ids: the inference "
+                                     "engine must report them (engine=transformers does)")
                 metrics = await asyncio.to_thread(trainer.step, samples)
                 await asyncio.to_thread(engine.update_weights, model.state_dict(),
                                         trainer.step_count)

@@ -16,14 +16,18 @@ def serve_scripted(script: str, host: str, port: int, model: str | None) -> None
     OpenAI-compatible endpoint; prints its base URL and serves until Ctrl-C.
 
     Point a policy at it as openai:scripted@URL."""
+    import signal
     import threading
 
     from tmax.agent.scripted_server import ScriptedServer
 
     kwargs = {"model": model} if model else {}
+    stop = threading.Event()
+    # explicit handlers: a process started in the background inherits SIGINT ignored
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     with ScriptedServer.from_file(script, host=host, port=port, **kwargs) as server:
         click.echo(server.url)
-        try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            click.echo("stopped", err=True)
+        while not stop.wait(0.5):
+            pass
+        click.echo("stopped", err=True)

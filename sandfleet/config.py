@@ -102,6 +102,9 @@ class FleetConfig(Strict):
     """Node-local directory for sandbox state (one subdirectory per worker)."""
     cache_dir: str = "/tmp/sandfleet-{user}/cache"
     """Node-local image cache (unpacked root filesystems), shared by the node's workers."""
+    cache_max_gb: float | None = Field(default=50.0, gt=0)
+    """Bound on that cache: least recently used roots not in use are removed past it
+    (None: unbounded)."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm settings, used when ``provider`` is ``slurm``."""
 

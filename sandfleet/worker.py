@@ -153,6 +153,7 @@ class Worker:
             kwargs: dict[str, Any] = {"state_dir": self.work / "runtime"}
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
+                kwargs["cache_max_gb"] = config.cache_max_gb
             runtime = get_runtime(config.runtime, **kwargs)
         self.runtime = runtime
         self.leases: dict[str, Held] = {}

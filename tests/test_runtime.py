@@ -379,3 +379,33 @@ def test_a_failed_start_leaves_nothing_behind(runtime, base_sif, monkeypatch):
     assert "broken" not in runtime.list_running()
     for parent in runtime.cgroups.parents.values():
         assert not (parent / runtime._cgroup_name("broken")).exists()
+
+
+@pytest.mark.sandbox
+def test_cache_evicts_least_recently_used_roots_but_never_one_in_use(example_store, tmp_path):
+    manifest = example_store.read()
+    a, b, c = (example_store.path(manifest.tasks[t].sif)
+               for t in ("hello-world-file", "count-log-lines", "sha256-digest"))
+    rt = LocalRuntime(tmp_path / "state", tmp_path / "cache", owner=OWNER,
+                      cache_max_gb=1e-6)  # ~1 KB: only what is in use (or just asked) stays
+    roots = tmp_path / "cache" / "rootfs"
+
+    def cached() -> set[str]:
+        return {d.name for d in roots.iterdir() if d.is_dir() and not d.name.startswith(".")}
+
+    rt.start("x", SandboxSpec(image=a))
+    try:
+        key_a = rt.rootfs(a).name
+        key_b = rt.rootfs(b).name          # over the bound: a is in use, so it stays
+        assert cached() == {key_a, key_b}
+        assert run(rt, "x", "cat /etc/debian_version").exit_code == 0
+    finally:
+        rt.stop("x")
+    key_c = rt.rootfs(c).name              # a and b are free now: both go
+    assert cached() == {key_c}
+    rt.start("y", SandboxSpec(image=c))    # the survivor still runs sandboxes
+    try:
+        assert run(rt, "y", "echo ok").output == "ok\n"
+    finally:
+        rt.stop("y")
+    assert not [p for p in roots.iterdir() if p.name.startswith(".evicted-")]

@@ -294,7 +294,7 @@ class LocalRuntime(CommandRuntime):
 
     def __init__(self, state_dir: Path, cache_dir: Path, owner: str | None = None, *,
                  cgroup_parent: str = "sandfleet", pids_max: int = 4096,
-                 start_timeout_s: float = 60.0):
+                 start_timeout_s: float = 60.0, cache_max_gb: float | None = None):
         self.state_dir = Path(state_dir).resolve()
         self.cache_dir = Path(cache_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
@@ -302,6 +302,7 @@ class LocalRuntime(CommandRuntime):
             if any(c in str(path) for c in ",:\\\n"):  # they go into overlay mount options
                 raise ValueError(f"{path}: ',', ':' and '\\' cannot appear in overlay paths")
         self.pids_max, self.start_timeout_s = pids_max, start_timeout_s
+        self.cache_max_bytes = None if cache_max_gb is None else int(cache_max_gb * 2**30)
         self.cgroups = Cgroups(cgroup_parent)
         self._scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:8]
         self._records: dict[str, SandboxRecord] = {}
@@ -375,6 +376,7 @@ class LocalRuntime(CommandRuntime):
             raise ImageMissing(str(image), e.strerror or str(e)) from None
         dest = self.cache_dir / "rootfs" / key
         if dest.is_dir():
+            _touch(dest)
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         with open(dest.parent / f"{key}.lock", "w") as lock:
@@ -387,7 +389,59 @@ class LocalRuntime(CommandRuntime):
                     raise ImageMissing(str(image), e.reason) from None
                 except (RuntimeError, subprocess.SubprocessError) as e:
                     raise ImageMissing(str(image), f"cannot unpack: {e}") from None
+                (dest.parent / f"{key}.size").write_text(str(_tree_size(dest)))
+        if self.cache_max_bytes is not None:
+            self.evict(self.cache_max_bytes, keep=key)
         return dest
+
+    def _pin(self, image: Path) -> tuple[Path, int]:
+        """The image's root and an fd holding a shared lock on it (for the sandbox leader)."""
+        for _ in range(3):
+            lower = self.rootfs(image)
+            fd = os.open(lower.parent / f"{lower.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if lower.is_dir():  # not evicted between rootfs() and the lock
+                return lower, fd
+            os.close(fd)
+        raise ImageMissing(str(image), "its unpacked root kept being evicted; raise "
+                           "cache_max_gb")
+
+    def evict(self, max_bytes: int, keep: str | None = None) -> list[str]:
+        """Remove least recently used roots not in use until the cache fits ``max_bytes``;
+        returns the keys removed."""
+        root = self.cache_dir / "rootfs"
+        entries = []
+        for d in root.iterdir() if root.is_dir() else ():
+            if d.is_dir() and not d.name.startswith("."):
+                size_file = root / f"{d.name}.size"
+                try:
+                    size = int(size_file.read_text())
+                except (OSError, ValueError):
+                    size = _tree_size(d)
+                entries.append((d.stat().st_mtime, d.name, size))
+        total = sum(e[2] for e in entries)
+        removed = []
+        for _, key, size in sorted(entries):
+            if total <= max_bytes:
+                break
+            if key == keep:
+                continue
+            with open(root / f"{key}.lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a sandbox (or an extraction) uses it
+                trash = root / f".evicted-{key}-{os.getpid()}"
+                try:
+                    os.rename(root / key, trash)
+                except FileNotFoundError:
+                    continue
+                (root / f"{key}.size").unlink(missing_ok=True)
+            shutil.rmtree(trash, ignore_errors=True)
+            total -= size
+            removed.append(key)
+            log.info("evicted unpacked image %s (%d MB) from %s", key, size >> 20, root)
+        return removed
 
     # ---- lifecycle
 
@@ -396,7 +450,13 @@ class LocalRuntime(CommandRuntime):
         missing = [t for t in TOOLS if shutil.which(t, path=DEFAULT_PATH) is None]
         if missing:
             raise SandboxStartError(sandbox_id, f"missing tools: {', '.join(missing)}")
-        lower = self.rootfs(spec.image)
+        lower, pin = self._pin(spec.image)
+        try:
+            self._start(sandbox_id, spec, lower, pin)
+        finally:
+            os.close(pin)  # the leader keeps its own copy for the sandbox's life
+
+    def _start(self, sandbox_id: str, spec: SandboxSpec, lower: Path, pin: int) -> None:
         home = self._dir(sandbox_id)
         with self._lock:
             if home.exists():
@@ -419,7 +479,7 @@ class LocalRuntime(CommandRuntime):
                                    now + spec.max_lifetime_s, (0, 0),
                                    cgroups=[str(p) for p in cgroups], cpus=cpus)
             try:
-                self._launch(record, spec, lower, home)
+                self._launch(record, spec, lower, home, pin)
                 record.env = {"PATH": DEFAULT_PATH, "HOME": "/root",
                               **self._image_env(sandbox_id), **spec.env}
                 record.save(home / "sandbox.json")
@@ -432,7 +492,7 @@ class LocalRuntime(CommandRuntime):
                 raise error from e
 
     def _launch(self, record: SandboxRecord, spec: SandboxSpec, lower: Path,
-                home: Path) -> None:
+                home: Path, pin: int) -> None:
         """Start the process tree; returns once pid 1 runs inside (record updated)."""
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
@@ -444,7 +504,7 @@ class LocalRuntime(CommandRuntime):
         try:
             with open(home / "init.log", "wb") as logfile:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logfile,
-                                        stderr=subprocess.STDOUT, pass_fds=(info_w, block_r),
+                                        stderr=subprocess.STDOUT, pass_fds=(info_w, block_r, pin),
                                         env={"PATH": DEFAULT_PATH}, start_new_session=True)
             self._children[record.sandbox_id] = proc
             record.leader = (proc.pid, proc_start_time(proc.pid) or 0)
@@ -576,3 +636,26 @@ class LocalRuntime(CommandRuntime):
         for sandbox_id in sorted(gone):
             self.stop(sandbox_id)
         return sorted(gone)
+
+
+def _touch(path: Path) -> None:
+    """Mark a cached root as used now (eviction removes the least recently used first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes used by the files under ``path`` (hard links counted once)."""
+    seen, total = set(), 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames + dirnames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total

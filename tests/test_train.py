@@ -21,7 +21,7 @@ from tmax.rollout.run import TaskImages
 from tmax.rollout.trajectory import Trajectory, Turn
 from tmax.tasks.native import load_task
 from tmax.train.config import AlgoSection, OptimSection, TrainConfigError, load_train_config
-from tmax.train.rollouts import Group, GroupSampler, RolloutsFailing
+from tmax.train.rollouts import Group, GroupSampler, NoUsableGroups, RolloutsFailing
 from tmax.train.trainer import Sample, Trainer, logits_of, samples_of
 
 HELLO = "echo 'hello world' > /app/hello.txt"
@@ -211,6 +211,18 @@ def test_stale_groups_are_dropped(example_fleet, example_store):
 def test_a_fleet_that_keeps_failing_stops_the_run(example_fleet, example_store):
     with pytest.raises(RolloutsFailing, match="policy_unavailable x"):
         sample_groups(example_fleet, example_store, Down([]), [lambda s: s.next_batch(1, 0)])
+
+
+@pytest.mark.sandbox
+def test_tasks_without_learning_signal_stop_the_run(example_fleet, example_store):
+    # the oracle solves every rollout: every group has zero std, none is usable
+    from tmax.agent.policies.simple import OraclePolicy
+
+    oracle = OraclePolicy()
+    oracle.version = 0
+    with pytest.raises(NoUsableGroups, match="zero_std x3"):
+        sample_groups(example_fleet, example_store, oracle, [lambda s: s.next_batch(1, 0)],
+                      give_up_after_groups=3)
 
 
 # ---- the tiny run

@@ -91,7 +91,13 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force,
             f"tasks.paths=[{Path(tasks_dir).resolve()}]"])
         click.echo(f"training {config.name}: {config.steps} DPPO steps on "
                    f"{config.tasks.difficulty or 'all'} tasks (SFT warm start first)")
-        run_dir = run_training(config)
+        from tmax.train.loop import TrainError
+        from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
+
+        try:
+            run_dir = run_training(config)
+        except (TrainError, RolloutsFailing, NoUsableGroups) as e:
+            raise click.ClickException(str(e)) from None
         curve = [r["reward_mean"] for r in read_metrics(run_dir)]
         click.echo("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
         click.echo(f"training run in {run_dir} (metrics.jsonl, reward.png, checkpoints/)")

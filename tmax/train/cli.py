@@ -77,11 +77,11 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from tmax.train.loop import TrainError, read_metrics, train
-    from tmax.train.rollouts import RolloutsFailing
+    from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
 
     try:
         run_dir = train(config, progress=not quiet)
-    except (TrainError, RolloutsFailing) as e:
+    except (TrainError, RolloutsFailing, NoUsableGroups) as e:
         raise click.ClickException(str(e)) from None
     rows = read_metrics(run_dir)
     curve = " ".join(f"{r['reward_mean']:.2f}" for r in rows)

@@ -45,6 +45,18 @@ class RolloutsFailing(Exception):
                          "(`tmax images ls`)")
 
 
+class NoUsableGroups(Exception):
+    """Every recent group was filtered (all rollouts scored alike, or too few were valid):
+    the tasks give this policy no learning signal."""
+
+    def __init__(self, count: int, reasons: Counter):
+        self.count, self.reasons = count, reasons
+        what = ", ".join(f"{r} x{n}" for r, n in reasons.most_common())
+        super().__init__(f"{count} groups in a row carried no gradient ({what}): the tasks "
+                         "are all solved or all failed by this policy; choose other tasks "
+                         "(tasks.include / tasks.difficulty) or a larger group_size")
+
+
 @dataclass
 class Group:
     task: str
@@ -73,7 +85,8 @@ class GroupSampler:
     def __init__(self, tasks: list[Any], policy: Any, fleet: Any, images: Any,
                  agent_config: AgentConfig, *, group_size: int, groups_per_step: int,
                  concurrency: int, async_steps: int, abort_after_infra: int,
-                 normalize_std: bool = False, seed: int = 0, on_rollout=None):
+                 normalize_std: bool = False, seed: int = 0, on_rollout=None,
+                 give_up_after_groups: int = 200):
         self.tasks, self.policy, self.fleet, self.images = tasks, policy, fleet, images
         self.agent_config = agent_config
         self.group_size, self.groups_per_step = group_size, groups_per_step
@@ -88,6 +101,8 @@ class GroupSampler:
         self.wanted = 0
         self.changed = asyncio.Event()
         self.infra_streak, self.infra_causes = 0, Counter()
+        self.give_up_after_groups = give_up_after_groups
+        self.filtered_streak, self.filtered_reasons = 0, Counter()
         self.stats = SamplerStats()
         self.error: BaseException | None = None
         self._producer: asyncio.Task | None = None
@@ -155,8 +170,11 @@ class GroupSampler:
             self.stats.groups_done += 1
             if adv.kept:
                 self.ready.append(group)
+                self.filtered_streak = 0
             else:
                 self.stats.groups_filtered[adv.reason] += 1
+                self.filtered_streak += 1
+                self.filtered_reasons[adv.reason] += 1
         except Exception as e:  # noqa: BLE001 - surfaced to the trainer by next_batch
             self.error = e
         finally:
@@ -175,6 +193,8 @@ class GroupSampler:
                     raise self.error
                 if self.infra_streak >= self.abort_after_infra:
                     raise RolloutsFailing(self.infra_streak, self.infra_causes)
+                if self.filtered_streak >= self.give_up_after_groups:
+                    raise NoUsableGroups(self.filtered_streak, self.filtered_reasons)
                 fresh = [g for g in self.ready if g.version >= version - self.async_steps]
                 self.stats.groups_stale += len(self.ready) - len(fresh)
                 self.ready = fresh

@@ -107,6 +107,13 @@ class FleetConfig(Strict):
     (None: unbounded)."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm settings, used when ``provider`` is ``slurm``."""
+    owner_pid: int | None = Field(default=None, gt=0)
+    """A private fleet's owner process on the controller's host: when it is gone (its pid no
+    longer runs with ``owner_start``), the fleet goes down as with ``sandfleet down``. This
+    is the deadline of a fleet whose owner was killed before it could stop it."""
+    owner_start: int | None = None
+    """The owner's process start time (``/proc/<pid>/stat`` field 22), so a reused pid does
+    not count as the owner."""
 
     @model_validator(mode="after")
     def _check(self) -> FleetConfig:

@@ -381,6 +381,10 @@ class Controller:
     def request_stop(self) -> None:
         self._stopping.set()
 
+    def _owner_gone(self) -> bool:
+        pid = self.config.owner_pid
+        return pid is not None and proc_start_time(pid) != self.config.owner_start
+
     async def stop(self) -> None:
         """Stop serving. After ``down`` everything is released first (see ``_down_all``)."""
         if self._down:
@@ -942,6 +946,10 @@ class Controller:
         while True:
             await asyncio.sleep(period)
             self.check(time.time(), time.monotonic())
+            if self._owner_gone():
+                log.warning("owner pid %s is gone: taking the fleet down", self.config.owner_pid)
+                self._down = True
+                self._stopping.set()
             if self._journal is not None and self._journal.lines > COMPACT_AFTER:
                 await self._compact()
 

@@ -663,3 +663,25 @@ def test_slurm_scales_from_zero_to_one_node_and_back(local_slurm, make_fleet, ba
     squeue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
                             text=True, env=local_slurm.env, timeout=30, check=False)
     assert squeue.stdout.strip() in ("", "COMPLETING"), squeue.stdout
+
+
+@pytest.mark.sandbox
+def test_a_private_fleet_goes_down_when_its_owner_is_killed(make_fleet, base_sif):
+    owner = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        fleet = make_fleet(owner_pid=owner.pid, owner_start=proc_start_time(owner.pid),
+                           min_nodes=1)
+        fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+        with FleetClient(fleet.state) as client:
+            lease = client.acquire(base_sif, ttl_s=60)
+            assert lease.run("echo up", timeout=10).output == "up\n"
+        owner.kill()                      # SIGKILL: the owner's cleanup never runs
+        owner.wait()
+        fleet.wait_for(lambda: not fleet.processes(), 30,
+                       "the controller and its worker to exit")
+        assert fleet.sandboxes() == [] or all(
+            not (p / "sandbox.json").exists() for p in fleet.sandboxes())
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

@@ -65,7 +65,12 @@ def private_fleet_config(concurrency: int, *, cpus: int = 2, memory_mb: int = 20
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    from sandfleet.runtime.base import proc_start_time
+
     data: dict[str, Any] = {"provider": "local", "min_nodes": 1, "max_nodes": 1,
+                            # the fleet goes down by itself if this process is killed
+                            "owner_pid": os.getpid(),
+                            "owner_start": proc_start_time(os.getpid()),
                             "cpus_per_node": concurrency * cpus,
                             "memory_mb_per_node": max(256, concurrency * memory_mb)}
     if isinstance(config, (str, Path)):

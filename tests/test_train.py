@@ -128,6 +128,17 @@ def test_checkpoint_then_resume_gives_the_same_next_step(tmp_path):
     assert not (tmp_path / ".ckpt.tmp").exists()
 
 
+def test_resume_drops_metrics_of_steps_after_the_checkpoint(tmp_path):
+    from tmax.train.loop import keep_metrics_until
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, 8))
+                    + '{"step": 8, "lo')  # torn by the crash
+    keep_metrics_until(path, 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == \
+        [1, 2, 3, 4, 5]
+
+
 def test_dropped_rollouts_never_reach_the_loss():
     def traj(tokens):
         return Trajectory(task="t", policy="p", turns=[Turn(tokens[:2], tokens[2:],

@@ -16,6 +16,7 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -166,6 +167,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent
     if ckpt is not None:
         trainer.load(ckpt)
         log.info("resumed from %s (step %d)", ckpt, trainer.step_count)
+        keep_metrics_until(run_dir / "metrics.jsonl", trainer.step_count)
     engine = make_engine(config, model, tokenizer)
     engine.update_weights(model.state_dict(), trainer.step_count)
     images = TaskImages(config.tasks.image_store or default_store())
@@ -241,6 +243,18 @@ def step_metrics(stats, groups, step: int) -> dict[str, float]:
         vals = [t.timings.get(phase, 0.0) for t in rollouts]
         out[f"{phase}_seconds_mean"] = sum(vals) / len(vals) if vals else 0.0
     return out
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the metrics of steps after ``step`` (done before a crash, redone on resume)."""
+    from tmax.rollout.trajectory import read_jsonl
+
+    if not path.exists():
+        return
+    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+    os.replace(tmp, path)
 
 
 def save_checkpoint(trainer, run_dir: Path, keep: int) -> Path:

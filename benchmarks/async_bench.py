@@ -24,27 +24,19 @@ folder, removed at the end).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
+
 log = logging.getLogger("async_bench")
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs ({cpu}), load avg {load} at start"
 
 
 def run(config_path: Path, run_dir: Path, overrides: list[str], init_from: Path | None
@@ -158,11 +150,7 @@ def main() -> None:
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"# {report['benchmark']}: {report['config']} {' '.join(common)}; {started}")
-    print(table(report))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        log.info("wrote %s", args.out)
+    emit(report, f"{report['benchmark']}: {report['config']} {' '.join(common)}; {started}", table(report), args.out)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
 
 log = logging.getLogger("rollout_bench")
 
@@ -48,15 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("queue", "start", "agent", "verifier")
 TINY_AGENT_CONFIG = REPO / "configs" / "agent-tiny.yaml"
 
-
-def machine() -> str:
-    """CPU model, CPU count, memory and load: the context every figure is measured in."""
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 30
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs ({cpu}), {mem} GiB, load avg {load} at start"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -239,12 +229,8 @@ def main() -> None:
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = asyncio.run(bench(args))
-    print(f"# {report['benchmark']}: {report['policy']}, {report['episodes_per_level']} "
-          f"episodes per level over {report['tasks']} tasks; {report['machine']}")
-    print(table(report))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        log.info("wrote %s", args.out)
+    emit(report, f"{report['benchmark']}: {report['policy']}, {report['episodes_per_level']} "
+          f"episodes per level over {report['tasks']} tasks; {report['machine']}", table(report), args.out)
 
 
 if __name__ == "__main__":

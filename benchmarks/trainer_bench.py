@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
-import os
-import platform
 import random
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
 
 log = logging.getLogger("trainer_bench")
 
@@ -51,13 +49,6 @@ VARIANTS = {  # name -> (algo.loss, fp32 head)
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs ({cpu}), load avg {load} at start"
 
 
 def tiny_model(seed: int) -> tuple[torch.nn.Module, Any]:
@@ -185,15 +176,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     report = bench(args)
     b = report["batch"]
-    print(f"# {report['benchmark']}: {report['model']}; {b['sequences']} sequences, "
+    emit(report, f"{report['benchmark']}: {report['model']}; {b['sequences']} sequences, "
           f"{b['tokens']} tokens ({b['response_tokens']} response), micro-batch "
           f"{b['micro_batch']}; median of {report['repeats']} steps after {report['warmup']} "
           f"warm-up; torch {report['torch']}, {report['threads']} thread(s); "
-          f"{report['machine']}")
-    print(table(report))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        log.info("wrote %s", args.out)
+          f"{report['machine']}", table(report), args.out)
 
 
 if __name__ == "__main__":

@@ -124,14 +124,9 @@ def example_fleet(tmp_path_factory):
     from tests.test_fleet import Fleet
 
     root = tmp_path_factory.mktemp("example-fleet")
-    fleet = Fleet(root, root / "cache", min_nodes=1, cpus_per_node=8,
-                  memory_mb_per_node=16384)
-    try:
-        fleet.up()
-        fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+    with Fleet(root, root / "cache", min_nodes=1, cpus_per_node=8,
+               memory_mb_per_node=16384).running() as fleet:
         yield fleet
-    finally:
-        fleet.down()
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ clients over TCP. Faults are real too: kill -9 of a worker and of the controller
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,6 +216,16 @@ class Fleet:
         self.cli("up", "--config", str(self.config_path))
         return self
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Fleet]:
+        """Up, with its first worker registered; down (and checked clean) at the end."""
+        try:
+            self.up()
+            self.wait_for(lambda: self.status()["nodes"], 30, "the worker to register")
+            yield self
+        finally:
+            self.down()
+
     def restart(self) -> None:
         self.cli("up")  # no --config: the state dir's saved config
 
@@ -292,13 +304,8 @@ def make_fleet(tmp_path, cache):
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, cache):
     """One fleet for the tests that leave it as they found it: one worker, 4 slots."""
-    fleet = Fleet(tmp_path_factory.mktemp("shared"), cache, min_nodes=1)
-    try:
-        fleet.up()
-        fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+    with Fleet(tmp_path_factory.mktemp("shared"), cache, min_nodes=1).running() as fleet:
         yield fleet
-    finally:
-        fleet.down()
 
 
 @pytest.fixture

@@ -15,7 +15,9 @@ counted in the infra-failure rate, so one bad episode never ends a long run.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -113,7 +115,6 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             await agent.run(task.instruction, deadline)
             t_agent = time.monotonic()
             traj.timings["agent"] = round(t_agent - granted, 4)
-            _record_episode(traj, episode)
             if episode.end_reason in VERIFY_ENDS or config.verify_unfinished:
                 await _verify(traj, task, shell, workdir, base_path)
                 traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
@@ -175,7 +176,6 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
             traj.reward = read_reward(got, task.task_id)
             metrics = got / "reward.json"
             if metrics.is_file():
-                import json
                 data = json.loads(metrics.read_text())
                 traj.reward_metrics = {k: float(v) for k, v in data.items()
                                        if isinstance(v, (int, float))}
@@ -186,7 +186,6 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
 
 
 def _q(value: str) -> str:
-    import shlex
     return shlex.quote(value)
 
 

@@ -92,6 +92,8 @@ shell, which is then restarted; a DEBUG trap of its own is removed by a timeout.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
 import fcntl
 import itertools
@@ -367,7 +369,8 @@ class _Bash:
     """One bash process in the sandbox, its pipes, and the thread that drains its output."""
 
     def __init__(self, runtime: Runtime, sandbox_id: str, cwd: str | None,
-                 env: dict[str, str] | None, limit: int):
+                 env: dict[str, str] | None, limit: int,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.proc = runtime.popen(sandbox_id, ["/bin/sh", "-c", START_SH], cwd=cwd, env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT)
@@ -380,6 +383,9 @@ class _Bash:
         os.set_blocking(self.in_fd, False)
         self.scanner = _Scanner(limit)
         self.cond = threading.Condition()
+        self.waker: Callable[[], None] | None = None  # an async run's, see set_waker
+        self.loop = loop  # reads on this loop instead of a thread of its own
+        self.attached = False
         self.exited = self.eof = self.stopping = self.discard = False
         self.pidfd: int | None = None
         self.procs: SandboxProcs | None = None
@@ -417,10 +423,28 @@ class _Bash:
         if st is None:
             raise OSError("bash died during start-up")
         self.pid, self.pgid, self.sid = ns_pid, st.pgid, st.sid
-        self.thread = threading.Thread(target=self._read_loop, daemon=True,
-                                       name=f"shell-{host_pid}")
-        self.thread.start()
+        if self.loop is not None:
+            self._on_loop(self._attach)
+        else:
+            self.thread = threading.Thread(target=self._read_loop, daemon=True,
+                                           name=f"shell-{host_pid}")
+            self.thread.start()
         return procs
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop: now if this is its thread, else soon (a closed loop
+        runs nothing: ``fn`` runs here)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            fn()
+            return
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # closed
+            fn()
 
     # ---- pipes
 
@@ -481,23 +505,80 @@ class _Bash:
                                 self.exited = True
                                 sel.unregister(key.fileobj)
                             if self.eof or self.exited or self.scanner.done is not None:
-                                self.cond.notify_all()
+                                self._notify()
         except Exception:
             log.exception("shell reader failed")
             with self.cond:
                 self.eof = True
-                self.cond.notify_all()
+                self._notify()
         finally:
             self.proc.stdout.close()  # the pidfd is stop()'s: others signal through it
+
+    # ---- reading on an event loop (instead of the thread)
+
+    def _attach(self) -> None:
+        """On the loop: watch the pipe and bash's pidfd there."""
+        if self.stopping:
+            return
+        self.loop.add_reader(self.out_fd, self._out_ready)
+        self.loop.add_reader(self.pidfd, self._pid_ready)
+        self.attached = True
+
+    def _out_ready(self) -> None:
+        with self.cond:
+            self.eof = not self._read_some(1)
+            if self.eof:
+                self.loop.remove_reader(self.out_fd)
+            if self.eof or self.exited or self.scanner.done is not None:
+                self._notify()
+
+    def _pid_ready(self) -> None:
+        with self.cond:
+            self._read_some(64)  # bash's last words are in the pipe
+            self.exited = True
+            self.loop.remove_reader(self.pidfd)
+            self._notify()
+
+    def _detach(self) -> None:
+        """On the loop: stop watching, then close the pipe and the pidfd (closing them while
+        watched could leave a later descriptor of the same number watched)."""
+        if self.attached:
+            self.loop.remove_reader(self.out_fd)
+            self.loop.remove_reader(self.pidfd)
+            self.attached = False
+        self.proc.stdout.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def _notify(self) -> None:
+        """Wake whoever waits for the command (the caller holds ``cond``)."""
+        self.cond.notify_all()
+        if self.waker is not None:
+            self.waker()
+
+    def outcome(self) -> str | None:
+        """``marker`` (the command ended), ``exited`` (bash did), or None (neither yet)."""
+        with self.cond:
+            if self.scanner.done is not None:
+                return "marker"
+            return "exited" if self.exited or self.eof else None
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker`` (from the reader thread) once the command ends or bash does, or at
+        once if that has happened already."""
+        with self.cond:
+            self.waker = waker
+            if waker is not None and (self.scanner.done is not None or self.exited
+                                      or self.eof):
+                waker()
 
     def wait(self, deadline: float) -> str:
         """``marker`` (the command ended), ``exited`` (bash did) or ``timeout``."""
         with self.cond:
             while True:
-                if self.scanner.done is not None:
-                    return "marker"
-                if self.exited or self.eof:
-                    return "exited"
+                if (outcome := self.outcome()) is not None:
+                    return outcome
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return "timeout"
@@ -592,6 +673,9 @@ class _Bash:
         self.stopping = True
         self.proc.stdin.close()
         self.procs = None
+        if self.loop is not None:
+            self._on_loop(self._detach)
+            return
         if self.thread is None:
             self.proc.stdout.close()
         if self.pidfd is not None:
@@ -612,6 +696,31 @@ def _with_note(output: str, note: str) -> str:
     return f"{output}[{note}]\n"
 
 
+FAST_LINE_BYTES = 16384
+"""Longest command line ``arun`` sends from the event loop (it fits an empty pipe at once)."""
+
+
+def _command_line(command: str, timeout: float) -> bytes:
+    """The line that runs ``command``, with ``%s`` where its nonce goes."""
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, not {timeout}")
+    if "\0" in command:
+        raise ValueError("a command cannot contain NUL bytes")
+    return (COMMAND_LINE % (shlex.quote(command).replace("%", "%%"), "%s")).encode()
+
+
+class _Sent(NamedTuple):
+    """A command sent to a shell, and what finishing it needs."""
+
+    bash: _Bash
+    before: Snapshot
+    oom_before: int | None
+    notes: list[str]
+    started: float
+    deadline: float
+    sent: bool
+
+
 RESET = ("a new shell was started: working directory, variables and functions are reset, "
          "files and background processes are not")
 
@@ -621,8 +730,12 @@ class ShellSession:
 
     def __init__(self, runtime: Runtime, sandbox_id: str, *, cwd: str | None = None,
                  env: dict[str, str] | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES,
-                 abort_grace_s: float = ABORT_GRACE_S):
+                 abort_grace_s: float = ABORT_GRACE_S,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.runtime, self.sandbox_id = runtime, sandbox_id
+        self.loop = loop
+        """Where shells' output is read: this event loop (an asyncio owner calling
+        ``arun`` from it), or a thread per shell (None)."""
         self.cwd, self.env = cwd, dict(env or {})
         self.max_output_bytes, self.abort_grace_s = max_output_bytes, abort_grace_s
         self.restarts = 0
@@ -653,7 +766,8 @@ class ShellSession:
 
     def _spawn(self) -> _Bash:
         self._check_open()
-        bash = _Bash(self.runtime, self.sandbox_id, self.cwd, self.env, self.max_output_bytes)
+        bash = _Bash(self.runtime, self.sandbox_id, self.cwd, self.env, self.max_output_bytes,
+                     self.loop)
         try:
             self._procs = bash.handshake(time.monotonic() + START_TIMEOUT_S, self._procs)
         except BaseException as e:
@@ -714,57 +828,131 @@ class ShellSession:
     def run(self, command: str, timeout: float) -> ExecResult:
         """Run ``command`` in the shell and return what it did (see the module doc);
         SandboxLost when the sandbox is gone or the session closed."""
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, not {timeout}")
-        if "\0" in command:
-            raise ValueError("a command cannot contain NUL bytes")
-        quoted = shlex.quote(command)
+        line = _command_line(command, timeout)
         with self._lock:
-            started = time.monotonic()
-            deadline = started + timeout
-            bash = self._bash or self._spawn()
-            notes = []
-            if not bash.alive():  # it died between commands
-                notes.append(f"the shell had exited (status {bash.reap()}); {RESET}")
-                bash = self._replace(bash)
-            oom_before = _oom_kills(self.runtime, self.sandbox_id)
-            try:
-                before = bash.procs.snapshot()
-            except OSError:
-                self._check_sandbox()
-                raise
-            nonce = secrets.token_hex(8)
-            bash.expect(nonce)
-            if bash.send((COMMAND_LINE % (quoted, nonce)).encode(), deadline):
-                outcome = bash.wait(deadline)
+            sent = self._begin(line, timeout)
+            return self._finish(sent, sent.bash.wait(sent.deadline) if sent.sent else None)
+
+    async def arun(self, command: str, timeout: float,
+                   executor: concurrent.futures.Executor | None = None) -> ExecResult:
+        """``run`` for an asyncio caller. While the shell runs and the command is short, no
+        thread is involved but the shell's reader: the command is sent from the loop and
+        its end awaited there. Starting or restarting a shell and a timeout's abort run in
+        ``executor`` (they block). Cancelled, it leaves the command running to its end or
+        timeout as ``run`` would, and the session busy until then."""
+        line = _command_line(command, timeout)
+        loop = asyncio.get_running_loop()
+        bash = self._bash
+        if bash is None or not bash.alive() or len(line) > FAST_LINE_BYTES \
+                or not self._lock.acquire(blocking=False):
+            return await loop.run_in_executor(executor, self.run, command, timeout)
+        try:  # the lock is a plain Lock: whichever thread finishes the command releases it
+            if bash is not self._bash or not bash.alive():  # changed before we locked
+                self._lock.release()
+                return await loop.run_in_executor(executor, self.run, command, timeout)
+            sent = self._begin(line, timeout)  # non-blocking here: bash is idle, pipe empty
+        except BaseException:
+            self._lock.release()
+            raise
+        woken = loop.create_future()
+
+        def done() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        def wake() -> None:  # from whoever reads the shell's output, under its lock
+            if threading.get_ident() == thread:
+                done()
             else:
-                outcome = "timeout" if bash.alive() else "exited"
-            timed_out = outcome == "timeout"
-            if timed_out:
-                outcome = self._abort(bash, before)
-            output, status = bash.take()
-            if outcome == "marker" and timed_out:
-                bash.kill_since(before)  # what forked while the abort ran
-            elif outcome != "marker":
-                if outcome == "stuck":
-                    bash.signal(signal.SIGKILL)
-                    bash.kill_since(before)
-                self._check_open()
-                status = bash.reap()
-                why = (f"the command was still running {self.abort_grace_s:g}s after its "
-                       "timeout, so the shell was killed" if outcome == "stuck" else
-                       f"the shell exited (status {status})")
-                self._replace(bash)
-                output = _with_note(output, f"{why}; {RESET}")
-            oom_after = _oom_kills(self.runtime, self.sandbox_id)
-        for note in notes:
+                loop.call_soon_threadsafe(done)
+
+        thread = threading.get_ident()
+
+        outcome = None
+        try:
+            if sent.sent:
+                sent.bash.set_waker(wake)
+                try:
+                    async with asyncio.timeout(sent.deadline - time.monotonic()):
+                        await woken
+                except TimeoutError:
+                    pass
+                finally:
+                    sent.bash.set_waker(None)
+                outcome = sent.bash.outcome() or "timeout"
+        except asyncio.CancelledError:
+            rest = loop.run_in_executor(executor, self._finish_locked, sent, None, True)
+            rest.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        if outcome == "marker":  # the common case, at once
+            return self._finish_locked(sent, outcome)
+        return await loop.run_in_executor(executor, self._finish_locked, sent, outcome)
+
+    def _finish_locked(self, sent: _Sent, outcome: str | None,
+                       wait: bool = False) -> ExecResult:
+        """``_finish`` for ``arun``, which took the lock and left it to whoever ends it."""
+        try:
+            if wait:
+                outcome = sent.bash.wait(sent.deadline) if sent.sent else None
+            return self._finish(sent, outcome)
+        finally:
+            self._lock.release()
+
+    def _begin(self, line: bytes, timeout: float) -> _Sent:
+        """Send a command (the lock held): the shell, restarted first if it died between
+        commands, and the state to finish it with."""
+        started = time.monotonic()
+        deadline = started + timeout
+        bash = self._bash or self._spawn()
+        notes = []
+        if not bash.alive():  # it died between commands
+            notes.append(f"the shell had exited (status {bash.reap()}); {RESET}")
+            bash = self._replace(bash)
+        oom_before = _oom_kills(self.runtime, self.sandbox_id)
+        try:
+            before = bash.procs.snapshot()
+        except OSError:
+            self._check_sandbox()
+            raise
+        nonce = secrets.token_hex(8)
+        bash.expect(nonce)
+        sent = bash.send(line % nonce.encode(), deadline)
+        return _Sent(bash, before, oom_before, notes, started, deadline, sent)
+
+    def _finish(self, sent: _Sent, outcome: str | None) -> ExecResult:
+        """The result of a sent command (the lock held) given how waiting for it ended
+        (None: it could not be sent in time): after a timeout the command is aborted, after
+        bash's end a new shell is started."""
+        bash, before = sent.bash, sent.before
+        if outcome is None:
+            outcome = "timeout" if bash.alive() else "exited"
+        timed_out = outcome == "timeout"
+        if timed_out:
+            outcome = self._abort(bash, before)
+        output, status = bash.take()
+        if outcome == "marker" and timed_out:
+            bash.kill_since(before)  # what forked while the abort ran
+        elif outcome != "marker":
+            if outcome == "stuck":
+                bash.signal(signal.SIGKILL)
+                bash.kill_since(before)
+            self._check_open()
+            status = bash.reap()
+            why = (f"the command was still running {self.abort_grace_s:g}s after its "
+                   "timeout, so the shell was killed" if outcome == "stuck" else
+                   f"the shell exited (status {status})")
+            self._replace(bash)
+            output = _with_note(output, f"{why}; {RESET}")
+        oom_after = _oom_kills(self.runtime, self.sandbox_id)
+        for note in sent.notes:
             output = f"[{note}]\n{output}"
         return ExecResult(
             output=output,
             exit_code=TIMEOUT_EXIT_CODE if timed_out else int(status),
             timed_out=timed_out,
-            oom=oom_before is not None and oom_after is not None and oom_after > oom_before,
-            duration_s=time.monotonic() - started)
+            oom=sent.oom_before is not None and oom_after is not None
+            and oom_after > sent.oom_before,
+            duration_s=time.monotonic() - sent.started)
 
     def _abort(self, bash: _Bash, before: Snapshot) -> str:
         """Stop a command past its deadline: ``marker``, ``exited`` or ``stuck``."""

@@ -372,7 +372,8 @@ class Worker:
         self.leases[req.lease_id] = held
         try:
             await self._call(self.runtime.start, req.lease_id, spec)
-            shell = ShellSession(self.runtime, req.lease_id, cwd=spec.workdir)
+            shell = ShellSession(self.runtime, req.lease_id, cwd=spec.workdir,
+                                 loop=asyncio.get_running_loop())
             await self._call(shell.start)
         except BaseException as e:
             self.leases.pop(req.lease_id, None)
@@ -409,7 +410,7 @@ class Worker:
             held.running += 1
             held.touch()
             try:
-                result: ExecResult = await self._call(held.shell.run, req.command, req.timeout)
+                result: ExecResult = await held.shell.arun(req.command, req.timeout, self.executor)
             except InfraError as e:
                 raise await self._lost_or(held, e) from None
             finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import os
 import subprocess
@@ -85,16 +87,47 @@ def sandbox(runtime, base_sif):
         runtime.stop(sandbox_id)
 
 
-@pytest.fixture
-def shell(runtime, sandbox):
-    """A started shell session in a fresh sandbox; closed after."""
-    sessions = []
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop on a thread of its own, and an executor: what a worker has."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        loop.executor = executor
+        yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
 
-    def make(sandbox_id: str | None = None, **kwargs) -> ShellSession:
-        session = ShellSession(runtime, sandbox_id or sandbox(), **kwargs)
+
+class LoopSession:
+    """A ShellSession read on an event loop and driven through ``arun`` (as the worker does),
+    with the sync face the tests use."""
+
+    def __init__(self, session: ShellSession, loop):
+        self.session, self.loop = session, loop
+
+    def run(self, command: str, timeout: float):
+        return asyncio.run_coroutine_threadsafe(
+            self.session.arun(command, timeout, self.loop.executor), self.loop).result()
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+@pytest.fixture(params=["thread", "loop"])
+def shell(request, runtime, sandbox):
+    """A started shell session in a fresh sandbox; closed after. Every test runs twice: with
+    ``run`` and a reader thread, and with ``arun`` on an event loop."""
+    sessions = []
+    loop = request.getfixturevalue("loop") if request.param == "loop" else None
+
+    def make(sandbox_id: str | None = None, **kwargs):
+        session = ShellSession(runtime, sandbox_id or sandbox(), loop=loop, **kwargs)
         session.start()
         sessions.append(session)
-        return session
+        return session if loop is None else LoopSession(session, loop)
 
     yield make
     for session in sessions:
@@ -390,3 +423,38 @@ def test_oom_kill_is_reported_and_the_shell_survives(runtime, shell, sandbox):
     assert result.oom and result.exit_code == 137 and "survived" not in result.output
     after = run(sh, "echo fine")
     assert (after.output, after.oom) == ("fine\n", False)
+
+
+@pytest.mark.sandbox
+def test_arun_leaves_the_loop_free_and_a_cancelled_command_runs_to_its_end(runtime, sandbox,
+                                                                            loop):
+    session = ShellSession(runtime, sandbox(), loop=loop)
+    session.start()
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.create_task(ticker())
+        result = await session.arun("sleep 0.5; echo slept", 10, loop.executor)
+        ticking.cancel()
+        assert result.output == "slept\n" and ticks >= 20  # the loop ran meanwhile
+        first = asyncio.create_task(session.arun("sleep 0.6; echo > /tmp/first-done", 10,
+                                                 loop.executor))
+        await asyncio.sleep(0.2)
+        first.cancel()
+        started = time.monotonic()
+        after = await session.arun("cat /tmp/first-done && echo next", 10, loop.executor)
+        return after, time.monotonic() - started
+
+    try:
+        after, waited = asyncio.run_coroutine_threadsafe(scenario(), loop).result(30)
+        # the cancelled command went on; the next one waited for it, output not mixed
+        assert after.output == "\nnext\n" and after.exit_code == 0 and waited >= 0.3
+    finally:
+        session.close()

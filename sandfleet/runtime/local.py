@@ -257,15 +257,20 @@ class Cgroups:
         return made
 
     @staticmethod
-    def oom_kills(memory_cgroup: Path) -> int | None:
+    def oom_kills(memory_cgroup: str | Path) -> int | None:
         try:
-            text = (memory_cgroup / "memory.oom_control").read_text()
+            fd = os.open(f"{memory_cgroup}/memory.oom_control", os.O_RDONLY)
         except OSError:
             return None
+        try:
+            text = os.read(fd, 4096)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
+            if line.startswith(b"oom_kill "):
+                return int(line[9:])
         return None
 
     @staticmethod
@@ -306,6 +311,7 @@ class LocalRuntime(CommandRuntime):
         self.cgroups = Cgroups(cgroup_parent)
         self._scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:8]
         self._records: dict[str, SandboxRecord] = {}
+        self._oom_files: dict[str, str] = {}  # sandbox id -> its memory cgroup
         self._children: dict[str, subprocess.Popen] = {}  # leaders we started, to reap
         self._lock = threading.Lock()
 
@@ -340,10 +346,16 @@ class LocalRuntime(CommandRuntime):
         self._live(sandbox_id)
 
     def _oom_kills(self, sandbox_id: str) -> int | None:
-        record = self._record(sandbox_id)
-        memory = [Path(p) for p in (record.cgroups if record else [])
-                  if Path(p).parent == self.cgroups.parents.get("memory")]
-        return Cgroups.oom_kills(memory[0]) if memory else None
+        """Read before and after every shell command: the file's path is worked out once."""
+        path = self._oom_files.get(sandbox_id)
+        if path is None:
+            record = self._record(sandbox_id)
+            memory = [p for p in (record.cgroups if record else [])
+                      if Path(p).parent == self.cgroups.parents.get("memory")]
+            if not memory:
+                return None
+            path = self._oom_files[sandbox_id] = memory[0]
+        return Cgroups.oom_kills(path)
 
     def _procs_files(self, record: SandboxRecord) -> list[str]:
         return [str(Path(p) / "cgroup.procs") for p in record.cgroups]
@@ -582,6 +594,7 @@ class LocalRuntime(CommandRuntime):
     def _destroy(self, sandbox_id: str, record: SandboxRecord | None) -> None:
         """Kill the tree, remove cgroups and state. Safe on half-started and dead ones."""
         self._records.pop(sandbox_id, None)
+        self._oom_files.pop(sandbox_id, None)
         home = self._dir(sandbox_id)
         if record is not None:
             # Pid 1 inside first: the kernel kills the rest, bwrap reaps it and exits, then

@@ -53,12 +53,58 @@ def fleet_down(state: Path) -> None:
 
 # ---- exec round trip and acquire latency
 
+V10_SCRIPT = ('read -r dir < "$1/cwd" && cd "$dir" || exit 1; . "$1/env"; state=$1; shift; '
+              'eval "$1"; status=$?; pwd > "$state/cwd"; export -p > "$state/env"; '
+              'exit $status')
+"""TMax v1.0's way: a fresh ``bash -c`` per command that restores the working directory and
+the exported environment from files and saves them after (builtins only)."""
+
+
+def timed(fn, n: int, warmup: int = 20) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+class RawPipe:
+    """(a): one bash on the host behind a pipe, the same end-marker protocol, nothing else."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def run(self, command: str) -> bytes:
+        nonce = os.urandom(8).hex()
+        marker = f"__TMAX_{nonce}__ ".encode()
+        os.write(self.proc.stdin.fileno(),
+                 f"{command}\nprintf '__TMAX_%s__ %d\\n' {nonce} $?\n".encode())
+        out = b""
+        while marker not in out or not out.endswith(b"\n"):
+            out += os.read(self.proc.stdout.fileno(), 65536)
+        return out[:out.index(marker)]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
 
 def bench_exec(root: Path, n: int) -> None:
-    from sandfleet.client import FleetClient
-    from sandfleet.runtime.local import LocalRuntime
+    from sandfleet.client import AsyncFleetClient, FleetClient
     from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.runtime.local import LocalRuntime
     from sandfleet.shell import ShellSession
+
+    p50: dict[str, float] = {}
+
+    def report(key: str, what: str, samples: list[float]) -> None:
+        row = summary(what, samples)
+        p50[key] = row["p50_ms"]
+        print(json.dumps(row))
 
     state = fleet_up(root / "exec", min_nodes=1, max_nodes=1, cpus_per_node=4)
     try:
@@ -71,58 +117,67 @@ def bench_exec(root: Path, n: int) -> None:
                 acq.append(time.perf_counter() - t)
                 lease.release()
                 time.sleep(0.25)  # let the previous sandbox's stop finish
-            print(json.dumps(summary("lease acquire (warm image cache, idle worker)", acq)))
+            report("acquire", "lease acquire (warm image cache, idle worker)", acq)
             with fleet.lease(SIF) as lease:
+                assert lease.run("cd /tmp; export KEPT=1").exit_code == 0
+                assert lease.run('pwd; echo "$KEPT"').output == "/tmp\n1\n"
+                report("fleet", "exec `true` through a lease (sync client)",
+                       timed(lambda: lease.run("true"), n))
+
+        async def async_client() -> list[float]:
+            async with AsyncFleetClient(state) as client, client.lease(SIF) as lease:
                 for _ in range(20):
-                    lease.run("true")
-                fleet_rt = []
+                    await lease.run("true")
+                samples = []
                 for _ in range(n):
                     t = time.perf_counter()
-                    lease.run("true")
-                    fleet_rt.append(time.perf_counter() - t)
-            print(json.dumps(summary("exec `true` through a lease (fleet)", fleet_rt)))
+                    await lease.run("true")
+                    samples.append(time.perf_counter() - t)
+                return samples
+
+        report("fleet_async", "exec `true` through a lease (asyncio client)",
+               asyncio.run(async_client()))
     finally:
         fleet_down(state)
 
-    # (a) the same persistent shell without the fleet, and a raw bash pipe on the host
     rt = LocalRuntime(root / "rt-state", CACHE, owner="bench")
     rt.start("b1", SandboxSpec(image=Path(SIF)))
     try:
         with ShellSession(rt, "b1") as shell:
-            for _ in range(20):
-                shell.run("true", 10)
-            direct = []
-            for _ in range(n):
-                t = time.perf_counter()
-                shell.run("true", 10)
-                direct.append(time.perf_counter() - t)
-        print(json.dumps(summary("exec `true` via ShellSession, no fleet", direct)))
-        # (b) v1.0 style: a fresh process per command restoring cwd and env from files
-        script = ('S=/tmp/.v10; [ -r $S.env ] && . $S.env 2>/dev/null; '
-                  'cd "$(cat $S.cwd 2>/dev/null || echo /)"; eval "$1"; r=$?; '
-                  'pwd > $S.cwd; export -p > $S.env; exit $r')
-        fresh = []
-        for _ in range(max(n // 5, 50)):
-            t = time.perf_counter()
-            rt.exec("b1", ["bash", "-c", script, "bash", "true"], timeout=10)
-            fresh.append(time.perf_counter() - t)
-        print(json.dumps(summary("exec `true`, fresh process per command (v1.0 style)",
-                                 fresh)))
+            report("shell", "exec `true` via ShellSession.run, no fleet",
+                   timed(lambda: shell.run("true", 10), n))
+        # (b) v1.0: a fresh process per command entering the sandbox, state from files
+        rt.exec("b1", "mkdir -p /tmp/v10 && echo /tmp > /tmp/v10/cwd && : > /tmp/v10/env",
+                timeout=10)
+        v10 = ["bash", "-c", V10_SCRIPT, "bash", "/tmp/v10"]
+        assert rt.exec("b1", [*v10, "cd /; export KEPT=1"], timeout=10).exit_code == 0
+        assert rt.exec("b1", [*v10, 'pwd; echo "$KEPT"'], timeout=10).output == "/\n1\n"
+        report("v10_sandbox", "exec `true`, v1.0 style: fresh process into the sandbox",
+               timed(lambda: rt.exec("b1", [*v10, "true"], timeout=10), max(n // 3, 50)))
     finally:
         rt.stop("b1")
-    proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, bufsize=0)
-    raw = []
-    for i in range(n + 20):
-        t = time.perf_counter()
-        proc.stdin.write(b"true; echo __m$?\n")
-        line = proc.stdout.readline()
-        assert line.startswith(b"__m")
-        if i >= 20:
-            raw.append(time.perf_counter() - t)
-    proc.stdin.close()
-    proc.wait()
-    print(json.dumps(summary("exec `true` via raw bash pipe on the host", raw)))
+    # (b') the same on the host, no sandbox to enter: the cheapest a fresh process gets
+    host_state = root / "v10-host"
+    host_state.mkdir()
+    (host_state / "cwd").write_text("/tmp\n")
+    (host_state / "env").write_text("")
+    host = ["bash", "-c", V10_SCRIPT, "bash", str(host_state)]
+    report("v10_host", "exec `true`, v1.0 style on the host (no sandbox)",
+           timed(lambda: subprocess.run([*host, "true"], stdin=subprocess.DEVNULL,
+                                        capture_output=True, check=True), max(n // 3, 50)))
+    raw = RawPipe()
+    try:
+        assert raw.run("echo hi") == b"hi\n"
+        report("raw", "exec `true` via a raw bash pipe on the host (a)",
+               timed(lambda: raw.run("true"), n))
+    finally:
+        raw.close()
+    print(json.dumps({
+        "what": "exec targets (p50)",
+        "fleet_overhead_over_raw_pipe_ms": round(p50["fleet"] - p50["raw"], 3),
+        "v10_sandbox_over_fleet_x": round(p50["v10_sandbox"] / p50["fleet"], 1),
+        "v10_host_over_fleet_x": round(p50["v10_host"] / p50["fleet"], 1),
+        "v10_sandbox_over_fleet_async_x": round(p50["v10_sandbox"] / p50["fleet_async"], 1)}))
 
 
 # ---- 64 concurrent episodes
@@ -218,9 +273,10 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
         fields = Path(f"/proc/{info.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    start_cycles, t0, c0 = cycles, time.perf_counter(), cpu()
+    start_cycles, t0, c0, b0 = cycles, time.perf_counter(), cpu(), time.process_time()
     await asyncio.sleep(seconds)
     done, wall, used = cycles - start_cycles, time.perf_counter() - t0, cpu() - c0
+    bench_used = time.process_time() - b0
     rss = int(next(line.split()[1] for line in Path(f"/proc/{info.pid}/status").read_text()
                    .splitlines() if line.startswith("VmRSS")))
     stop.set()
@@ -232,7 +288,8 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
                     f"{clients} concurrent clients", "cycles_per_s": round(done / wall),
             "controller_cpu_s_per_s": round(used / wall, 2),
             "cycles_per_controller_cpu_s": round(done / used) if used else None,
-            "controller_rss_mib": round(rss / 1024, 1)}
+            "controller_rss_mib": round(rss / 1024, 1),
+            "bench_process_cpu_s_per_s": round(bench_used / wall, 2)}
 
 
 def bench_capacity(root: Path, nodes: int, slots: int, seconds: float, clients: int) -> None:

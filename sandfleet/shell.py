@@ -3,8 +3,14 @@
 ``ShellSession(runtime, sandbox_id).run(command, timeout)`` runs ``command`` in the same
 bash every time, so the working directory, variables (exported or not, ``declare``\\ d
 included), shell functions, options and background jobs carry over from one command to the
-next. The API is synchronous and one command runs at a time (a lock; a second ``run`` waits);
-the worker calls it from a thread.
+next. One command runs at a time (a lock; a second ``run`` waits).
+
+Two ways to drive it. ``run`` is synchronous and a thread per shell reads its output. An
+asyncio owner (the worker) passes ``loop=`` and calls ``await arun(command, timeout,
+executor)`` from that loop: the output is read by reader callbacks on the loop, a short
+command is sent from the loop and its end awaited there, and only what blocks (starting or
+restarting bash, a timeout's abort) runs in the executor. A command's round trip then costs
+no thread switch in the worker (``benchmarks/sandfleet_bench.py exec``).
 
 Protocol. ``start`` runs ``setsid bash --noprofile --norc`` in the sandbox (plain bash where
 the image has no ``setsid``) through ``runtime.popen``, with stdin and stdout as pipes and
@@ -22,8 +28,8 @@ prints ``__TMAX_<nonce>__ <status>\\n`` on a descriptor the command cannot see. 
 is fresh random for every command, so nothing a command prints, not even text copied from
 an earlier command, can end it early; the marker is cut from the output. The marker line
 has a single newline, at its end, so bash writes it in one ``write`` (atomic on a pipe): a
-background job writing at the same time cannot split it. A thread per shell drains the pipe
-at all times (a background job that writes while no command runs never blocks); what
+background job writing at the same time cannot split it. The reader drains the pipe at all
+times (a background job that writes while no command runs never blocks); what
 arrives between commands opens the next command's output.
 
 Output: stdout and stderr interleaved as written, decoded as UTF-8 with replacement, capped

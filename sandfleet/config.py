@@ -38,7 +38,9 @@ class SlurmConfig(Strict):
     stagger_steps: int = Field(default=4, ge=1)
     """How many distinct walltimes the stagger cycles through."""
     drain_before_s: float = Field(default=900.0, ge=0)
-    """No new lease goes to a node whose job ends within this many seconds."""
+    """A worker whose job ends within this many seconds drains: no new leases (those it
+    holds keep working), a replacement is submitted if leases need one, and it is released
+    once it holds none."""
     extra_options: list[str] = Field(default_factory=list)
     """More sbatch options, each as ``--key=value`` (e.g. ``--constraint=cpu``)."""
     setup: list[str] = Field(default_factory=list)

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.config import FleetConfig
-from sandfleet.errors import CapacityTimeout, InfraError, NodeLost, SandboxLost
+from sandfleet.errors import CapacityTimeout, InfraError, LeaseExpired, NodeLost, SandboxLost
 from sandfleet.protocol import (
     Acquire,
     BadRequest,
@@ -967,7 +967,7 @@ class Controller:
                 self._end_logged(lease, "sandbox_lost", SandboxLost(
                     lease.lease_id, "max lifetime reached").to_dict())
             elif not lease.pinned and now > lease.expires_at:
-                self._end_logged(lease, "expired", SandboxLost(
+                self._end_logged(lease, "expired", LeaseExpired(
                     lease.lease_id, f"lease expired: not renewed for {lease.ttl_s:g}s "
                     "(ttl)").to_dict())
 

@@ -73,6 +73,15 @@ class SandboxLost(_WithReason):
     reason: str
 
 
+class LeaseExpired(SandboxLost):
+    """A lease not renewed within its ttl (no renew, exec or running command): the fleet
+    destroyed its sandbox. Its holder sees it only if it was alive (a client that could not
+    renew in time: a stalled loop, an unreachable controller), so it is infrastructure from
+    the policy's point of view; a SandboxLost, so handling of lost sandboxes applies."""
+
+    cause = "lease_expired"
+
+
 class SandboxStartError(_WithReason):
     """A sandbox that could not be started (the runtime failed, not the image)."""
 
@@ -126,5 +135,5 @@ class ControllerUnreachable(_WithReason):
 
 
 ERRORS: dict[str, type[InfraError]] = {cls.__name__: cls for cls in (
-    InfraError, SandboxLost, SandboxStartError, ImageMissing, NodeLost, CapacityTimeout,
-    ControllerUnreachable)}
+    InfraError, SandboxLost, LeaseExpired, SandboxStartError, ImageMissing, NodeLost,
+    CapacityTimeout, ControllerUnreachable)}

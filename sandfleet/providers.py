@@ -21,6 +21,14 @@ cpus_per_node) within [min_nodes, max_nodes]; it submits the shortfall (a few pe
 releases workers idle past ``idle_s`` (and pending jobs nobody needed for as long), and
 cancels the job of a lost worker, which the shortfall then replaces. The poll interval
 doubles while nothing changes, from the provider's minimum to its maximum.
+
+Draining (Slurm): a worker whose job ends within ``slurm.drain_before_s`` (its ``ends_at``,
+reported at registration) is marked ``draining``: no new leases; the ones it holds keep
+working until released or until the job really ends. Neither it nor its leases count
+toward capacity and demand, so the shortfall submits a replacement when leases need one
+(draining jobs still count toward ``max_nodes``). Once it holds no lease it is released like
+an idle worker (shut down, job cancelled by id). Not journaled: ``ends_at`` is, so a
+restarted controller marks the same nodes draining on its first tick.
 """
 
 from __future__ import annotations
@@ -398,17 +406,44 @@ class Scaler:
                               "message": message})
 
     def desired(self) -> int:
+        """Workers wanted for the queued leases and those held outside draining nodes."""
         from sandfleet.controller import desired_nodes
 
-        held = sum(lease.cpus for lease in self.c.leases.values())
+        held = 0
+        for lease in self.c.leases.values():
+            node = self.c.nodes.get(lease.worker_id)
+            if node is None or node.state != "draining":
+                held += lease.cpus
         return desired_nodes(self.c.queued_cpus(), held, self.config)
+
+    def drain_before_s(self) -> float:
+        """How long before its job's end a worker drains (as the controller's placement)."""
+        return self.config.slurm.drain_before_s if self.config.provider == "slurm" else 0.0
+
+    async def _drain(self) -> None:
+        """Mark workers whose job ends within ``drain_before_s`` draining; release those of
+        them that hold no lease (the idle release's path)."""
+        now, before = time.time(), self.drain_before_s()
+        for node in list(self.c.nodes.values()):
+            if node.state == "up" and node.ends_at is not None and node.ends_at - now < before:
+                log.info("worker %s (job %s) drains: its job ends in %.0fs",
+                         node.worker_id, node.job_id or "-", node.ends_at - now)
+                node.state = "draining"
+                self.c._index(node)
+        for node in [n for n in self.c.nodes.values() if n.state == "draining"]:
+            if not node.leases and self.c.nodes.get(node.worker_id) is node \
+                    and node.state == "draining":
+                await self._release(node, self._by_name(node.name), "drained")
 
     async def tick(self) -> None:
         if self.c._stopping.is_set():
             return
         await self._poll()
+        await self._drain()
         want = self.desired()
-        jobs = [j for j in self.c.jobs.values() if not j.releasing and j.state != "ended"]
+        draining = {n.name for n in self.c.nodes.values() if n.state == "draining"}
+        live = [j for j in self.c.jobs.values() if not j.releasing and j.state != "ended"]
+        jobs = [j for j in live if j.name not in draining]
         names = {j.name for j in self.c.jobs.values()}
         unmanaged = [n for n in self.c.nodes.values()  # workers started by hand
                      if n.state == "up" and n.name not in names]
@@ -416,7 +451,8 @@ class Scaler:
         if have < want:
             if time.monotonic() < self._submit_after:
                 return
-            for _ in range(min(want - have, self.config.submit_per_tick)):
+            room = self.config.max_nodes - len(live) - len(unmanaged)
+            for _ in range(min(want - have, room, self.config.submit_per_tick)):
                 await self._submit()
             return
         excess = have - want
@@ -458,15 +494,19 @@ class Scaler:
         self._interval = self.provider.poll_min_s
         self._poll_due = time.monotonic() + self._interval
 
-    async def _release(self, node, job) -> None:
+    async def _release(self, node, job, why: str = "idle") -> None:
+        """Shut down a worker that holds no lease, forget it and cancel its job (if the
+        fleet started one)."""
         from sandfleet.protocol import Shutdown, new_id
 
-        log.info("releasing idle worker %s (job %s)", node.worker_id, job.job_id)
+        log.info("releasing %s worker %s (job %s)", why, node.worker_id,
+                 job.job_id if job is not None else "-")
         node.state = "draining"
         self.c._index(node)
         try:
-            await self.c._worker_rpc(node, Shutdown(id=new_id(), reason="idle"), timeout=10)
+            await self.c._worker_rpc(node, Shutdown(id=new_id(), reason=why), timeout=10)
         except Exception as e:  # noqa: BLE001 - logged; the scaler keeps going
             log.debug("shutdown %s: %s", node.worker_id, e)
-        self.c.node_gone(node, "released: idle")
-        self._cancel(job, "idle")
+        self.c.node_gone(node, f"released: {why}")
+        if job is not None:
+            self._cancel(job, why)

@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sandfleet.client import FleetClient
+from sandfleet.client import AsyncFleetClient, FleetClient
 from sandfleet.config import FleetConfig, load_config
 from sandfleet.errors import (
     CapacityTimeout,
     ControllerUnreachable,
     ImageMissing,
+    LeaseExpired,
     NodeLost,
     SandboxLost,
 )
@@ -395,8 +396,9 @@ def test_renewal_keeps_a_lease_and_expiry_reaps_it(shared, client, base_sif):
     assert left.run("sleep 2.5; echo pinned").output == "pinned\n"  # running: pinned
     time.sleep(3)
     assert kept.run("echo alive").output == "alive\n"
-    with pytest.raises(SandboxLost, match="expired"):
+    with pytest.raises(LeaseExpired, match="expired") as expired:
         left.run("true")
+    assert isinstance(expired.value, SandboxLost) and expired.value.cause == "lease_expired"
     shared.wait_for(lambda: not [p for p in shared.sandboxes() if left.lease_id in p.name],
                     10, "the expired sandbox to be reaped")
     kept.release()
@@ -423,6 +425,57 @@ def test_oom_is_a_result_and_a_killed_sandbox_is_sandbox_lost(shared, client, ba
         with pytest.raises(SandboxLost):
             lease.run("true")
     assert shared.status()["failures"].get("sandbox_lost", 0) >= 1
+
+
+@pytest.mark.sandbox
+def test_queued_acquires_are_served_round_robin_across_clients(make_fleet, base_sif):
+    """One slot; A queues three acquires (and one that times out), then B one: the grants
+    interleave (A1, B1, A2, A3), they are not FIFO across clients."""
+    fleet = make_fleet(min_nodes=1, cpus_per_node=2)
+    fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+
+    async def go() -> list[str]:
+        async with AsyncFleetClient(fleet.state, client_id="holder") as holder, \
+                AsyncFleetClient(fleet.state, client_id="A") as a, \
+                AsyncFleetClient(fleet.state, client_id="B") as b:
+            held = await holder.acquire(base_sif, cpus=2, memory_mb=512)
+            tasks: dict[str, asyncio.Task] = {}
+
+            async def queued() -> dict[str, int]:
+                return (await holder.status())["leases"]["queued_by_client"]
+
+            async def enqueue(label: str, client: AsyncFleetClient, **kwargs) -> None:
+                before = (await queued()).get(client.client_id, 0)
+                tasks[label] = asyncio.create_task(
+                    client.acquire(base_sif, cpus=2, memory_mb=512, **kwargs))
+                deadline = time.monotonic() + 10
+                while (await queued()).get(client.client_id, 0) != before + 1:
+                    assert time.monotonic() < deadline, f"{label} never queued"
+                    await asyncio.sleep(0.05)
+
+            for label, client, kwargs in [("A1", a, {}), ("Ax", a, {"wait_s": 2}),
+                                          ("A2", a, {}), ("A3", a, {}), ("B1", b, {})]:
+                await enqueue(label, client, **kwargs)
+            assert await queued() == {"A": 4, "B": 1}
+            with pytest.raises(CapacityTimeout):  # its wait ends; the others keep their place
+                await tasks.pop("Ax")
+            assert await queued() == {"A": 3, "B": 1}
+            await held.release()
+            order = []
+            pending = set(tasks.values())
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=60,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                assert len(done) == 1, f"{len(done)} grants at once on one slot ({order})"
+                task = done.pop()
+                label = next(k for k, v in tasks.items() if v is task)
+                lease = task.result()
+                assert (await lease.run(f"echo {label}")).output == f"{label}\n"
+                order.append(label)
+                await lease.release()
+            return order
+
+    assert asyncio.run(go()) == ["A1", "B1", "A2", "A3"]
 
 
 CLIENT_THAT_DIES = """
@@ -670,6 +723,57 @@ def test_slurm_scales_from_zero_to_one_node_and_back(local_slurm, make_fleet, ba
     squeue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
                             text=True, env=local_slurm.env, timeout=30, check=False)
     assert squeue.stdout.strip() in ("", "COMPLETING"), squeue.stdout
+
+
+@pytest.mark.sandbox
+@pytest.mark.slurm
+def test_slurm_drains_a_node_before_its_time_limit_and_replaces_it(local_slurm, make_fleet,
+                                                                    base_sif):
+    # 5-minute jobs that drain 280 s before their end: about 20 s after they start
+    fleet = make_fleet(provider="slurm", cpus_per_node=2, memory_mb_per_node=1024,
+                       max_nodes=2, idle_s=60,
+                       slurm={"time_min": 5, "stagger_min": 0, "drain_before_s": 280,
+                              "poll_min_s": 0.5, "poll_max_s": 2.0})
+
+    def node_of(job_id: str) -> dict | None:
+        return next((n for n in fleet.status()["nodes"] if n["job_id"] == job_id), None)
+
+    with FleetClient(fleet.state) as client:
+        first = client.acquire(base_sif, memory_mb=512, wait_s=90)
+        first_job = next(n["job_id"] for n in fleet.status()["nodes"]
+                         if n["address"] == first.worker_address)
+        ends_at = next(json.loads(line)["ends_at"] for line in
+                       (fleet.state / "journal.jsonl").read_text().splitlines()
+                       if '"e":"node"' in line and f'"job_id":"{first_job}"' in line)
+        assert ends_at and 200 < ends_at - time.time() < 300  # the worker read its end time
+        print(f"first lease granted {ends_at - time.time():.0f}s before the job's end")
+        fleet.wait_for(lambda: (node_of(first_job) or {}).get("state") == "draining", 60,
+                       "the node to drain")
+        drained = time.time()
+        print(f"drained {ends_at - drained:.0f}s before the job's end")
+        assert ends_at - drained < 280 + 5
+        second = client.acquire(base_sif, memory_mb=512, wait_s=90)  # a new node, not it
+        assert second.worker_address != first.worker_address
+        status = fleet.status()
+        second_job = next(n["job_id"] for n in status["nodes"]
+                          if n["address"] == second.worker_address)
+        assert second_job != first_job and len(status["jobs"]) == 2
+        assert first.run("echo still here").output == "still here\n"  # draining, not gone
+        first.release()
+        fleet.wait_for(lambda: node_of(first_job) is None, 20, "the drained node's release")
+
+        def left_squeue() -> bool:
+            out = subprocess.run(["squeue", "-h", "-j", first_job, "-o", "%T"],
+                                 capture_output=True, text=True, env=local_slurm.env,
+                                 timeout=30, check=False)
+            return out.stdout.strip() in ("", "COMPLETING")
+
+        fleet.wait_for(left_squeue, 20, "the drained node's job to be cancelled")
+        fleet.wait_for(lambda: [j["job_id"] for j in fleet.status()["jobs"]] == [second_job],
+                       10, "the cancelled job to be forgotten")
+        assert fleet.status()["failures"] == {}  # released, not lost
+        assert second.run("echo unaffected").output == "unaffected\n"
+        second.release()
 
 
 @pytest.mark.sandbox

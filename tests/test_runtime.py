@@ -83,8 +83,8 @@ def test_errors_carry_cause_and_data_and_survive_pickle_and_wire():
     assert SandboxLost("s1", "gone").sandbox_id == "s1"
     assert ImageMissing("/i.sif", "truncated").image == "/i.sif"
     assert {cls.cause for cls in ERRORS.values()} == {
-        "infra", "sandbox_lost", "sandbox_start", "image_missing", "node_lost", "capacity",
-        "controller_unreachable"}
+        "infra", "sandbox_lost", "lease_expired", "sandbox_start", "image_missing", "node_lost",
+        "capacity", "controller_unreachable"}
     unknown = InfraError.from_dict({"error": "Evil", "cause": "x", "message": "m"})
     assert type(unknown) is InfraError and unknown.cause == "x"
 

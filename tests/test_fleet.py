@@ -106,6 +106,9 @@ def test_messages_are_strict_and_errors_survive_the_wire():
 def test_every_fleet_config_parses_and_unknown_keys_fail(tmp_path):
     config = load_config(REPO / "configs" / "fleet.yaml")
     assert config.provider == "local" and config.max_nodes >= 1
+    cluster = load_config(REPO / "configs" / "fleet-slurm.yaml")  # the cluster example
+    assert (cluster.provider, cluster.runtime, cluster.host) == ("slurm", "apptainer", "0.0.0.0")
+    assert cluster.slurm.partition and cluster.slurm.setup
     for name, field in FleetConfig.model_fields.items():
         assert field.description, f"field {name} has no docstring"
     bad = tmp_path / "bad.yaml"

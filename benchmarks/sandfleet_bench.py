@@ -233,7 +233,7 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
 
     info = read_controller_info(state)
 
-    async def fake_worker(req, payload, peer):
+    def fake_worker(req, payload, peer):  # starts and stops sandboxes instantly
         return {"started": True}
 
     server = Server(fake_worker, info.token, name="fake-worker")
@@ -249,19 +249,28 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
     async def heartbeats():
         while not stop.is_set():
             t = time.perf_counter()
-            await asyncio.gather(*(conns[i % 4].request(Heartbeat(id=new_id(), worker_id=w))
+            await asyncio.gather(*(conns[i % 4].call(Heartbeat(id=new_id(), token=info.token,
+                                                                worker_id=w))
                                    for i, w in enumerate(ids)))
             await asyncio.sleep(max(0, 1.0 - (time.perf_counter() - t)))
 
     cycles = 0
+    errors: list[str] = []
 
     async def client(k: int):
         nonlocal cycles
         conn = await Connection.open(info.address, info.token)
         while not stop.is_set():
-            grant, _ = await conn.request(Acquire(id=new_id(), image="/x.sif", cpus=2,
-                                                  client=f"c{k}", wait_s=30))
-            await conn.request(Release(id=new_id(), lease_id=grant["lease_id"]))
+            try:
+                grant, _ = await conn.request(Acquire(id=new_id(), token=info.token,
+                                                      image="/x.sif", cpus=2, client=f"c{k}",
+                                                      wait_s=30))
+                await conn.request(Release(id=new_id(), token=info.token,
+                                           lease_id=grant["lease_id"]))
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(e).__name__}: {e}")
+                await asyncio.sleep(0.1)
+                continue
             cycles += 1
         await conn.close()
 
@@ -289,7 +298,8 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
             "controller_cpu_s_per_s": round(used / wall, 2),
             "cycles_per_controller_cpu_s": round(done / used) if used else None,
             "controller_rss_mib": round(rss / 1024, 1),
-            "bench_process_cpu_s_per_s": round(bench_used / wall, 2)}
+            "bench_process_cpu_s_per_s": round(bench_used / wall, 2),
+            "errors": len(errors), "first_errors": errors[:3]}
 
 
 def bench_capacity(root: Path, nodes: int, slots: int, seconds: float, clients: int) -> None:

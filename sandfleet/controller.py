@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -39,11 +40,15 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty, SimpleQueue
 from typing import Any
+
+from pydantic_core import to_json
 
 from sandfleet.config import FleetConfig
 from sandfleet.errors import CapacityTimeout, InfraError, LeaseExpired, NodeLost, SandboxLost
@@ -52,7 +57,6 @@ from sandfleet.protocol import (
     BadRequest,
     Connection,
     ControllerInfo,
-    Grant,
     Heartbeat,
     LeaseActivity,
     LeaseClosed,
@@ -97,17 +101,26 @@ def controller_alive(info: ControllerInfo | None) -> bool:
 
 
 class Journal:
-    """Append-only JSON lines, fsync'd by group commit: ``await append(event)`` returns once
-    the event (and every one before it) is on disk; concurrent appends share one fsync."""
+    """Append-only JSON lines, fsync'd by group commit: ``commit(event)`` returns a future
+    that resolves once the event (and every one before it) is on disk.
+
+    One writer thread owns the file: the events committed in one turn of the event loop
+    reach it as one batch, and it writes and fsyncs whatever batches wait when it is free
+    (one fsync for all of them), so the loop never blocks on the disk and pays no executor
+    round trip per batch. A snapshot swap is queued behind the writes before it.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._buf: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        self._lines: list[bytes] = []
         self._waiters: list[asyncio.Future] = []
-        self._flusher: asyncio.Task | None = None
-        self.io = asyncio.Lock()
-        """Held around each write, and by whoever swaps the file for a snapshot."""
+        """This turn's events and their futures, not yet handed to the writer."""
+        self._queue: SimpleQueue = SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="journal", daemon=True)
+        self._writer.start()
+        self._closed = False
         self.lines = 0
         """Events appended since the journal was last rewritten."""
 
@@ -135,66 +148,114 @@ class Journal:
         tmp = path.with_name(f".{path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            data = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n"
-                            for e in events)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, b"".join(to_json(e) + b"\n" for e in events))
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
 
-    async def append(self, event: dict) -> None:
+    def commit(self, event: dict) -> asyncio.Future:
+        """Queue ``event``; the future resolves once it (and every event before it) is on
+        disk, or fails with the OSError that kept it off (logged here)."""
         event.setdefault("t", round(time.time(), 3))
-        self._buf.append(json.dumps(event, separators=(",", ":")).encode() + b"\n")
-        self.lines += 1
-        future = asyncio.get_running_loop().create_future()
+        line = to_json(event) + b"\n"
+        future = self._loop.create_future()
+        if self._closed:
+            future.set_exception(OSError(f"journal {self.path} is closed"))
+            return future
+        if not self._lines:
+            self._loop.call_soon(self._hand_over)
+        self._lines.append(line)
         self._waiters.append(future)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(future)
+        self.lines += 1
+        return future
 
-    async def _flush(self) -> None:
-        while self._buf:
-            data, self._buf = b"".join(self._buf), []
-            waiters, self._waiters = self._waiters, []
-            try:
-                async with self.io:
-                    await asyncio.to_thread(self._write, data)
-            except OSError as e:
-                log.error("journal %s: %s", self.path, e)
-                for w in waiters:
-                    if not w.done():
-                        w.set_exception(e)
-                continue
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+    async def append(self, event: dict) -> None:
+        await self.commit(event)
 
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-        os.fsync(self._fd)
+    def _hand_over(self) -> None:
+        if self._lines:
+            self._queue.put(("write", b"".join(self._lines), self._waiters))
+            self._lines, self._waiters = [], []
 
     async def swap(self, events: list[dict]) -> None:
-        """Replace the file with ``events``; call with ``io`` held, ``events`` taken under
-        it (events appended meanwhile are written after them; replay is idempotent)."""
-        def work() -> None:
-            Journal.rewrite(self.path, events)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND, 0o600)
-            os.close(self._fd)
-            self._fd = fd
-
-        await asyncio.to_thread(work)
+        """Replace the file with ``events``, a snapshot of the state now: what was committed
+        before is written first (into the file the snapshot replaces), what comes after is
+        appended to the snapshot (replay is idempotent)."""
+        self._hand_over()
+        done = self._loop.create_future()
+        self._queue.put(("swap", events, [done]))
+        await done
         self.lines = 0
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            with contextlib.suppress(Exception):
-                await self._flusher
-        os.close(self._fd)
+        """Return once everything committed is written (or failed to be)."""
+        if self._closed:
+            return
+        self._hand_over()
+        self._closed = True
+        done = self._loop.create_future()
+        self._queue.put(("close", None, [done]))
+        if self._writer.is_alive():
+            await done
+
+    def _write_loop(self) -> None:
+        """The writer thread: batches in order, one fsync for all that wait."""
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
+            waiters = [w for item in batch for w in item[2]]
+            error: OSError | None = None
+            data: list[bytes] = []
+            try:
+                for kind, what, _ in batch:
+                    if kind == "write":
+                        data.append(what)
+                        continue
+                    self._sync(data)  # what came before a swap goes into the file it replaces
+                    data = []
+                    if kind == "swap":
+                        Journal.rewrite(self.path, what)
+                        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND, 0o600)
+                        os.close(self._fd)
+                        self._fd = fd
+                self._sync(data)
+            except Exception as e:  # noqa: BLE001 - the waiters get it; the writer goes on
+                log.error("journal %s: %s", self.path, e)
+                error = e if isinstance(e, OSError) else OSError(f"journal write failed: {e}")
+            closing = any(item[0] == "close" for item in batch)
+            if closing:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+            try:
+                self._loop.call_soon_threadsafe(_settle, waiters, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+            if closing:
+                return
+
+
+    def _sync(self, data: list[bytes]) -> None:
+        if data:
+            _write_all(self._fd, b"".join(data))
+            os.fsync(self._fd)
+
+
+def _settle(waiters: list[asyncio.Future], error: OSError | None) -> None:
+    for w in waiters:
+        if not w.done():
+            if error is None:
+                w.set_result(None)
+            else:
+                w.set_exception(error)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 # ---- state
@@ -256,10 +317,11 @@ class Lease:
         return self.renewed_at + self.ttl_s
 
     def grant(self) -> dict:
-        return Grant(lease_id=self.lease_id, sandbox_id=self.lease_id, worker_id=self.worker_id,
-                     worker_address=self.address, node=self.node, granted_at=self.granted_at,
-                     queued_s=self.queued_s, expires_at=self.expires_at,
-                     ttl_s=self.ttl_s).model_dump()
+        """A ``Grant``'s fields (built as a dict: this runs for every acquire and renew)."""
+        return {"lease_id": self.lease_id, "sandbox_id": self.lease_id,
+                "worker_id": self.worker_id, "worker_address": self.address, "node": self.node,
+                "granted_at": self.granted_at, "queued_s": self.queued_s,
+                "expires_at": self.expires_at, "ttl_s": self.ttl_s}
 
     def record(self) -> dict:
         return {"e": "grant", "lease_id": self.lease_id, "request_id": self.request_id,
@@ -269,14 +331,18 @@ class Lease:
                 "granted_at": self.granted_at, "queued_s": self.queued_s}
 
 
-@dataclass
+@dataclass(eq=False)
 class Waiter:
     request: Acquire
     client: str
     future: asyncio.Future
+    wait_s: float
     enqueued: float = field(default_factory=time.monotonic)
     attempts: int = 0
+    queued: bool = True
+    """In its client's queue (not placed yet)."""
     timer: asyncio.TimerHandle | None = None
+    """``CapacityTimeout`` at ``enqueued + wait_s``; armed only once it has to wait."""
 
 
 @dataclass
@@ -421,7 +487,8 @@ class Controller:
         for lease in list(self.leases.values()):
             self._end(lease, "released", {"error": "LeaseClosed",
                                           "message": "the fleet was shut down"})
-        stops = [self._worker_rpc(node, Shutdown(id=new_id(), reason="fleet down"), timeout=30)
+        stops = [self._worker_rpc(node, Shutdown(id=new_id(), token=self.token,
+                                                  reason="fleet down"), timeout=30)
                  for node in self.nodes.values() if node.state in ("up", "draining")]
         await asyncio.gather(*stops, return_exceptions=True)
         if self.scaler is not None:
@@ -514,8 +581,7 @@ class Controller:
 
     async def _compact(self) -> None:
         assert self._journal is not None
-        async with self._journal.io:
-            await self._journal.swap(self._snapshot())
+        await self._journal.swap(self._snapshot())
         log.info("journal compacted")
 
     def _remember_end(self, lease_id: str, cause: str, error: dict,
@@ -529,6 +595,21 @@ class Controller:
             if old.get("request_id"):
                 self.by_request.pop(old["request_id"], None)
 
+    def _journaled(self, event: dict, result: dict) -> asyncio.Future:
+        """A future of ``result``, resolved once ``event`` is journaled (or failed to be:
+        logged by the journal; the fleet keeps serving, as with ``_log``)."""
+        assert self._journal is not None
+        answer = asyncio.get_running_loop().create_future()
+
+        def resolve(done: asyncio.Future) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved: logged by the journal
+            if not answer.done():
+                answer.set_result(result)
+
+        self._journal.commit(event).add_done_callback(resolve)
+        return answer
+
     async def _log(self, event: dict) -> None:
         assert self._journal is not None
         try:
@@ -538,19 +619,22 @@ class Controller:
 
     # ---- requests
 
-    async def handle(self, req: Any, payload: bytes, peer: Peer):
-        if isinstance(req, Ping):
-            return {"role": "controller", "address": self.address}
-        if isinstance(req, Acquire):
-            return await self._acquire(req, peer)
-        if isinstance(req, Renew):
-            return self._renew(req.lease_id)
-        if isinstance(req, Release):
-            return await self._release(req.lease_id)
+    def handle(self, req: Any, payload: bytes, peer: Peer):
+        """The ``Server``'s handler: what can be answered at once is (no task for a
+        heartbeat or a renew); acquire and release answer once their grant or end is
+        journaled."""
         if isinstance(req, Heartbeat):
             return self._heartbeat(req)
+        if isinstance(req, Acquire):
+            return self._acquire(req, peer)
+        if isinstance(req, Release):
+            return self._release(req.lease_id)
+        if isinstance(req, Renew):
+            return self._renew(req.lease_id)
+        if isinstance(req, Ping):
+            return {"role": "controller", "address": self.address}
         if isinstance(req, Register):
-            return await self._register(req)
+            return self._register(req)
         if isinstance(req, Status):
             return self.status()
         if isinstance(req, Shutdown):
@@ -564,45 +648,59 @@ class Controller:
     def _max_cpus(self) -> tuple[int, int]:
         return self.config.cpus_per_node, self.config.memory_mb_per_node
 
-    async def _acquire(self, req: Acquire, peer: Peer) -> dict:
+    def _acquire(self, req: Acquire, peer: Peer) -> dict | asyncio.Future:
+        """The answer to an acquire: at once for a repeated id whose lease exists, else a
+        future of the grant (the asker's own: the server cancels it when the asker hangs
+        up, which drops the wait if it is still queued)."""
         if req.id in self.by_request:
             return self._renew(self.by_request[req.id])
         if req.id in self.inflight:
-            return await asyncio.shield(self.inflight[req.id])
+            return _follow(self.inflight[req.id])
         max_cpus, max_mb = self._max_cpus()
         if req.cpus > max_cpus or req.memory_mb > max_mb:
             raise BadRequest(f"no node can hold {req.cpus} CPUs and {req.memory_mb} MB "
                              f"(nodes have {max_cpus} CPUs, {max_mb} MB)")
         if self._down or self._stopping.is_set():
             raise CapacityTimeout(0.0, "the fleet is shutting down")
-        future = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(_retrieve)
         self.inflight[req.id] = future
-        waiter = Waiter(req, req.client or peer.address.rpartition(":")[0], future)
-        self.queues.setdefault(waiter.client, deque()).append(waiter)
         wait_s = self.config.acquire_wait_s if req.wait_s is None else req.wait_s
-        waiter.timer = asyncio.get_running_loop().call_later(wait_s, self._wait_timeout, waiter)
+        waiter = Waiter(req, req.client or peer.address.rpartition(":")[0], future, wait_s)
+        self.queues.setdefault(waiter.client, deque()).append(waiter)
         self._schedule()
-        if not future.done() and self.scaler is not None:
-            self.scaler.kick()
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:  # the asker hung up: drop the wait if still queued
+        if waiter.queued:  # no slot for it now
+            self._arm(waiter)
+            if self.scaler is not None:
+                self.scaler.kick()
+        answer = _follow(future)
+        answer.add_done_callback(functools.partial(self._asker_done, waiter))
+        return answer
+
+    def _asker_done(self, waiter: Waiter, answer: asyncio.Future) -> None:
+        if answer.cancelled():  # the asker hung up: drop the wait if still queued
             queue = self.queues.get(waiter.client)
-            if queue is not None and waiter in queue:
+            if waiter.queued and queue is not None and waiter in queue:
+                waiter.queued = False
                 queue.remove(waiter)
                 if not queue:
                     del self.queues[waiter.client]
                 self._fail_waiter(waiter, CapacityTimeout(0.0, "the asker went away"))
-            raise
-        finally:
-            if future.done():
-                self.inflight.pop(req.id, None)
+        if waiter.future.done():
+            self.inflight.pop(waiter.request.id, None)
+
+    def _arm(self, waiter: Waiter) -> None:
+        if waiter.timer is None:
+            left = waiter.wait_s - (time.monotonic() - waiter.enqueued)
+            waiter.timer = asyncio.get_running_loop().call_later(max(0.0, left),
+                                                                 self._wait_timeout, waiter)
 
     def _wait_timeout(self, waiter: Waiter) -> None:
         queue = self.queues.get(waiter.client)
-        if queue is None or waiter not in queue:
+        if not waiter.queued or queue is None or waiter not in queue:
             return  # already placed: the start proceeds
+        waiter.queued = False
         queue.remove(waiter)
         if not queue:
             del self.queues[waiter.client]
@@ -641,11 +739,12 @@ class Controller:
 
     def _place(self, cpus: int, memory_mb: int) -> Node | None:
         """Best fit: a node with the fewest free CPUs that still holds the lease, so idle
-        nodes stay idle and can be released."""
+        nodes stay idle and can be released; among equals the one filed last (the node
+        that went idle most recently before those idle longer)."""
         now, mono = time.time(), time.monotonic()
         drain = self.config.slurm.drain_before_s if self.config.provider == "slurm" else 0
         for free in sorted(k for k in self.free if k >= cpus):
-            for node in self.free[free].values():
+            for node in reversed(self.free[free].values()):
                 if node.unschedulable_until > mono or not node.fits(cpus, memory_mb):
                     continue
                 if node.ends_at is not None and node.ends_at - now < drain:
@@ -668,6 +767,7 @@ class Controller:
                 if node is None:
                     continue
                 queue.popleft()
+                waiter.queued = False
                 if not queue:
                     del self.queues[client]
                 else:
@@ -689,28 +789,40 @@ class Controller:
         node.used_cpus += req.cpus
         node.used_mb += req.memory_mb
         self._index(node)
-        self._spawn(self._start_lease(waiter, lease, node), f"start-{lease_id}")
+        self._start(waiter, lease, node)
 
-    async def _start_lease(self, waiter: Waiter, lease: Lease, node: Node) -> None:
+    def _start(self, waiter: Waiter, lease: Lease, node: Node) -> None:
+        """Ask the worker to start the lease's sandbox; ``_started`` goes on from there."""
         lease.queued_s = round(time.monotonic() - waiter.enqueued, 4)  # until a slot, not start
-        try:
-            await self._worker_rpc(node, StartSandbox(id=new_id(), lease_id=lease.lease_id,
-                                                      spec=lease.spec),
-                                   timeout=self.config.sandbox_start_timeout_s + 10)
-        except (ConnectionError, OSError) as e:  # TimeoutError included
+        started = self._worker_call(node, StartSandbox(
+            id=new_id(), token=self.token, lease_id=lease.lease_id, spec=lease.spec),
+            timeout=self.config.sandbox_start_timeout_s + 10)
+        started.add_done_callback(functools.partial(self._started, waiter, lease, node))
+
+    def _started(self, waiter: Waiter, lease: Lease, node: Node,
+                 started: asyncio.Future) -> None:
+        """The worker answered the start: journal the grant (then ``_granted``), or try
+        another node, or fail the acquire."""
+        if started.cancelled():
+            return  # the controller stops
+        e = started.exception()
+        if isinstance(e, (ConnectionError, OSError)):  # TimeoutError included
             self._unreserve(lease, node)
             node.unschedulable_until = time.monotonic() + self.config.lost_after_s
-            if waiter.attempts < 2 and not waiter.future.done() and not self._down:
+            if waiter.attempts < 2 and not waiter.future.done() \
+                    and not self._stopping.is_set():
                 waiter.attempts += 1
                 log.warning("start of %s on %s failed (%s); queued again", lease.lease_id,
                             node.worker_id, e)
                 self.queues.setdefault(waiter.client, deque()).appendleft(waiter)
                 self.queues.move_to_end(waiter.client, last=False)
+                waiter.queued = True
+                self._arm(waiter)
                 self._schedule()
                 return
             self._start_failed(waiter, NodeLost(node.node, f"sandbox start failed: {e}"))
             return
-        except Exception as e:  # noqa: BLE001 - ImageMissing, SandboxStartError... go to the asker
+        if e is not None:  # ImageMissing, SandboxStartError...: they go to the asker
             self._unreserve(lease, node)
             self._start_failed(waiter, e)
             return
@@ -723,7 +835,12 @@ class Controller:
         lease.granted_at = lease.renewed_at = now
         lease.state = "held"
         self.by_request[waiter.request.id] = lease.lease_id
-        await self._log(lease.record())
+        assert self._journal is not None
+        self._journal.commit(lease.record()).add_done_callback(
+            functools.partial(self._granted, waiter, lease))
+
+    def _granted(self, waiter: Waiter, lease: Lease, journaled: asyncio.Future) -> None:
+        _retrieve(journaled)  # a journal error is logged there; the fleet keeps serving
         if waiter.timer is not None:
             waiter.timer.cancel()
         self.inflight.pop(waiter.request.id, None)
@@ -765,15 +882,17 @@ class Controller:
             raise LeaseClosed(error.get("message", "lease released"))
         raise InfraError.from_dict(error)
 
-    async def _release(self, lease_id: str) -> dict:
+    def _release(self, lease_id: str) -> dict | asyncio.Future:
+        """The answer to a release: at once when the lease had ended, else a future that
+        resolves once its end is journaled."""
         lease = self.leases.get(lease_id)
         if lease is None:
             return {"released": True, "was": self.ended.get(lease_id, {}).get("cause")}
         self._end(lease, "released", {"error": "LeaseClosed", "message": "lease released"})
-        await self._log({"e": "end", "lease_id": lease_id, "cause": "released",
-                         "error": self.ended[lease_id]["error"],
-                         "request_id": lease.request_id})
-        return {"released": True, "was": "held"}
+        return self._journaled({"e": "end", "lease_id": lease_id, "cause": "released",
+                                "error": self.ended[lease_id]["error"],
+                                "request_id": lease.request_id},
+                               {"released": True, "was": "held"})
 
     def _end(self, lease: Lease, cause: str, error: dict, *, stop: bool = True) -> None:
         """End a lease: free its slot, remember why, stop its sandbox. Journaled by callers
@@ -794,7 +913,7 @@ class Controller:
             log.info("lease %s ended: %s (%s)", lease.lease_id, cause, error.get("message"))
         if stop and node is not None and node.state in ("up", "draining") \
                 and lease.state == "held":
-            self._spawn(self._stop_sandbox(node, lease.lease_id, cause), f"stop-{lease.lease_id}")
+            self._stop_sandbox(node, lease.lease_id, cause)
         self._schedule()
 
     def _end_logged(self, lease: Lease, cause: str, error: dict, *, stop: bool = True) -> None:
@@ -802,21 +921,46 @@ class Controller:
         self._spawn(self._log({"e": "end", "lease_id": lease.lease_id, "cause": cause,
                                "error": error, "request_id": lease.request_id}), "journal")
 
-    async def _stop_sandbox(self, node: Node, lease_id: str, reason: str) -> None:
-        for attempt in range(3):
-            try:
-                await self._worker_rpc(node, StopSandbox(id=new_id(), lease_id=lease_id,
-                                                         reason=reason), timeout=60)
-                return
-            except (ConnectionError, OSError) as e:
-                log.debug("stop %s on %s: %s", lease_id, node.worker_id, e)
-                await asyncio.sleep(0.5 * (attempt + 1))
-            except Exception as e:  # noqa: BLE001 - an error reply: nothing to retry
-                log.warning("stop %s on %s: %s", lease_id, node.worker_id, e)
-                return
-        # the worker's next heartbeat learns the lease is gone and stops it then
+    def _stop_sandbox(self, node: Node, lease_id: str, reason: str, attempt: int = 0) -> None:
+        """Ask the worker to stop the sandbox: three tries over connection errors; after
+        those, the worker's next heartbeat learns the lease is gone and stops it then."""
+        if attempt and self._stopping.is_set():
+            return
+        stopped = self._worker_call(node, StopSandbox(
+            id=new_id(), token=self.token, lease_id=lease_id, reason=reason), timeout=60)
+        stopped.add_done_callback(functools.partial(self._stopped, node, lease_id, reason,
+                                                    attempt))
+
+    def _stopped(self, node: Node, lease_id: str, reason: str, attempt: int,
+                 stopped: asyncio.Future) -> None:
+        if stopped.cancelled() or stopped.exception() is None:
+            return
+        e = stopped.exception()
+        if not isinstance(e, (ConnectionError, OSError)):  # an error reply: nothing to retry
+            log.warning("stop %s on %s: %s", lease_id, node.worker_id, e)
+            return
+        log.debug("stop %s on %s: %s", lease_id, node.worker_id, e)
+        if attempt < 2:
+            asyncio.get_running_loop().call_later(0.5 * (attempt + 1), self._stop_sandbox,
+                                                  node, lease_id, reason, attempt + 1)
 
     # ---- workers
+
+    def _worker_call(self, node: Node, message, *, timeout: float) -> asyncio.Future:
+        """A worker RPC as a future (it never raises): on the worker's open connection
+        without a task, else in a task that opens one first."""
+        conn = self._conns.get(node.worker_id)
+        if conn is not None and not conn.closed and conn.address == node.address:
+            try:
+                return conn.call(message, timeout=timeout)
+            except (ConnectionError, OSError) as e:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(e)
+                return failed
+        task = asyncio.ensure_future(self._worker_rpc(node, message, timeout=timeout))
+        self._tasks.add(task)  # cancelled by stop(); its outcome goes to the caller
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _worker_rpc(self, node: Node, message, *, timeout: float) -> dict:
         conn = self._conns.get(node.worker_id)
@@ -995,6 +1139,31 @@ class Controller:
         }
 
 
+def _follow(shared: asyncio.Future) -> asyncio.Future:
+    """A future with ``shared``'s outcome that its holder may cancel alone (``shield``
+    without a task)."""
+    answer = shared.get_loop().create_future()
+
+    def copy(_: asyncio.Future) -> None:
+        if answer.done():
+            return
+        if shared.cancelled():
+            answer.cancel()
+        elif shared.exception() is not None:
+            answer.set_exception(shared.exception())
+        else:
+            answer.set_result(shared.result())
+
+    shared.add_done_callback(copy)
+    return answer
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a future's exception seen (it went to whoever asked, if anyone still did)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def advertised_host(config: FleetConfig) -> str:
     if config.advertise_host:
         return config.advertise_host
@@ -1007,7 +1176,8 @@ def advertised_host(config: FleetConfig) -> str:
 
 
 def serve_forever(state_dir: Path, config: FleetConfig, provider: Any | None) -> None:
-    """Run a controller in this process until ``down`` or SIGTERM/SIGINT."""
+    """Run a controller in this process until ``down`` or SIGTERM/SIGINT, on uvloop's event
+    loop where uvloop is installed (a third less CPU per lease than asyncio's own loop)."""
 
     async def main() -> None:
         controller = Controller(state_dir, config, provider)
@@ -1016,7 +1186,12 @@ def serve_forever(state_dir: Path, config: FleetConfig, provider: Any | None) ->
             loop.add_signal_handler(sig, controller.request_stop)
         await controller.run()
 
-    asyncio.run(main())
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 def desired_nodes(queued_cpus: int, held_cpus: int, config: FleetConfig) -> int:

@@ -27,24 +27,33 @@ Discovery: ``<state dir>/controller.json`` (``ControllerInfo``, mode 0600, writt
 atomically) names the controller's address and the fleet token.
 
 Connections are multiplexed: a ``Connection`` may have many requests in flight (replies
-are matched by id), and the ``Server`` runs each request of a connection in its own task
-(bounded per connection), so a slow ``exec`` never delays a ``renew`` on the same socket.
+are matched by id), and the ``Server`` answers a request its handler can answer at once on
+the spot and runs any other in a task of its own (bounded per connection), so a slow
+``exec`` never delays a ``renew`` on the same socket.
+
+Both ends are ``asyncio.Protocol``s, not streams: frames are parsed as bytes arrive, and
+the frames a connection sends in one turn of the event loop leave in one write. A busy
+controller pays no task, timer or system call per frame it need not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import itertools
-import json
 import logging
+import math
 import os
+import random
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json, to_json
 
 from sandfleet.errors import ERRORS, InfraError
 
@@ -317,8 +326,10 @@ _id_prefix = os.urandom(4).hex()
 
 
 def new_id(prefix: str = "r") -> str:
-    """A request id unique to this process and, with high probability, the fleet."""
-    return f"{prefix}{_id_prefix}{next(_ids):x}{os.urandom(3).hex()}"
+    """A request id unique to this process and, with high probability, the fleet (the
+    random tail, from ``random``'s generator, which is reseeded in a forked child, tells a
+    fork's ids from its parent's; no system call per id)."""
+    return f"{prefix}{_id_prefix}{next(_ids):x}{random.getrandbits(24):06x}"
 
 
 def check_token(given: str, expected: str) -> bool:
@@ -359,31 +370,25 @@ async def read_frame(reader: asyncio.StreamReader, *, idle_timeout: float | None
         raise ProtocolError("truncated frame") from None
     except TimeoutError:
         raise ProtocolError(f"frame not complete after {frame_timeout:.0f}s") from None
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ProtocolError("header is not JSON") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a JSON object")
-    return header, payload
+    return _header(raw), payload
 
 
 def encode_frame(header: dict | BaseModel, payload: bytes = b"") -> bytes:
-    if isinstance(header, BaseModel):
-        raw = header.model_dump_json().encode()
-    else:
-        raw = json.dumps(header, separators=(",", ":")).encode()
-    return PREFIX.pack(len(raw), len(payload)) + raw + payload
+    return _prefixed(header, len(payload)) + payload
+
+
+def _prefixed(header: dict | BaseModel, payload_len: int) -> bytes:
+    """A frame's prefix and header (ValueError when the header is not JSON-serializable)."""
+    raw = to_json(header)
+    return PREFIX.pack(len(raw), payload_len) + raw
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict | BaseModel,
                       payload: bytes = b"", *, timeout: float = FRAME_TIMEOUT_S) -> None:
-    data = encode_frame(header, payload)
-    if len(payload) > 1 << 16:
-        writer.write(data[:-len(payload)])
-        writer.write(payload)
+    if len(payload) > 1 << 16:  # no copy of a large payload
+        writer.writelines((_prefixed(header, len(payload)), payload))
     else:
-        writer.write(data)
+        writer.write(encode_frame(header, payload))
     if writer.transport.get_write_buffer_size() > 0:
         async with asyncio.timeout(timeout):
             await writer.drain()
@@ -396,9 +401,199 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# ---- frames on a transport: what Server and Connection share
+
+
+class _Framed(asyncio.Protocol):
+    """One TCP connection's frames, parsed as its bytes arrive: no task, await or timer per
+    frame (a fleet's controller handles thousands a second).
+
+    The limits of ``read_frame``: both lengths are checked before a byte of the frame is
+    kept, a frame once started must be complete within ``frame_timeout``, and broken framing
+    closes this connection only. A frame is written whole, so frames never interleave; a
+    peer that lets our writes pile up past the transport's high-water mark for
+    ``frame_timeout`` is disconnected.
+    """
+
+    def __init__(self, name: str, *, max_header: int = MAX_HEADER_BYTES,
+                 max_payload: int = MAX_PAYLOAD_BYTES, frame_timeout: float = FRAME_TIMEOUT_S):
+        self.name, self.frame_timeout = name, frame_timeout
+        self.max_header, self.max_payload = max_header, max_payload
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.closing = False
+        self.write_paused = False
+        self._chunks: list[bytes] = []
+        """The bytes of an incomplete frame."""
+        self._have = 0
+        self._need = 0
+        """Bytes the incomplete frame needs in all (its prefix's, while that is incomplete)."""
+        self._started = 0.0
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._drained: list[asyncio.Future] = []
+        self._out: list[bytes] = []
+        """Frames queued this turn of the event loop."""
+
+    def frame_received(self, header: dict, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        addr = transport.get_extra_info("peername")
+        self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
+
+    def data_received(self, data: bytes) -> None:
+        fresh = not self._chunks
+        if not fresh:
+            self._chunks.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data, self._chunks, self._have = b"".join(self._chunks), [], 0
+        pos, size, need = 0, len(data), PREFIX.size
+        try:
+            while not self.closing:
+                if size - pos < PREFIX.size:
+                    need = PREFIX.size
+                    break
+                header_len, payload_len = PREFIX.unpack_from(data, pos)
+                if not 2 <= header_len <= self.max_header:
+                    raise ProtocolError(f"header length {header_len} outside "
+                                        f"[2, {self.max_header}]")
+                if payload_len > self.max_payload:
+                    raise ProtocolError(f"payload length {payload_len} over {self.max_payload}")
+                need = PREFIX.size + header_len + payload_len
+                if size - pos < need:
+                    break
+                start, pos = pos + PREFIX.size, pos + need
+                header = _header(data[start:start + header_len])
+                self.frame_received(header, data[start + header_len:pos] if payload_len else b"")
+        except ProtocolError as e:
+            self.fail(e)
+            return
+        if pos < size and not self.closing:
+            rest = data[pos:] if pos else data
+            self._chunks, self._have, self._need = [rest], len(rest), need
+            if pos or fresh:  # a frame began in these bytes
+                self._started = self.loop.time()
+            if self._frame_timer is None:
+                self._frame_timer = self.loop.call_at(self._started + self.frame_timeout,
+                                                      self._frame_late)
+
+    def _frame_late(self) -> None:
+        self._frame_timer = None
+        if not self._chunks or self.closing:
+            return
+        left = self._started + self.frame_timeout - self.loop.time()
+        if left > 0:
+            self._frame_timer = self.loop.call_later(left, self._frame_late)
+        else:
+            self.fail(ProtocolError(f"frame not complete after {self.frame_timeout:.0f}s"))
+
+    def eof_received(self) -> bool | None:
+        if self._chunks:
+            self.fail(ProtocolError("truncated frame"))
+        return None  # the transport closes
+
+    def fail(self, error: Exception) -> None:
+        """Broken framing (or a peer that reads nothing): drop this connection now, with
+        whatever it has not taken yet."""
+        if not self.closing:
+            log.warning("%s: closing %s: %s", self.name, self.peer, error)
+            self.closing = True
+            if self.transport is not None:
+                self.transport.abort()
+
+    def close(self) -> None:
+        """Close once what was queued is written."""
+        self.flush()
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self._chunks = []
+        for timer in (self._frame_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._wake_drained(ConnectionResetError(f"connection to {self.peer} closed"))
+
+    def send(self, header: dict | BaseModel, payload: bytes = b"") -> None:
+        """Queue one frame (ConnectionResetError once the connection is closing). The
+        frames queued in one turn of the event loop go out in one write at its end: one
+        system call, not one per frame."""
+        if self.closing or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer} closed")
+        if not self._out:
+            self.loop.call_soon(self.flush)
+        if len(payload) > 1 << 16:  # no copy of a large payload
+            self._out += (_prefixed(header, len(payload)), payload)
+        else:
+            self._out.append(encode_frame(header, payload))
+
+    def flush(self) -> None:
+        """Write the queued frames now."""
+        out, self._out = self._out, []
+        if not out or self.transport is None or self.transport.is_closing():
+            return
+        if len(out) == 1:
+            self.transport.write(out[0])
+        elif max(map(len, out)) > 1 << 16:
+            for data in out:
+                self.transport.write(data)
+        else:
+            self.transport.write(b"".join(out))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._write_timer = self.loop.call_later(self.frame_timeout, self.fail, ProtocolError(
+            f"it read nothing for {self.frame_timeout:.0f}s"))
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        self._wake_drained(None)
+
+    async def drained(self) -> None:
+        """Return once the transport takes writes again."""
+        if self.write_paused and not self.closing:
+            future = self.loop.create_future()
+            self._drained.append(future)
+            await future
+        if self.closing:
+            raise ConnectionResetError(f"connection to {self.peer} closed")
+
+    def _wake_drained(self, error: Exception | None) -> None:
+        waiters, self._drained = self._drained, []
+        for future in waiters:
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+
+def _header(raw: bytes) -> dict:
+    try:
+        header = from_json(raw)
+    except ValueError:
+        raise ProtocolError("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    return header
+
+
 # ---- server
 
-Handler = Callable[[Any, bytes, "Peer"], Awaitable[dict | tuple[dict, bytes] | None]]
+HandlerResult = dict | tuple[dict, bytes] | None
+Handler = Callable[[Any, bytes, "Peer"], HandlerResult | Awaitable[HandlerResult]]
+"""``handler(request, payload, peer)``: the result now, or an awaitable of it (a coroutine
+runs as a task of its own; a future is awaited as it is, and cancelled with the connection)."""
 
 
 class Peer:
@@ -411,10 +606,14 @@ class Peer:
 class Server:
     """A TCP server that authenticates and validates requests and runs ``handler`` on each.
 
-    ``handler(request, payload, peer)`` returns the result dict, ``(result, payload)``, or
-    None; raising sends an error reply. A bad token is answered with Unauthorized and the
-    connection closed; an invalid message gets BadRequest; broken framing closes the
-    connection. None of these touch other connections.
+    ``handler(request, payload, peer)`` returns the result dict, ``(result, payload)`` or
+    None, or an awaitable of one (see ``Handler``); raising sends an error reply. A request
+    answered at once costs no task; an awaitable runs concurrently with the connection's
+    other requests (at most ``per_connection`` of them; past that the connection is not read
+    until one ends), so a slow ``exec`` never delays a ``renew`` on the same socket. A bad
+    token is answered with Unauthorized and the connection closed; an invalid message gets
+    BadRequest; broken framing closes the connection. None of these touch other
+    connections. A connection that ends cancels its requests still running.
     """
 
     def __init__(self, handler: Handler, token: str, *, name: str = "server",
@@ -424,101 +623,165 @@ class Server:
         self.max_payload, self.per_connection = max_payload, per_connection
         self.idle_timeout = idle_timeout
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._conns: set[_Served] = set()
 
     async def start(self, host: str, port: int = 0) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._serve, host, port,
-                                                  limit=1 << 20, reuse_address=True)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Served(self), host, port,
+                                                reuse_address=True)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._conns):
-            task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        running = [job for conn in list(self._conns) for job in conn.running]
+        for conn in list(self._conns):
+            conn.close()
+        for job in running:
+            job.cancel()
+        if running:
+            await asyncio.wait(running, timeout=2)
+        await asyncio.sleep(0)  # let closed transports report it
+        for conn in list(self._conns):  # still flushing to a peer that reads nothing
+            conn.transport.abort()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        task = asyncio.current_task()
-        self._conns.add(task)
-        peer_addr = writer.get_extra_info("peername")
-        peer = Peer(f"{peer_addr[0]}:{peer_addr[1]}" if peer_addr else "?")
-        lock = asyncio.Lock()
-        slots = asyncio.Semaphore(self.per_connection)
-        running: set[asyncio.Task] = set()
-        try:
-            while True:
-                await slots.acquire()
-                try:
-                    frame = await read_frame(reader, idle_timeout=self.idle_timeout,
-                                             max_payload=self.max_payload)
-                except ProtocolError as e:
-                    log.warning("%s: closing %s: %s", self.name, peer.address, e)
-                    return
-                except (TimeoutError, ConnectionError):
-                    return
-                if frame is None:
-                    return
-                header, payload = frame
-                rid = header.get("id") if isinstance(header.get("id"), str) else ""
-                rid = rid[:ID_MAX]
-                if not check_token(str(header.get("token", "")), self.token):
-                    log.warning("%s: bad token from %s", self.name, peer.address)
-                    await self._reply(writer, lock, rid, error=Unauthorized(
-                        "bad or missing fleet token").to_dict())
-                    return
-                try:
-                    if header.get("v") != PROTOCOL_VERSION:
-                        raise BadRequest(f"protocol version {header.get('v')!r} not supported "
-                                         f"(this {self.name} speaks {PROTOCOL_VERSION})")
-                    request = REQUEST.validate_python(header)
-                except (ValidationError, BadRequest) as e:
-                    slots.release()
-                    await self._reply(writer, lock, rid, error=error_to_dict(
-                        e if isinstance(e, BadRequest) else BadRequest(_short(e))))
-                    continue
-                job = asyncio.create_task(self._run(request, payload, peer, writer, lock))
-                running.add(job)
-                job.add_done_callback(running.discard)
-                job.add_done_callback(lambda _: slots.release())
-        except asyncio.CancelledError:
-            pass
-        finally:
-            for job in list(running):
-                job.cancel()
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1)
-            self._conns.discard(task)
 
-    async def _run(self, request: Any, payload: bytes, peer: Peer,
-                   writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
-        try:
-            out = await self.handler(request, payload, peer)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the boundary: every failure becomes an error reply
-            if not isinstance(e, (InfraError, RemoteError, FileNotFoundError)):
-                log.exception("%s: %s %s failed", self.name, request.type, request.id)
-            await self._reply(writer, lock, request.id, error=error_to_dict(e))
+class _Served(_Framed):
+    """A connection to a ``Server``: each request handled as its frame arrives."""
+
+    def __init__(self, server: Server):
+        super().__init__(server.name, max_payload=server.max_payload)
+        self.server = server
+        self.running: set[asyncio.Future] = set()
+        self.backlog: deque[tuple[dict, bytes]] = deque()
+        """Frames read past ``per_connection`` running requests."""
+        self.peer_info = Peer("?")
+        self._reading = True
+        self._last = 0.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.peer_info = Peer(self.peer)
+        self.server._conns.add(self)
+        if self.server.idle_timeout is not None:
+            self._last = self.loop.time()
+            self.loop.call_later(self.server.idle_timeout, self._idle_check)
+
+    def data_received(self, data: bytes) -> None:
+        if self.server.idle_timeout is not None:
+            self._last = self.loop.time()
+        super().data_received(data)
+
+    def _idle_check(self) -> None:
+        if self.closing:
             return
-        result, data = out if isinstance(out, tuple) else (out or {}, b"")
-        await self._reply(writer, lock, request.id, result=result, payload=data)
+        left = self._last + self.server.idle_timeout - self.loop.time()
+        if left > 0:
+            self.loop.call_later(left, self._idle_check)
+        else:
+            self.close()
 
-    @staticmethod
-    async def _reply(writer, lock, rid: str, *, result: dict | None = None,
-                     error: dict | None = None, payload: bytes = b"") -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.server._conns.discard(self)
+        self.backlog.clear()
+        for job in list(self.running):
+            job.cancel()
+
+    def frame_received(self, header: dict, payload: bytes) -> None:
+        if self.backlog or len(self.running) >= self.server.per_connection:
+            self.backlog.append((header, payload))
+            self._pace()
+        else:
+            self._handle(header, payload)
+
+    def _handle(self, header: dict, payload: bytes) -> None:
+        server = self.server
+        rid = header.get("id") if isinstance(header.get("id"), str) else ""
+        rid = rid[:ID_MAX]
+        if not check_token(str(header.get("token", "")), server.token):
+            log.warning("%s: bad token from %s", server.name, self.peer)
+            self._reply(rid, error=Unauthorized("bad or missing fleet token").to_dict())
+            self.close()
+            return
+        try:
+            if header.get("v") != PROTOCOL_VERSION:
+                raise BadRequest(f"protocol version {header.get('v')!r} not supported "
+                                 f"(this {server.name} speaks {PROTOCOL_VERSION})")
+            request = REQUEST.validate_python(header)
+        except (ValidationError, BadRequest) as e:
+            self._reply(rid, error=error_to_dict(
+                e if isinstance(e, BadRequest) else BadRequest(_short(e))))
+            return
+        try:
+            out = server.handler(request, payload, self.peer_info)
+        except Exception as e:  # noqa: BLE001 - the boundary: every failure becomes a reply
+            self._failed(request, e)
+            return
+        if out is None or isinstance(out, (dict, tuple)):
+            self._answer(request.id, out)
+            return
+        job = out if asyncio.isfuture(out) else asyncio.ensure_future(out)
+        self.running.add(job)
+        job.add_done_callback(functools.partial(self._done, request))
+
+    def _done(self, request: Any, job: asyncio.Future) -> None:
+        self.running.discard(job)
+        if not job.cancelled():
+            error = job.exception()
+            if error is None:
+                self._answer(request.id, job.result())
+            else:
+                self._failed(request, error)
+        while self.backlog and len(self.running) < self.server.per_connection \
+                and not self.closing:
+            self._handle(*self.backlog.popleft())
+        self._pace()
+
+    def _pace(self) -> None:
+        """Read while the backlog is empty and the peer takes our replies."""
+        reading = not self.backlog and not self.write_paused
+        if reading != self._reading and not self.closing:
+            self._reading = reading
+            if reading:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._pace()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._pace()
+
+    def _failed(self, request: Any, error: BaseException) -> None:
+        if not isinstance(error, (InfraError, RemoteError, FileNotFoundError)):
+            log.error("%s: %s %s failed", self.name, request.type, request.id,
+                      exc_info=error)
+        self._reply(request.id, error=error_to_dict(error))
+
+    def _answer(self, rid: str, out: HandlerResult) -> None:
+        result, data = out if isinstance(out, tuple) else (out or {}, b"")
+        self._reply(rid, result=result, payload=data)
+
+    def _reply(self, rid: str, *, result: dict | None = None, error: dict | None = None,
+               payload: bytes = b"") -> None:
         header = {"type": "reply", "v": PROTOCOL_VERSION, "id": rid, "ok": error is None,
                   "result": result or {}, "error": error}
         try:
-            async with lock:
-                await write_frame(writer, header, payload)
-        except (ConnectionError, TimeoutError, RuntimeError) as e:
+            self.send(header, payload)
+        except ConnectionError as e:
             log.debug("reply %s not sent: %s", rid, e)
+        except ValueError as e:  # a result that is not JSON: a bug, but the asker hears of it
+            log.error("%s: reply %s not serializable: %s", self.name, rid, e)
+            self.send({**header, "ok": False, "result": {}, "error": RemoteError(
+                f"reply not serializable: {e}"[:2000]).to_dict()})
 
 
 def _short(e: ValidationError) -> str:
@@ -530,92 +793,151 @@ def _short(e: ValidationError) -> str:
 
 
 class Connection:
-    """One multiplexed client connection: ``request()`` may be called concurrently."""
+    """One multiplexed client connection: ``request()`` may be called concurrently;
+    ``call()`` is the same without a coroutine, for callers that chain callbacks."""
 
-    def __init__(self, address: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, token: str):
+    def __init__(self, address: str, token: str):
         self.address, self.token = address, token
-        self._reader, self._writer = reader, writer
-        self._pending: dict[str, asyncio.Future] = {}
-        self._lock = asyncio.Lock()
+        self._pending: dict[str, tuple[asyncio.Future, float, str, float | None]] = {}
+        """Request id -> (future, deadline, request type, timeout)."""
         self._closed: BaseException | None = None
-        self._task = asyncio.create_task(self._read_loop())
+        self._framed: _Replies | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = math.inf
 
     @classmethod
     async def open(cls, address: str, token: str, *, timeout: float = 10.0) -> Connection:
         host, port = parse_address(address)
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=1 << 20), timeout)
-        return cls(address, reader, writer, token)
+        conn = cls(address, token)
+        loop = asyncio.get_running_loop()
+        _, conn._framed = await asyncio.wait_for(
+            loop.create_connection(lambda: _Replies(conn), host, port), timeout)
+        return conn
 
     @property
     def closed(self) -> bool:
         return self._closed is not None
 
-    async def _read_loop(self) -> None:
-        error: BaseException = ConnectionResetError(f"connection to {self.address} closed")
-        try:
-            while True:
-                frame = await read_frame(self._reader)
-                if frame is None:
-                    break
-                header, payload = frame
-                try:
-                    reply = Reply.model_validate(header)
-                except ValidationError as e:
-                    error = ProtocolError(f"bad reply from {self.address}: {_short(e)}")
-                    break
-                future = self._pending.pop(reply.id, None)
-                if future is not None and not future.done():
-                    future.set_result((reply, payload))
-        except asyncio.CancelledError:
-            error = ConnectionAbortedError(f"connection to {self.address} closed")
-        except (ProtocolError, ConnectionError, OSError) as e:
-            error = e if isinstance(e, ConnectionError) else \
-                ConnectionResetError(f"connection to {self.address}: {e}")
-        finally:
-            self._closed = error
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
-            self._writer.close()
+    def call(self, message: Request, payload: bytes = b"", *,
+             timeout: float | None = 30.0) -> asyncio.Future:
+        """Send ``message`` (its token filled in); a future of its reply's (result,
+        payload), or of the rebuilt exception of an error reply, ConnectionError when the
+        connection is lost, TimeoutError when no reply comes within ``timeout``.
+        ConnectionResetError at once when the connection is closed."""
+        if self._closed is not None:
+            raise ConnectionResetError(f"connection to {self.address} closed")
+        header: dict | Request = message
+        if not message.token:
+            header = message.model_dump()
+            header["token"] = self.token
+        framed = self._framed
+        framed.send(header, payload)
+        future = framed.loop.create_future()
+        deadline = math.inf if timeout is None else framed.loop.time() + timeout
+        self._pending[message.id] = (future, deadline, message.type, timeout)
+        if deadline < self._sweep_at:
+            self._expire_at(deadline)
+        return future
 
     async def request(self, message: Request, payload: bytes = b"", *,
                       timeout: float | None = 30.0) -> tuple[dict, bytes]:
-        """Send ``message`` (its token filled in) and wait for its reply: (result, payload).
-
-        An error reply raises the rebuilt exception; a lost connection raises
-        ConnectionError; no reply within ``timeout`` raises TimeoutError.
-        """
-        if self._closed is not None:
-            raise ConnectionResetError(f"connection to {self.address} closed")
-        if not message.token:
-            message = message.model_copy(update={"token": self.token})
-        future = asyncio.get_running_loop().create_future()
-        self._pending[message.id] = future
+        """``call()``, awaited: (result, payload), or the exception."""
+        future = self.call(message, payload, timeout=timeout)
         try:
-            async with self._lock:
-                await write_frame(self._writer, message, payload)
-            async with asyncio.timeout(timeout):
-                reply, data = await future
-        except TimeoutError:
-            raise TimeoutError(f"no reply from {self.address} to {message.type} "
-                               f"within {timeout}s") from None
-        except (OSError, RuntimeError) as e:
-            if isinstance(e, ConnectionError):
-                raise
-            raise ConnectionResetError(f"connection to {self.address}: {e}") from None
-        finally:
+            if self._framed.write_paused:
+                await self._framed.drained()
+        except BaseException:
             self._pending.pop(message.id, None)
-        if not reply.ok:
-            raise error_from_dict(reply.error or {})
-        return reply.result, data
+            if future.done() and not future.cancelled():
+                future.exception()  # the connection's end: raised here already
+            future.cancel()
+            raise
+        try:
+            return await future
+        finally:
+            if future.cancelled():  # the asker gave up
+                self._pending.pop(message.id, None)
+
+    def _reply(self, reply: Reply, payload: bytes) -> None:
+        entry = self._pending.pop(reply.id, None)
+        if entry is None or entry[0].done():
+            return
+        if reply.ok:
+            entry[0].set_result((reply.result, payload))
+        else:
+            entry[0].set_exception(error_from_dict(reply.error or {}))
+
+    def _expire_at(self, when: float) -> None:
+        """One timer for all of the connection's requests: at the earliest deadline."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = when
+        self._sweep = self._framed.loop.call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self._sweep, self._sweep_at = None, math.inf
+        now, earliest = self._framed.loop.time(), math.inf
+        for rid, (future, deadline, kind, timeout) in list(self._pending.items()):
+            if future.done():
+                del self._pending[rid]
+            elif deadline <= now:
+                del self._pending[rid]
+                future.set_exception(TimeoutError(
+                    f"no reply from {self.address} to {kind} within {timeout}s"))
+            else:
+                earliest = min(earliest, deadline)
+        if earliest < math.inf:
+            self._expire_at(earliest)
+
+    def _lost(self, error: BaseException) -> None:
+        if self._closed is None:
+            self._closed = error
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep, self._sweep_at = None, math.inf
+        pending, self._pending = self._pending, {}
+        for future, *_ in pending.values():
+            if not future.done():
+                future.set_exception(self._closed)
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
+        self._lost(ConnectionAbortedError(f"connection to {self.address} closed"))
+        framed = self._framed
+        if framed is not None and framed.transport is not None:
+            framed.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(framed.gone), 1)
+            if not framed.gone.done():
+                framed.transport.abort()
+
+
+class _Replies(_Framed):
+    """A ``Connection``'s transport: replies matched to requests as they arrive."""
+
+    def __init__(self, conn: Connection):
+        super().__init__(f"connection to {conn.address}")
+        self.conn = conn
+        self.gone = self.loop.create_future()
+
+    def frame_received(self, header: dict, payload: bytes) -> None:
+        try:
+            reply = Reply.model_validate(header)
+        except ValidationError as e:
+            error = ProtocolError(f"bad reply from {self.conn.address}: {_short(e)}")
+            self.conn._lost(error)
+            raise error from None
+        self.conn._reply(reply, payload)
+
+    def fail(self, error: Exception) -> None:
+        self.conn._lost(ConnectionResetError(f"connection to {self.conn.address}: {error}"))
+        super().fail(error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.conn._lost(exc if isinstance(exc, ConnectionError) else ConnectionResetError(
+            f"connection to {self.conn.address} closed"))
+        if not self.gone.done():
+            self.gone.set_result(None)
 
 
 # ---- discovery: the state dir's controller.json

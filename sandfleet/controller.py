@@ -72,6 +72,7 @@ from sandfleet.protocol import (
     StopSandbox,
     new_id,
     read_controller_info,
+    run_event_loop,
     write_private,
 )
 from sandfleet.runtime.base import proc_start_time
@@ -1176,8 +1177,7 @@ def advertised_host(config: FleetConfig) -> str:
 
 
 def serve_forever(state_dir: Path, config: FleetConfig, provider: Any | None) -> None:
-    """Run a controller in this process until ``down`` or SIGTERM/SIGINT, on uvloop's event
-    loop where uvloop is installed (a third less CPU per lease than asyncio's own loop)."""
+    """Run a controller in this process until ``down`` or SIGTERM/SIGINT."""
 
     async def main() -> None:
         controller = Controller(state_dir, config, provider)
@@ -1186,12 +1186,7 @@ def serve_forever(state_dir: Path, config: FleetConfig, provider: Any | None) ->
             loop.add_signal_handler(sig, controller.request_stop)
         await controller.run()
 
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run_event_loop(main())
 
 
 def desired_nodes(queued_cpus: int, held_cpus: int, config: FleetConfig) -> int:

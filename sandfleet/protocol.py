@@ -588,6 +588,18 @@ def _header(raw: bytes) -> dict:
     return header
 
 
+def run_event_loop(main: Awaitable[None]) -> None:
+    """Run a server process's ``main()`` to its end: on uvloop's event loop where uvloop is
+    installed (it costs the controller a third less CPU per lease and the worker less per
+    exec than asyncio's own loop), on asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 # ---- server
 
 HandlerResult = dict | tuple[dict, bytes] | None

@@ -73,6 +73,7 @@ from sandfleet.protocol import (
     new_id,
     parse_address,
     read_controller_info,
+    run_event_loop,
     write_private,
 )
 from sandfleet.runtime import get_runtime
@@ -571,5 +572,5 @@ def run_worker(state_dir: Path, name: str, config: FleetConfig | None = None) ->
                                     "at its time limit)")
         await worker.run()
 
-    asyncio.run(main())
+    run_event_loop(main())
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import uvloop
 
 from sandfleet.errors import SandboxLost
 from sandfleet.runtime.base import SandboxSpec
@@ -89,8 +90,9 @@ def sandbox(runtime, base_sif):
 
 @pytest.fixture(scope="module")
 def loop():
-    """An event loop on a thread of its own, and an executor: what a worker has."""
-    loop = asyncio.new_event_loop()
+    """An event loop on a thread of its own, and an executor: what a worker has (uvloop's,
+    as the worker runs on)."""
+    loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with concurrent.futures.ThreadPoolExecutor(8) as executor:

@@ -191,16 +191,16 @@ async def episodes(state: Path, leases: int, commands: int) -> dict:
 
     async def episode(i: int) -> None:
         try:
-            async with AsyncFleetClient(state, client_id=f"c{i}") as client:
-                async with client.lease(SIF, memory_mb=256, wait_s=300) as lease:
-                    t = time.perf_counter()
-                    for k in range(commands):
-                        cmd = ["cd /tmp && mkdir -p ep && cd ep", f"echo {k} >> log",
-                               "ls -la / | wc -l", "python3 -c 'print(sum(range(10000)))'",
-                               "cat log | wc -l"][k % 5]
-                        r = await lease.run(cmd, timeout=60)
-                        results.append(r.exit_code)
-                    durations.append(time.perf_counter() - t)
+            async with AsyncFleetClient(state, client_id=f"c{i}") as client, \
+                    client.lease(SIF, memory_mb=256, wait_s=300) as lease:
+                t = time.perf_counter()
+                for k in range(commands):
+                    cmd = ["cd /tmp && mkdir -p ep && cd ep", f"echo {k} >> log",
+                           "ls -la / | wc -l", "python3 -c 'print(sum(range(10000)))'",
+                           "cat log | wc -l"][k % 5]
+                    r = await lease.run(cmd, timeout=60)
+                    results.append(r.exit_code)
+                durations.append(time.perf_counter() - t)
         except InfraError as e:
             infra.append(f"{e.cause}: {e}")
 
@@ -228,8 +228,16 @@ def bench_episodes(root: Path, leases: int, commands: int) -> None:
 
 
 async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients: int) -> dict:
-    from sandfleet.protocol import (Acquire, Connection, Heartbeat, Register, Release,
-                                    Server, new_id, read_controller_info)
+    from sandfleet.protocol import (
+        Acquire,
+        Connection,
+        Heartbeat,
+        Register,
+        Release,
+        Server,
+        new_id,
+        read_controller_info,
+    )
 
     info = read_controller_info(state)
 
@@ -237,7 +245,7 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
         return {"started": True}
 
     server = Server(fake_worker, info.token, name="fake-worker")
-    host, port = await server.start("127.0.0.1", 0)
+    _, port = await server.start("127.0.0.1", 0)
     address = f"127.0.0.1:{port}"
     conns = [await Connection.open(info.address, info.token) for _ in range(4)]
     ids = [f"sim{i}" for i in range(nodes)]

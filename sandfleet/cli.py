@@ -276,7 +276,9 @@ def status_cmd(state_dir: Path, output: str) -> None:
     for n in status["nodes"]:
         click.echo(f"  {n['worker_id']:24} {n['state']:9} {n['node']:16} {n['address']:22} "
                    f"{n['used_cpus']}/{n['slots']} cpus  {n['leases']} leases  "
-                   f"job {n['job_id'] or '-'}")
+                   f"job {n['job_id'] or '-'}"
+                   + (f"  ends in {n['ends_in_s'] / 60:.0f} min" if n.get("ends_in_s") is not None
+                      else ""))
     if status["jobs"]:
         click.echo("jobs: " + ", ".join(f"{j['job_id']} ({j['name']}, {j['state']})"
                                         for j in status["jobs"]))

@@ -1128,7 +1128,9 @@ class Controller:
                        "address": n.address, "state": n.state, "slots": n.slots,
                        "used_cpus": n.used_cpus, "leases": len(n.leases), "job_id": n.job_id,
                        "last_seen_s": round(mono - n.last_seen, 2),
-                       "idle_s": round(mono - n.idle_since, 1) if not n.leases else 0.0}
+                       "idle_s": round(mono - n.idle_since, 1) if not n.leases else 0.0,
+                       "ends_in_s": round(n.ends_at - now) if n.ends_at is not None
+                       else None}
                       for n in self.nodes.values()],
             "leases": {"held": len(held), "starting": len(self.leases) - len(held),
                        "queued": self.queued_count(),

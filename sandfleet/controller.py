@@ -237,7 +237,6 @@ class Journal:
             if closing:
                 return
 
-
     def _sync(self, data: list[bytes]) -> None:
         if data:
             _write_all(self._fd, b"".join(data))

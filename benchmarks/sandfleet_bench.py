@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -60,6 +61,15 @@ V10_SCRIPT = ('read -r dir < "$1/cwd" && cd "$dir" || exit 1; . "$1/env"; state=
 the exported environment from files and saves them after (builtins only)."""
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The loop TMax's rollouts run on (``sandfleet.protocol.run_event_loop``): uvloop's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def timed(fn, n: int, warmup: int = 20) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -93,91 +103,99 @@ class RawPipe:
         self.proc.wait(timeout=10)
 
 
-def bench_exec(root: Path, n: int) -> None:
+def bench_exec(root: Path, n: int, rounds: int = 10) -> None:
+    """Acquire latency, then the exec round trip of every way in ``rounds`` interleaved
+    blocks (``n`` samples each in all), so a slow spell of the machine hits all alike."""
     from sandfleet.client import AsyncFleetClient, FleetClient
     from sandfleet.runtime.base import SandboxSpec
     from sandfleet.runtime.local import LocalRuntime
     from sandfleet.shell import ShellSession
 
-    p50: dict[str, float] = {}
-
-    def report(key: str, what: str, samples: list[float]) -> None:
-        row = summary(what, samples)
-        p50[key] = row["p50_ms"]
-        print(json.dumps(row))
-
     state = fleet_up(root / "exec", min_nodes=1, max_nodes=1, cpus_per_node=4)
-    try:
-        with FleetClient(state) as fleet:
-            time.sleep(1)
-            acq = []
-            for _ in range(30):
-                t = time.perf_counter()
-                lease = fleet.acquire(SIF)
-                acq.append(time.perf_counter() - t)
-                lease.release()
-                time.sleep(0.25)  # let the previous sandbox's stop finish
-            report("acquire", "lease acquire (warm image cache, idle worker)", acq)
-            with fleet.lease(SIF) as lease:
-                assert lease.run("cd /tmp; export KEPT=1").exit_code == 0
-                assert lease.run('pwd; echo "$KEPT"').output == "/tmp\n1\n"
-                report("fleet", "exec `true` through a lease (sync client)",
-                       timed(lambda: lease.run("true"), n))
-
-        async def async_client() -> list[float]:
-            async with AsyncFleetClient(state) as client, client.lease(SIF) as lease:
-                for _ in range(20):
-                    await lease.run("true")
-                samples = []
-                for _ in range(n):
-                    t = time.perf_counter()
-                    await lease.run("true")
-                    samples.append(time.perf_counter() - t)
-                return samples
-
-        report("fleet_async", "exec `true` through a lease (asyncio client)",
-               asyncio.run(async_client()))
-    finally:
-        fleet_down(state)
-
     rt = LocalRuntime(root / "rt-state", CACHE, owner="bench")
-    rt.start("b1", SandboxSpec(image=Path(SIF)))
-    try:
-        with ShellSession(rt, "b1") as shell:
-            report("shell", "exec `true` via ShellSession.run, no fleet",
-                   timed(lambda: shell.run("true", 10), n))
+    loop = new_event_loop()
+    with contextlib.ExitStack() as stack:
+        stack.callback(fleet_down, state)
+        fleet = stack.enter_context(FleetClient(state))
+        time.sleep(1)
+        acq = []
+        for _ in range(30):
+            t = time.perf_counter()
+            lease = fleet.acquire(SIF)
+            acq.append(time.perf_counter() - t)
+            lease.release()
+            time.sleep(0.25)  # let the previous sandbox's stop finish
+        print(json.dumps(summary("lease acquire (warm image cache, idle worker)", acq)))
+
+        lease = stack.enter_context(fleet.lease(SIF))
+        assert lease.run("cd /tmp; export KEPT=1").exit_code == 0
+        assert lease.run('pwd; echo "$KEPT"').output == "/tmp\n1\n"
+        stack.callback(loop.close)
+        aclient = loop.run_until_complete(AsyncFleetClient(state).__aenter__())
+        stack.callback(lambda: loop.run_until_complete(aclient.__aexit__(None, None, None)))
+        alease = loop.run_until_complete(aclient.acquire(SIF))
+        stack.callback(lambda: loop.run_until_complete(alease.release()))
+
+        async def async_block(k: int) -> list[float]:
+            samples = []
+            for _ in range(k):
+                t = time.perf_counter()
+                await alease.run("true")
+                samples.append(time.perf_counter() - t)
+            return samples
+
+        rt.start("b1", SandboxSpec(image=Path(SIF)))
+        stack.callback(rt.stop, "b1")
+        shell = stack.enter_context(ShellSession(rt, "b1"))
         # (b) v1.0: a fresh process per command entering the sandbox, state from files
         rt.exec("b1", "mkdir -p /tmp/v10 && echo /tmp > /tmp/v10/cwd && : > /tmp/v10/env",
                 timeout=10)
         v10 = ["bash", "-c", V10_SCRIPT, "bash", "/tmp/v10"]
         assert rt.exec("b1", [*v10, "cd /; export KEPT=1"], timeout=10).exit_code == 0
         assert rt.exec("b1", [*v10, 'pwd; echo "$KEPT"'], timeout=10).output == "/\n1\n"
-        report("v10_sandbox", "exec `true`, v1.0 style: fresh process into the sandbox",
-               timed(lambda: rt.exec("b1", [*v10, "true"], timeout=10), max(n // 3, 50)))
-    finally:
-        rt.stop("b1")
-    # (b') the same on the host, no sandbox to enter: the cheapest a fresh process gets
-    host_state = root / "v10-host"
-    host_state.mkdir()
-    (host_state / "cwd").write_text("/tmp\n")
-    (host_state / "env").write_text("")
-    host = ["bash", "-c", V10_SCRIPT, "bash", str(host_state)]
-    report("v10_host", "exec `true`, v1.0 style on the host (no sandbox)",
-           timed(lambda: subprocess.run([*host, "true"], stdin=subprocess.DEVNULL,
-                                        capture_output=True, check=True), max(n // 3, 50)))
-    raw = RawPipe()
-    try:
+        # (b') the same on the host, no sandbox to enter: the cheapest a fresh process gets
+        host_state = root / "v10-host"
+        host_state.mkdir()
+        (host_state / "cwd").write_text("/tmp\n")
+        (host_state / "env").write_text("")
+        host = ["bash", "-c", V10_SCRIPT, "bash", str(host_state)]
+        raw = RawPipe()
+        stack.callback(raw.close)
         assert raw.run("echo hi") == b"hi\n"
-        report("raw", "exec `true` via a raw bash pipe on the host (a)",
-               timed(lambda: raw.run("true"), n))
-    finally:
-        raw.close()
+
+        ways = {  # key: (what, one block of k samples)
+            "fleet": ("exec `true` through a lease (sync client)",
+                      lambda k: timed(lambda: lease.run("true"), k, warmup=5)),
+            "fleet_async": ("exec `true` through a lease (asyncio client, uvloop)",
+                            lambda k: loop.run_until_complete(async_block(k))),
+            "shell": ("exec `true` via ShellSession.run, no fleet",
+                      lambda k: timed(lambda: shell.run("true", 10), k, warmup=5)),
+            "v10_sandbox": ("exec `true`, v1.0 style: fresh process into the sandbox (b)",
+                            lambda k: timed(lambda: rt.exec("b1", [*v10, "true"], timeout=10),
+                                            max(k // 3, 5), warmup=2)),
+            "v10_host": ("exec `true`, v1.0 style on the host, no sandbox (b')",
+                         lambda k: timed(lambda: subprocess.run(
+                             [*host, "true"], stdin=subprocess.DEVNULL, capture_output=True,
+                             check=True), max(k // 3, 5), warmup=2)),
+            "raw": ("exec `true` via a raw bash pipe on the host (a)",
+                    lambda k: timed(lambda: raw.run("true"), k, warmup=5)),
+        }
+        samples: dict[str, list[float]] = {key: [] for key in ways}
+        for _ in range(rounds):
+            for key, (_, block) in ways.items():
+                samples[key] += block(max(n // rounds, 1))
+    p50 = {}
+    for key, (what, _) in ways.items():
+        row = summary(what, samples[key])
+        p50[key] = row["p50_ms"]
+        print(json.dumps(row))
     print(json.dumps({
-        "what": "exec targets (p50)",
+        "what": "exec targets (p50; interleaved blocks)",
         "fleet_overhead_over_raw_pipe_ms": round(p50["fleet"] - p50["raw"], 3),
+        "fleet_async_overhead_over_raw_pipe_ms": round(p50["fleet_async"] - p50["raw"], 3),
         "v10_sandbox_over_fleet_x": round(p50["v10_sandbox"] / p50["fleet"], 1),
-        "v10_host_over_fleet_x": round(p50["v10_host"] / p50["fleet"], 1),
-        "v10_sandbox_over_fleet_async_x": round(p50["v10_sandbox"] / p50["fleet_async"], 1)}))
+        "v10_sandbox_over_fleet_async_x": round(p50["v10_sandbox"] / p50["fleet_async"], 1),
+        "v10_host_over_fleet_x": round(p50["v10_host"] / p50["fleet"], 1)}))
 
 
 # ---- 64 concurrent episodes
@@ -215,11 +233,13 @@ async def episodes(state: Path, leases: int, commands: int) -> dict:
 
 
 def bench_episodes(root: Path, leases: int, commands: int) -> None:
+    from sandfleet.protocol import run_event_loop
+
     state = fleet_up(root / "ep", min_nodes=1, max_nodes=1, cpus_per_node=2 * leases,
                      memory_mb_per_node=256 * leases, lease_ttl_s=300)
     try:
         time.sleep(1)
-        print(json.dumps(asyncio.run(episodes(state, leases, commands))))
+        print(json.dumps(run_event_loop(episodes(state, leases, commands))))
     finally:
         fleet_down(state)
 

@@ -5,7 +5,6 @@ Register with ``main.add_command(eval_cmd)`` and ``main.add_command(report_cmd)`
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import json
 import os
@@ -137,8 +136,10 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
                                   max_infra_retries=max_infra_retries,
                                   progress=not no_progress)
 
+    from sandfleet.protocol import run_event_loop
+
     try:
-        records = asyncio.run(go())
+        records = run_event_loop(go())
     except (EvalError, FleetUnavailable) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sandfleet.protocol import run_event_loop
 from tmax.agent.config import load_agent_config
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.config import TrainConfig, save_config
@@ -141,7 +142,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     model, tokenizer = prepare_model(config, tasks, run_dir, agent_config, progress)
     if config.model.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    asyncio.run(_rl(config, run_dir, tasks, model, tokenizer, agent_config, progress))
+    run_event_loop(_rl(config, run_dir, tasks, model, tokenizer, agent_config, progress))
     from tmax.models.tiny import save_pretrained_dir
 
     save_pretrained_dir(model, tokenizer, run_dir / "final")  # for `tmax eval --policy hf:...`

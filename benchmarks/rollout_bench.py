@@ -18,10 +18,9 @@ lookup, the PATH probe, the lease release), infra failures, mean reward; and thr
 relative to concurrency 1 (or the smallest level run). All figures are from one run on a
 shared machine: compare the ratios, not the absolute numbers.
 
-Caveat on queue vs start: ``sandfleet`` sets a grant's ``queued_s`` when the worker has
-STARTED the sandbox (``Controller._start_lease``), so ``timings["queue"]`` holds waiting for
-a slot plus the sandbox start, and ``timings["start"]`` (grant time - request - queued_s)
-only the grant's trip back to the client. The two are reported as recorded.
+Queue vs start: a grant's ``queued_s`` ends when the controller finds the lease a slot, so
+``timings["queue"]`` is waiting for capacity and ``timings["start"]`` the sandbox start plus
+the grant's trip back to the client. The loop is TMax's (``run_event_loop``: uvloop).
 
 Policies: ``oracle`` (runs the task's solve.sh, then submits: no model), and ``hf-tiny``
 (the tiny CPU model of configs/tiny-cpu.yaml with random weights, ``max_new_tokens`` 64,
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
+
+from sandfleet.protocol import run_event_loop
 
 log = logging.getLogger("rollout_bench")
 
@@ -228,7 +229,7 @@ def main() -> None:
         import torch
         torch.set_num_threads(args.torch_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    report = asyncio.run(bench(args))
+    report = run_event_loop(bench(args))
     emit(report, f"{report['benchmark']}: {report['policy']}, {report['episodes_per_level']} "
           f"episodes per level over {report['tasks']} tasks; {report['machine']}", table(report), args.out)
 

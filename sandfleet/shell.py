@@ -841,9 +841,9 @@ class ShellSession:
 
     async def arun(self, command: str, timeout: float,
                    executor: concurrent.futures.Executor | None = None) -> ExecResult:
-        """``run`` for an asyncio caller. While the shell runs and the command is short, no
-        thread is involved but the shell's reader: the command is sent from the loop and
-        its end awaited there. Starting or restarting a shell and a timeout's abort run in
+        """``run`` for an asyncio caller. While the shell runs and the command is short, the
+        command is sent from the loop and its end awaited there (in loop mode no thread is
+        involved at all). Starting or restarting a shell and a timeout's abort run in
         ``executor`` (they block). Cancelled, it leaves the command running to its end or
         timeout as ``run`` would, and the session busy until then."""
         line = _command_line(command, timeout)
@@ -860,7 +860,7 @@ class ShellSession:
         except BaseException:
             self._lock.release()
             raise
-        woken = loop.create_future()
+        woken, thread = loop.create_future(), threading.get_ident()
 
         def done() -> None:
             if not woken.done():
@@ -871,8 +871,6 @@ class ShellSession:
                 done()
             else:
                 loop.call_soon_threadsafe(done)
-
-        thread = threading.get_ident()
 
         outcome = None
         try:

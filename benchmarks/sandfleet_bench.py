@@ -61,15 +61,6 @@ V10_SCRIPT = ('read -r dir < "$1/cwd" && cd "$dir" || exit 1; . "$1/env"; state=
 the exported environment from files and saves them after (builtins only)."""
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The loop TMax's rollouts run on (``sandfleet.protocol.run_event_loop``): uvloop's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 def timed(fn, n: int, warmup: int = 20) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -107,13 +98,14 @@ def bench_exec(root: Path, n: int, rounds: int = 10) -> None:
     """Acquire latency, then the exec round trip of every way in ``rounds`` interleaved
     blocks (``n`` samples each in all), so a slow spell of the machine hits all alike."""
     from sandfleet.client import AsyncFleetClient, FleetClient
+    from sandfleet.protocol import new_event_loop
     from sandfleet.runtime.base import SandboxSpec
     from sandfleet.runtime.local import LocalRuntime
     from sandfleet.shell import ShellSession
 
     state = fleet_up(root / "exec", min_nodes=1, max_nodes=1, cpus_per_node=4)
     rt = LocalRuntime(root / "rt-state", CACHE, owner="bench")
-    loop = new_event_loop()
+    loop = new_event_loop()  # TMax's rollout loop (uvloop)
     with contextlib.ExitStack() as stack:
         stack.callback(fleet_down, state)
         fleet = stack.enter_context(FleetClient(state))

@@ -73,6 +73,7 @@ from sandfleet.protocol import (
     new_id,
     read_controller_info,
     run_event_loop,
+    settle,
     write_private,
 )
 from sandfleet.runtime.base import proc_start_time
@@ -231,7 +232,7 @@ class Journal:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)
             try:
-                self._loop.call_soon_threadsafe(_settle, waiters, error)
+                self._loop.call_soon_threadsafe(settle, waiters, error)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
             if closing:
@@ -241,15 +242,6 @@ class Journal:
         if data:
             _write_all(self._fd, b"".join(data))
             os.fsync(self._fd)
-
-
-def _settle(waiters: list[asyncio.Future], error: OSError | None) -> None:
-    for w in waiters:
-        if not w.done():
-            if error is None:
-                w.set_result(None)
-            else:
-                w.set_exception(error)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -571,12 +571,17 @@ class _Framed(asyncio.Protocol):
 
     def _wake_drained(self, error: Exception | None) -> None:
         waiters, self._drained = self._drained, []
-        for future in waiters:
-            if not future.done():
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
+        settle(waiters, error)
+
+
+def settle(futures: list[asyncio.Future], error: BaseException | None) -> None:
+    """Resolve the futures not done yet: with None, or with ``error``."""
+    for future in futures:
+        if not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
 
 
 def _header(raw: bytes) -> dict:
@@ -589,15 +594,21 @@ def _header(raw: bytes) -> dict:
     return header
 
 
-def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, on uvloop's event loop where uvloop is installed: it costs the
-    controller a third less CPU per lease, and workers and clients less per exec, than
-    asyncio's own loop. Servers and TMax's rollout loops run on it."""
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where uvloop is installed, else asyncio's: uvloop costs the
+    controller a third less CPU per lease, and workers and clients less per exec."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on ``new_event_loop()``'s loop: servers and TMax's rollout loops
+    run on it."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
 
 
 # ---- server

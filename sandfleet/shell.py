@@ -123,6 +123,7 @@ from sandfleet.runtime.base import (
     OutputBuffer,
     Runtime,
     kill_process_group,
+    read_small,
 )
 
 log = logging.getLogger(__name__)
@@ -189,16 +190,9 @@ class ProcStat(NamedTuple):
 
 def read_stat(dir_fd: int | None, path: str) -> ProcStat | None:
     """``<path>/stat`` (relative to ``dir_fd``) parsed; None when the process is gone."""
-    try:
-        fd = os.open(f"{path}/stat" if path else "stat", os.O_RDONLY, dir_fd=dir_fd)
-    except OSError:
+    text = read_small(f"{path}/stat" if path else "stat", dir_fd)
+    if text is None:
         return None
-    try:
-        text = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     rest = text.rsplit(b")", 1)[1].split()
     return ProcStat(rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
 

@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-import uvloop
 
 from sandfleet.errors import SandboxLost
+from sandfleet.protocol import new_event_loop
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.local import LocalRuntime
 from sandfleet.shell import MARKER, ShellSession, _Scanner, spawned_since
@@ -92,7 +92,7 @@ def sandbox(runtime, base_sif):
 def loop():
     """An event loop on a thread of its own, and an executor: what a worker has (uvloop's,
     as the worker runs on)."""
-    loop = uvloop.new_event_loop()
+    loop = new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with concurrent.futures.ThreadPoolExecutor(8) as executor:

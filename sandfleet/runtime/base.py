@@ -181,6 +181,21 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def read_small(path: str, dir_fd: int | None = None) -> bytes | None:
+    """The first 4 KiB of a /proc or cgroup file (``path`` relative to ``dir_fd`` if given),
+    with bare system calls: this runs several times per shell command; None on OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def proc_start_time(pid: int, *, zombie_ok: bool = False) -> int | None:
     """A process's start time (clock ticks since boot), which with the pid names it for
     good; None if it is gone, or a zombie (dead, not reaped) unless ``zombie_ok``."""

@@ -83,6 +83,7 @@ from sandfleet.runtime.base import (
     default_owner,
     kill_group,
     proc_start_time,
+    read_small,
     write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
@@ -258,17 +259,8 @@ class Cgroups:
 
     @staticmethod
     def oom_kills(memory_cgroup: str | Path) -> int | None:
-        try:
-            fd = os.open(f"{memory_cgroup}/memory.oom_control", os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            text = os.read(fd, 4096)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        for line in text.splitlines():
+        text = read_small(f"{memory_cgroup}/memory.oom_control")
+        for line in (text or b"").splitlines():
             if line.startswith(b"oom_kill "):
                 return int(line[9:])
         return None

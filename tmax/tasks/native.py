@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -13,6 +14,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from tmax.tasks.config import DOMAINS, TaskConfig
+from tmax.tasks.confine import Escape, expand_source, link_problems
 from tmax.tasks.model import (
     DEFINITION_FILES,
     ENV_DIR,
@@ -124,6 +126,7 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
                 problem(TASK_TOML, "no domain", f"set one of: {', '.join(DOMAINS)}",
                         "metadata.domain", "warning")
 
+    problems.extend(link_problems(root, task_id))
     _check_environment(root, task_id, problems)
     _check_verifier(root, task_id, problems)
     if not (root / SOLVE_SCRIPT).is_file():
@@ -191,6 +194,39 @@ def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
+def copy_operands(args: str) -> tuple[list[str], str] | None:
+    """(sources, destination) of a COPY/ADD's arguments, shell or JSON form, flags dropped;
+    None when it copies from another build stage or image (``--from``)."""
+    if args.startswith("["):
+        try:
+            parts = [str(p) for p in json.loads(args)]
+        except (json.JSONDecodeError, TypeError):
+            parts = shlex.split(args)
+    else:
+        parts = shlex.split(args)
+    if any(p.startswith("--from=") for p in parts):
+        return None
+    parts = [p for p in parts if not p.startswith("--")]
+    return (parts[:-1], parts[-1]) if parts else ([], "")
+
+
+def _source_problem(task_id: str, file: str, field: str, word: str, env: Path,
+                    src: str) -> Problem | None:
+    if "://" in src:
+        return Problem(task_id, file, f"{word} fetches {src} at build time",
+                       "vendor the file into environment/", field, "warning")
+    try:
+        found = expand_source(env, src)
+    except Escape as e:
+        return Problem(task_id, file, f"{word} {e}",
+                       f"copy only files under {ENV_DIR}/ (the build context): move the "
+                       "file there and name it relative to it", field)
+    if not found:
+        return Problem(task_id, file, f"{word} source {src!r} not found in environment/",
+                       "add the file or fix the path", field)
+    return None
+
+
 def _check_dockerfile(path: Path, task_id: str) -> list[Problem]:
     file = f"{ENV_DIR}/Dockerfile"
     problems: list[Problem] = []
@@ -199,22 +235,10 @@ def _check_dockerfile(path: Path, task_id: str) -> list[Problem]:
         problems.append(Problem(task_id, file, "the Dockerfile has no FROM line first",
                                 "start it with FROM <base image>"))
     for line, word, args in instructions:
-        if word not in ("COPY", "ADD"):
-            continue
-        if args.startswith("["):
-            continue  # JSON form: left to the builder
-        parts = [p for p in shlex.split(args) if not p.startswith("--")]
-        if "--from=" in args:
-            continue
-        for src in parts[:-1]:
-            if "://" in src:
-                problems.append(Problem(task_id, file, f"{word} fetches {src} at build time",
-                                        "vendor the file into environment/", f"line {line}",
-                                        "warning"))
-            elif not any(path.parent.glob(src.lstrip("/"))):
-                problems.append(Problem(task_id, file, f"{word} source {src!r} not found in "
-                                        "environment/", "add the file or fix the path",
-                                        f"line {line}"))
+        operands = copy_operands(args) if word in ("COPY", "ADD") else None
+        for src in operands[0] if operands else []:
+            if problem := _source_problem(task_id, file, f"line {line}", word, path.parent, src):
+                problems.append(problem)
     return problems
 
 
@@ -234,10 +258,9 @@ def _check_definition(path: Path, task_id: str) -> list[Problem]:
             header[key.strip().lower()] = value.strip()
         elif section == "files" and s and not s.startswith("#"):
             src = shlex.split(s)[0]
-            if not src.startswith("/") and not (path.parent / src).exists():
-                problems.append(Problem(task_id, file, f"%files source {src!r} not found in "
-                                        "environment/", "add the file or fix the path",
-                                        f"line {n}"))
+            if problem := _source_problem(task_id, file, f"line {n}", "%files", path.parent,
+                                          src):
+                problems.append(problem)
     if "bootstrap" not in header:
         problems.append(Problem(task_id, file, "no 'Bootstrap:' header",
                                 "start the definition with Bootstrap: and From: lines"))

@@ -8,7 +8,6 @@ object), so it runs under Apptainer on a cluster unchanged.
 
 from __future__ import annotations
 
-import glob
 import os
 import shlex
 import shutil
@@ -32,6 +31,7 @@ from tmax.images.rootfs import (
     remove_tree,
     run_logged,
 )
+from tmax.tasks.confine import Escape, expand_source
 
 
 class Builder(Protocol):
@@ -51,11 +51,12 @@ def _mirror_for(definition_text: str, mirror: str | None) -> str:
 
 
 def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -> Definition:
-    """The task's definition bootstrapped from the local base, with absolute %files sources."""
+    """The task's definition bootstrapped from the local base, with absolute %files sources
+    (a leading '/' is environment/'s root, as everywhere else)."""
     sections = dict(task.definition.sections)
     if task.definition.files:
         sections["files"] = "\n".join(
-            f"    {shlex.quote(str(env_dir / src))} {shlex.quote(dest)}"
+            f"    {shlex.quote(str(env_dir / src.lstrip('/')))} {shlex.quote(dest)}"
             for src, dest in task.definition.files)
     return Definition({"bootstrap": "localimage", "from": str(base_sif)}, sections)
 
@@ -186,14 +187,16 @@ def inside(rootfs: Path, path: str) -> Path:
 
 def copy_into_rootfs(env_dir: Path, src: str, rootfs: Path, dest: str) -> None:
     """Docker COPY semantics: a directory's contents into dest; files into dest/ when dest
-    ends with '/' or names a directory; globs allowed; sources must stay in env_dir."""
-    matches = sorted(glob.glob(str(env_dir / src.lstrip("/"))))
+    ends with '/' or names a directory; globs allowed; sources must stay in env_dir (the
+    rule of ``tmax.tasks.confine``)."""
+    try:
+        matches = expand_source(env_dir, src)
+    except Escape as e:
+        raise BuildError("%files", str(e)) from None
     if not matches:
         raise BuildError("%files", f"source {src!r} not found in {env_dir}")
     target = inside(rootfs, dest)
-    for match in map(Path, matches):
-        if env_dir.resolve() not in match.resolve().parents and match.resolve() != env_dir.resolve():
-            raise BuildError("%files", f"source {src!r} leaves the environment folder")
+    for match in matches:
         if match.is_dir():
             target.mkdir(parents=True, exist_ok=True)
             shutil.copytree(match, target, symlinks=True, dirs_exist_ok=True)

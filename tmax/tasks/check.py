@@ -6,27 +6,50 @@ any image exists. The task's writable directories (/app, /tmp, /opt, ...) are fr
 Dockerfile WORKDIR/ENV/COPY/RUN and Apptainer %files/%environment/%post are applied there.
 What it does not give you: the image's own packages (the host's are used) and writes
 outside those directories. Task images (``tmax images``) lift both limits.
+
+The task is untrusted. Before anything is copied, its folder is validated again (it may
+have changed since it was loaded): symlinks and COPY sources that leave it are refused
+(``tmax.tasks.confine``). What it runs is root only inside its own user namespace, whose
+uid 0 is ``SANDBOX_UID`` on the host when the check runs as root (else the user running
+it), with no capabilities: it reads only what any user may read of the host's system
+directories, and writes only its own folders. Files go in by a copy made inside the
+sandbox, and the host reads nothing back through a link the sandbox made.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
 
 from sandfleet.runtime.bwrap import BwrapSpec, host_root
+from tmax.tasks.confine import expand_source
 from tmax.tasks.model import Problem, Task, TaskError
-from tmax.tasks.native import dockerfile_instructions
+from tmax.tasks.native import copy_operands, dockerfile_instructions, validate_task
 from tmax.tasks.reward import VerifierError, read_reward
 
 WRITABLE = ("/app", "/tmp", "/logs", "/tests", "/solution", "/root", "/home", "/opt", "/srv")
 Mode = Literal["oracle", "nop"]
+
+SANDBOX_UID = 65534
+"""Host uid (and gid) of the sandbox's root when the check runs as root: "nobody", who owns
+nothing the sandbox sees but the sandbox's own folders."""
+USERNS = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-drop", "ALL"]
+STAGE = "/.tmax-stage"
+"""Where a file being copied in is bound, read-only, for the copy made inside."""
+# $1: destination in the sandbox, $2: the staged file's name
+_COPY_DIR = f'mkdir -p -- "$1" && cp -R --preserve=mode,timestamps -- {STAGE}/"$2"/. "$1"'
+_COPY_FILE = ('case $1 in */) mkdir -p -- "$1" ;; '
+              '*) [ -d "$1" ] || mkdir -p -- "$(dirname -- "$1")" ;; esac && '
+              f'cp --preserve=mode,timestamps -- {STAGE}/"$2" "$1"')
 
 
 @dataclass
@@ -42,22 +65,60 @@ class CheckResult:
         return asdict(self)
 
 
+def _as_sandbox_user() -> dict:
+    """subprocess keywords that drop to ``SANDBOX_UID`` when we are root (none otherwise)."""
+    if os.geteuid() != 0:
+        return {}
+    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+
+
+@functools.cache
+def _userns_refusal() -> str:
+    """Why bubblewrap cannot give this machine's users a user namespace ('' when it can)."""
+    spec = host_root()
+    spec.extra_args += USERNS
+    try:
+        proc = subprocess.run(spec.argv(["true"]), capture_output=True, text=True, timeout=30,
+                              check=False, **_as_sandbox_user())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return "" if proc.returncode == 0 else proc.stderr.strip() or f"exit {proc.returncode}"
+
+
 class HostSandbox:
-    """A sandbox whose writable directories persist across commands; owns its temp dir."""
+    """A sandbox whose writable directories persist across commands, kept under ``workdir``
+    (a fresh folder the sandbox owns; the sandbox's user gets it)."""
 
     def __init__(self, task: Task, workdir: Path):
+        if refusal := _userns_refusal():
+            raise RuntimeError("the host check runs as root of an unprivileged user namespace,"
+                               f" and bubblewrap could not make one: {refusal} (enable "
+                               "unprivileged user namespaces, or build the task image)")
         self.task, self.dir = task, workdir
+        self.as_user = _as_sandbox_user()
         self.spec: BwrapSpec = host_root()
+        self.spec.extra_args += USERNS
         for path in WRITABLE:
             host = workdir / path.lstrip("/")
             host.mkdir(parents=True, exist_ok=True)
             self.spec.binds.append((str(host), path))
+        self._give(workdir)
         self.spec.cwd = "/"
         self.log: list[str] = []
 
+    def _give(self, path: Path) -> None:
+        """Hand ``path`` (a tree only the host wrote) to the sandbox's user."""
+        if not self.as_user:
+            return
+        for folder, dirs, files in os.walk(path):
+            os.chown(folder, SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+            for name in dirs + files:
+                os.chown(os.path.join(folder, name), SANDBOX_UID, SANDBOX_UID,
+                         follow_symlinks=False)
+
     def host_path(self, path: str) -> Path:
         """Where sandbox ``path`` lives on the host; only inside the writable directories."""
-        p = PurePosixPath(path)
+        p = PurePosixPath(os.path.normpath(path))
         if not any(p == PurePosixPath(w) or PurePosixPath(w) in p.parents for w in WRITABLE):
             raise TaskError([Problem(self.task.task_id, "environment", f"writes to {path}",
                                      "the host check only supports "
@@ -65,36 +126,71 @@ class HostSandbox:
         return self.dir / str(p).lstrip("/")
 
     def run(self, command: str, timeout: float, cwd: str | None = None) -> int:
-        argv = self.spec.argv(["sh", "-c", command])
-        if cwd:
-            argv[argv.index("--chdir") + 1] = cwd
-        self.log.append(f"$ {command}")
+        return self._exec(["sh", "-c", command], timeout, cwd, label=command)
+
+    def _exec(self, command: list[str], timeout: float, cwd: str | None = None, *,
+              label: str, quiet: bool = False, ro_binds: tuple[tuple[str, str], ...] = ()
+              ) -> int:
+        """Run ``command`` in the sandbox as its root; log it (``quiet``: only a failure)."""
+        spec = replace(self.spec, ro_binds=[*self.spec.ro_binds, *ro_binds],
+                       cwd=cwd or self.spec.cwd)
+        self.log.append(f"$ {label}")
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  start_new_session=True, check=False)
+            proc = subprocess.run(spec.argv(command), capture_output=True, text=True,
+                                  timeout=timeout, start_new_session=True, check=False,
+                                  **self.as_user)
         except subprocess.TimeoutExpired as e:
             self.log.append(f"[timed out after {timeout:g}s]")
             self.log.append((e.stdout or b"").decode(errors="replace")[-2000:]
                             if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:])
             return 124
-        self.log.append((proc.stdout + proc.stderr)[-4000:].rstrip())
-        self.log.append(f"[exit {proc.returncode}]")
+        if not quiet or proc.returncode:
+            self.log.append((proc.stdout + proc.stderr)[-4000:].rstrip())
+            self.log.append(f"[exit {proc.returncode}]")
         return proc.returncode
 
+    def mkdir(self, path: str) -> None:
+        """``mkdir -p`` inside, where links resolve as the sandbox sees them."""
+        self.host_path(path)
+        if self._exec(["mkdir", "-p", "--", path], 60, "/", label=f"mkdir -p {path}",
+                      quiet=True) != 0:
+            raise RuntimeError(f"could not make {path} in the sandbox (see the log)")
+
     def fetch(self, path: str, dest: Path) -> Path:
-        return self.host_path(path)
+        """Sandbox ``path`` on the host (not copied); refused when it or a folder above it is
+        a link made in the sandbox (the host would follow it out)."""
+        host = self.host_path(path)
+        for p in (host, *host.parents):
+            if p == self.dir:
+                break
+            if p.is_symlink():
+                raise VerifierError(self.task.task_id, f"{path} is a symlink, not a directory "
+                                    "(the check reads rewards only from the sandbox's own "
+                                    "folders)")
+        return host
 
     def copy_in(self, src: Path, dest: str) -> None:
         """Docker COPY semantics: a directory's contents go into dest; a file into dest/ if
-        dest ends with '/' or is a directory."""
-        target = self.host_path(dest)
-        if src.is_dir():
-            shutil.copytree(src, target, dirs_exist_ok=True, symlinks=True)
-            return
-        if dest.endswith("/") or target.is_dir():
-            target = target / src.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, target)
+        dest ends with '/' or is a directory. Staged on the host, then copied inside the
+        sandbox by its own user: what the sandbox made (links included) is never followed by
+        the host, and the copies belong to the sandbox's root."""
+        self.host_path(dest)
+        stage = Path(tempfile.mkdtemp(prefix=".stage-", dir=self.dir))
+        try:
+            if src.is_dir():
+                shutil.copytree(src, stage / "dir", symlinks=True)
+                argv = ["sh", "-c", _COPY_DIR, "sh", dest, "dir"]
+            else:
+                shutil.copy2(src, stage / src.name)
+                argv = ["sh", "-c", _COPY_FILE, "sh", dest, src.name]
+            self._give(stage)
+            rc = self._exec(argv, self.task.config.environment.build_timeout_sec, "/",
+                            label=f"copy {src.name} -> {dest}", quiet=True,
+                            ro_binds=((str(stage), STAGE),))
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        if rc != 0:
+            raise RuntimeError(f"copying {src.name} to {dest} failed (see the log)")
 
 
 def _apply_dockerfile(box: HostSandbox, task: Task) -> None:
@@ -103,14 +199,14 @@ def _apply_dockerfile(box: HostSandbox, task: Task) -> None:
     for line, word, args in dockerfile_instructions(task.definition.read_text()):
         if word == "WORKDIR":
             workdir = str(PurePosixPath(workdir) / args)
-            box.host_path(workdir).mkdir(parents=True, exist_ok=True)
+            box.mkdir(workdir)
         elif word == "ENV":
             box.spec.env.update(_parse_env(args))
-        elif word in ("COPY", "ADD"):
-            parts = [p for p in shlex.split(args) if not p.startswith("--")]
-            dest = parts[-1] if parts[-1].startswith("/") else f"{workdir}/{parts[-1]}"
-            for src in parts[:-1]:
-                for match in sorted(ctx.glob(src.lstrip("/"))):
+        elif word in ("COPY", "ADD") and (operands := copy_operands(args)):
+            sources, dest = operands
+            dest = dest if dest.startswith("/") else f"{workdir}/{dest}"
+            for src in sources:
+                for match in [] if "://" in src else expand_source(ctx, src):
                     box.copy_in(match, dest)
         elif word == "RUN":
             command = " ".join(json.loads(args)) if args.startswith("[") else args
@@ -132,7 +228,8 @@ def _apply_definition(box: HostSandbox, task: Task) -> None:
 
     definition = parse_definition(task.definition.read_text())
     for src, dest in definition.files:
-        box.copy_in(task.environment_dir / src, dest)
+        for match in expand_source(task.environment_dir, src):
+            box.copy_in(match, dest)
     box.spec.env.update(environment_of(definition))
     post = definition.sections.get("post", "")
     if post.strip() and box.run(post, task.config.environment.build_timeout_sec, "/") != 0:
@@ -169,11 +266,21 @@ def run_verifier(box: CheckSandbox, task: Task, scratch: Path, cwd: str | None =
 
 
 def check_task(task: Task, mode: Mode = "oracle") -> CheckResult:
-    """Build the task's environment on the host, run ``mode``, then the verifier."""
+    """Build the task's environment on the host, run ``mode``, then the verifier.
+
+    The task's folder is validated again first; with any error, nothing is copied or run.
+    """
     start = time.monotonic()
+    refused = [p for p in validate_task(task.root, task_id=task.task_id)
+               if p.severity == "error"]
+    if refused:
+        return CheckResult(task.task_id, mode, None, str(TaskError(refused)),
+                           round(time.monotonic() - start, 2))
+    log: list[str] = []
     with tempfile.TemporaryDirectory(prefix=f"tmax-check-{task.task_id}-") as tmp:
-        box = HostSandbox(task, Path(tmp) / "box")
         try:
+            box = HostSandbox(task, Path(tmp))
+            log = box.log
             if task.definition_kind == "dockerfile":
                 _apply_dockerfile(box, task)
             else:
@@ -185,4 +292,4 @@ def check_task(task: Task, mode: Mode = "oracle") -> CheckResult:
         except (VerifierError, TaskError, RuntimeError, OSError) as e:
             reward, error = None, str(e)
         return CheckResult(task.task_id, mode, reward, error,
-                           round(time.monotonic() - start, 2), "\n".join(box.log))
+                           round(time.monotonic() - start, 2), "\n".join(log))

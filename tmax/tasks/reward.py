@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from pathlib import Path
+
+MAX_REWARD_BYTES = 1 << 20
 
 
 class VerifierError(Exception):
@@ -21,16 +26,17 @@ def read_reward(verifier_dir: Path, task: str) -> float:
     reward.json is a flat dict of numbers; its ``reward`` key is the reward (other keys are
     metrics). reward.txt wins when both exist.
     """
-    txt, js = verifier_dir / "reward.txt", verifier_dir / "reward.json"
-    if txt.is_file():
-        text = txt.read_text().strip()
+    txt = _read_regular(verifier_dir / "reward.txt", task)
+    js = None if txt is not None else _read_regular(verifier_dir / "reward.json", task)
+    if txt is not None:
+        text = txt.strip()
         try:
             value = float(text)
         except ValueError:
             raise VerifierError(task, f"reward.txt holds {text[:40]!r}, not a number") from None
-    elif js.is_file():
+    elif js is not None:
         try:
-            data = json.loads(js.read_text())
+            data = json.loads(js)
         except json.JSONDecodeError as e:
             raise VerifierError(task, f"reward.json is not JSON: {e}") from None
         if not isinstance(data, dict) or not isinstance(data.get("reward"), (int, float)):
@@ -41,3 +47,24 @@ def read_reward(verifier_dir: Path, task: str) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise VerifierError(task, f"reward {value} is outside [0, 1]")
     return value
+
+
+def _read_regular(path: Path, task: str) -> str | None:
+    """The text of ``path``, None when it is absent. A symlink, fifo, device or directory is
+    a ``VerifierError``, never followed or opened for reading (the reader may be root on the
+    host, and the verifier untrusted); so is a file over ``MAX_REWARD_BYTES``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise VerifierError(task, f"{path.name} is a symlink, not a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise VerifierError(task, f"{path.name} is not a regular file")
+        data = f.read(MAX_REWARD_BYTES + 1)
+    if len(data) > MAX_REWARD_BYTES:
+        raise VerifierError(task, f"{path.name} is over {MAX_REWARD_BYTES} bytes")
+    return data.decode(errors="replace")

@@ -40,8 +40,8 @@ WRITABLE = ("/app", "/tmp", "/logs", "/tests", "/solution", "/root", "/home", "/
 Mode = Literal["oracle", "nop"]
 
 SANDBOX_UID = 65534
-"""Host uid (and gid) of the sandbox's root when the check runs as root: "nobody", who owns
-nothing the sandbox sees but the sandbox's own folders."""
+"""Host uid (and gid) of the sandbox's root when the check runs as root: "nobody", meant to
+own no files (the host folders the sandbox sees are read-only to it anyway)."""
 USERNS = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-drop", "ALL"]
 STAGE = "/.tmax-stage"
 """Where a file being copied in is bound, read-only, for the copy made inside."""

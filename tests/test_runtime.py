@@ -31,7 +31,7 @@ from sandfleet.runtime.base import (
     kill_process_group,
     proc_start_time,
 )
-from sandfleet.runtime.local import ENTER_SH, JOIN_SH, LocalRuntime, enter_argv, pick_cpus
+from sandfleet.runtime.local import HELPER, LocalRuntime, enter_argv, pick_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 OWNER = f"t{os.getpid()}"
@@ -55,11 +55,11 @@ def test_pick_cpus_prefers_the_least_used():
 
 
 def test_enter_argv_is_exact():
-    argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs"], taskset=None,
+    argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs"], cpus=None,
                       cwd="/app", env={"A": "1"}, argv=["ls", "-l"])
-    assert argv == ["sh", "-c", JOIN_SH, "sh", "/cg/m/cgroup.procs", "--",
-                    "nsenter", "-t", "42", "-U", "-m", "-p", "-n", "-i", "-u", "-C", "-r", "-w",
-                    "--", "/bin/sh", "-c", ENTER_SH, "sh", "/app", "--", "A=1", "ls", "-l"]
+    assert argv == [sys.executable, "-I", "-S", str(HELPER), "enter",
+                    '{"init": 42, "cgroup_procs": ["/cg/m/cgroup.procs"], "cpus": null, '
+                    '"cwd": "/app", "env": {"A": "1"}, "argv": ["ls", "-l"]}']
 
 
 def test_spec_roundtrip_rejects_unknown_fields():
@@ -204,9 +204,9 @@ def test_writes_land_in_the_overlay_never_in_image_or_cache(runtime, make, base_
     run(runtime, sid, "echo new > /etc/added; echo changed >> /etc/hostname; rm /bin/ls")
     assert run(runtime, sid, "cat /etc/added; test -e /bin/ls || echo ls-gone").output == \
         "new\nls-gone\n"
-    root = runtime.rootfs(base_sif)
-    assert not (root / "etc" / "added").exists() and (root / "bin" / "ls").exists()
-    assert "changed" not in (root / "etc" / "hostname").read_text()
+    # the image is mounted, not unpacked: nothing in the cache, nothing on the host's mounts
+    assert not (dirs[1] / "rootfs").exists()
+    assert str(dirs[0]) not in Path("/proc/self/mountinfo").read_text()
     other = make()
     assert run(runtime, other, "test -e /etc/added || ls /bin/ls").output == "/bin/ls\n"
     after = base_sif.stat()
@@ -382,30 +382,17 @@ def test_a_failed_start_leaves_nothing_behind(runtime, base_sif, monkeypatch):
 
 
 @pytest.mark.sandbox
-def test_cache_evicts_least_recently_used_roots_but_never_one_in_use(example_store, tmp_path):
-    manifest = example_store.read()
-    a, b, c = (example_store.path(manifest.tasks[t].sif)
-               for t in ("hello-world-file", "count-log-lines", "sha256-digest"))
-    rt = LocalRuntime(tmp_path / "state", tmp_path / "cache", owner=OWNER,
-                      cache_max_gb=1e-6)  # ~1 KB: only what is in use (or just asked) stays
-    roots = tmp_path / "cache" / "rootfs"
-
-    def cached() -> set[str]:
-        return {d.name for d in roots.iterdir() if d.is_dir() and not d.name.startswith(".")}
-
-    rt.start("x", SandboxSpec(image=a))
-    try:
-        key_a = rt.rootfs(a).name
-        key_b = rt.rootfs(b).name          # over the bound: a is in use, so it stays
-        assert cached() == {key_a, key_b}
-        assert run(rt, "x", "cat /etc/debian_version").exit_code == 0
-    finally:
-        rt.stop("x")
-    key_c = rt.rootfs(c).name              # a and b are free now: both go
-    assert cached() == {key_c}
-    rt.start("y", SandboxSpec(image=c))    # the survivor still runs sandboxes
+def test_roots_unpacked_by_older_versions_are_removed(base_sif, tmp_path):
+    """Images are mounted in place now: a cache of unpacked roots (a partial one of a worker
+    killed while unpacking included) is removed by the next runtime on the node."""
+    partial = tmp_path / "cache" / "rootfs" / ".6d524ae9a92cb66bde4c899a.3n_2w_mq" / "usr"
+    partial.mkdir(parents=True)
+    (partial / "big").write_bytes(b"x" * 4096)
+    rt = LocalRuntime(tmp_path / "state", tmp_path / "cache", owner=OWNER)
+    assert list((tmp_path / "cache").iterdir()) == []
+    rt.start("y", SandboxSpec(image=base_sif))
     try:
         assert run(rt, "y", "echo ok").output == "ok\n"
+        assert list((tmp_path / "cache").iterdir()) == []
     finally:
         rt.stop("y")
-    assert not [p for p in roots.iterdir() if p.name.startswith(".evicted-")]

@@ -21,12 +21,13 @@ import os
 import posixpath
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -52,6 +53,8 @@ class SandboxSpec:
     """CPUs the sandbox may use (pinned where the runtime can)."""
     memory_mb: int = 2048
     """Memory limit; the kernel OOM-kills inside the sandbox past it."""
+    storage_mb: int = 10240
+    """Disk quota of the sandbox's writable layer; past it, writes fail with ENOSPC."""
     network: bool = False
     """Share the node's network; False gives a private network namespace with only ``lo``."""
     max_lifetime_s: float = 4 * 3600
@@ -64,7 +67,8 @@ class SandboxSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "image", Path(self.image))
-        if self.cpus < 1 or self.memory_mb < 16 or self.max_lifetime_s <= 0:
+        if self.cpus < 1 or self.memory_mb < 16 or self.storage_mb < 16 \
+                or self.max_lifetime_s <= 0:
             raise ValueError(f"bad limits in {self}")
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be absolute: {self.workdir!r}")
@@ -113,6 +117,12 @@ class Runtime(Protocol):
 
     def copy_out(self, sandbox_id: str, src: str, dest: Path) -> None:
         """Copy a sandbox file or directory to host path ``dest``."""
+
+    def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
+               timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
+               agent_system: bool = False) -> ExecResult:
+        """Run a task's verifier: host folder ``tests`` is /tests, whatever it leaves in
+        /logs/verifier ends up in host folder ``logs``."""
 
     def stop(self, sandbox_id: str) -> None:
         """Kill the sandbox and remove its state; a no-op when it is already gone."""
@@ -260,8 +270,13 @@ def kill_process_group(proc: subprocess.Popen, *, grace_s: float = 2.0) -> int:
 
 def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
                 env: dict[str, str] | None = None, limit: int = MAX_OUTPUT_BYTES,
+                pass_fds: Sequence[int] = (),
+                on_start: Callable[[subprocess.Popen], None] | None = None,
                 ) -> tuple[str, int, bool, float]:
     """Run ``argv`` in its own process group: (output, exit code, timed out, seconds).
+
+    ``pass_fds`` stay open in the child; ``on_start(proc)`` runs once it is started, before
+    its output is read (the timeout counts from the start).
 
     On timeout the whole group gets SIGKILL. Output is read until the command exits and
     its pipe closes, or ``DRAIN_GRACE_S`` after it exits when a child that left the group
@@ -271,7 +286,14 @@ def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
     deadline = started + timeout
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else
                             subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            pass_fds=tuple(pass_fds))
+    if on_start is not None:
+        try:
+            on_start(proc)
+        except BaseException:
+            kill_process_group(proc)
+            raise
     buf, timed_out, exited_at = OutputBuffer(limit), False, None
     pending = memoryview(stdin or b"")
     with selectors.DefaultSelector() as sel:
@@ -413,6 +435,28 @@ class CommandRuntime:
             script = 'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"'
             self._run_files(sandbox_id, ["sh", "-c", script, "sh", parent], archive,
                             subprocess.DEVNULL, f"copy_in {src} -> {sandbox_id}:{dest}")
+
+    def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
+               timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
+               agent_system: bool = False) -> ExecResult:
+        """The verifier inside the sandbox itself, where a runtime cannot give it a process
+        tree of its own: stale /logs/verifier and /tests removed, ``tests`` copied to
+        /tests, ``command`` run, /logs/verifier copied to ``logs``. Not isolated from the
+        agent's processes (see the local runtime's ``verify`` for one that is)."""
+        clear = self.exec(sandbox_id, "rm -rf /logs/verifier /tests && mkdir -p /logs/verifier",
+                          timeout=60, env=env)
+        if clear.exit_code != 0:
+            return clear
+        self.copy_in(sandbox_id, tests, "/tests")
+        result = self.exec(sandbox_id, command, timeout=timeout, cwd=cwd, env=env)
+        if Path(logs).exists():
+            shutil.rmtree(logs)
+        try:
+            self.copy_out(sandbox_id, "/logs/verifier", Path(logs))
+        except (FileNotFoundError, OSError) as e:
+            log.info("verifier of %s left no /logs/verifier: %s", sandbox_id, e)
+            Path(logs).mkdir(parents=True, exist_ok=True)
+        return result
 
     def copy_out(self, sandbox_id: str, src: str, dest: Path) -> None:
         """Copy sandbox path ``src`` to ``dest`` on the host (an existing file is replaced).

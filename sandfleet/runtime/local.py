@@ -1,40 +1,40 @@
-"""The local runtime: bubblewrap sandboxes over a SIF's root filesystem, for machines
-without Apptainer (run as root; the cgroup limits need a writable cgroup v1 tree).
+"""The local runtime: sealed bubblewrap sandboxes over a SIF's squashfs, for machines
+without Apptainer. Runs as root (it mounts loop devices and writes cgroups); elsewhere it
+refuses to start and says why.
 
-Root filesystem. Each image is *extracted once* (``sif.extract``, unsquashfs) into
-``cache_dir/rootfs/<key>``, key = sha256 of (realpath, size, mtime_ns), under a file
-lock, and shared read-only by every sandbox of that image as the lower layer of a
-per-sandbox overlay (upper and work dirs in ``state_dir/sandboxes/<owner>-<id>/``).
-Extracting rather than squashfuse-mounting: no FUSE daemon per image whose death would
-break every sandbox on it, no mount to clean up after a crash, and native file speed; the
-cost is disk (the image's unpacked size, once per node) and one unsquashfs per image.
+Root filesystem. Nothing is unpacked: each sandbox mounts its image's squashfs partition
+read-only through a loop device, *idmapped* to the sandbox's uid range, as the lower layer
+of an overlay whose upper layer is a fresh ext4 file system of ``spec.storage_mb`` in a
+sparse file (the disk quota: past it, writes fail with ENOSPC inside). All of it happens in
+a private mount namespace (``helper.py seal``), so nothing reaches the host's mount table
+and it all goes, loop devices included, with the sandbox's last process.
 
 Process tree of one sandbox (host view)::
 
-    timeout -s KILL <lifetime+5>              own session: the host-side hard deadline
-      unshare -m --propagation private        private mount namespace
-        sh: join cgroups; mount -t overlay -o nodev ... merged; exec
-          bwrap --bind merged / --unshare-all --unshare-user --as-pid-1 --die-with-parent
-            bash (pid 1 inside): ignores every signal, sleeps until <lifetime>, exits
+    timeout -s KILL <lifetime+5>           own session: the host-side hard deadline; holds
+      python3 helper.py seal -> bwrap      the uid-range lock; private mount namespace
+        bash (pid 1 inside): ignores every signal, sleeps until <lifetime>, exits
 
-The overlay exists only in that private mount namespace, so nothing reaches the host's
-mount table and it vanishes with the sandbox's last process. When pid 1 exits (deadline,
-``stop``) the kernel kills everything in the sandbox's pid namespace. Commands enter with
-``nsenter -t <pid 1> -U -m -p -n -i -u -C -r`` (after joining the sandbox's cgroups), so
-every process of a sandbox lives in its namespaces and dies with it; inside, ``sh`` sets
-the working directory and ``env -i`` the environment. ``sandbox.json`` records the pids
-and their start times, so ``list_running``/``reap``/``stop`` work from a fresh instance
-and never touch a reused pid or another owner's sandbox.
+Commands enter with ``helper.py enter`` (user namespace first, then mount, pid, net, ipc,
+uts, cgroup; root of the namespace; capabilities dropped to a container's set) after
+joining the sandbox's cgroups; inside, the command gets exactly the given environment.
+``sandbox.json`` records the pids and their start times, so ``list_running``/``reap``/
+``stop`` work from a fresh instance and never touch a reused pid or another owner's sandbox.
 
 Enforced (threat model: an untrusted agent as root inside, a semi-trusted image):
 
-- Filesystem: only the overlay root plus a fresh /dev and /proc; nothing of the host.
-  Writes (anywhere, /tmp included) land in the sandbox's upper dir, never in the image or
-  the cache. The overlay is mounted ``nodev``.
-- User namespace with uids and gids 0-65535 mapped to themselves: root inside has
-  capabilities only over the sandbox's namespaces (no mknod, no host mounts, no module
-  loading); useradd/su/chown inside work as in a container. Since the same uids own the
-  upper dir's files on the host, keep ``state_dir`` out of other users' reach.
+- Root inside is not host root: uids and gids 0-65535 inside map to a range of 65536 host
+  uids of the sandbox's own (``uid_base`` + slot * 65536; a slot is held by a lock on
+  ``uid_lock_dir`` for the sandbox's life, so no two live sandboxes on a node share ids).
+  Files it writes on the upper layer are owned by those host uids.
+- Capabilities: a container's set (chown, dac_override, fowner, fsetid, kill, setgid,
+  setuid, setpcap, net_bind_service, net_raw, sys_chroot, mknod, audit_write, setfcap) in
+  the sandbox's own user namespace, bounding set included. No sys_admin: no mounts (of
+  cgroups or anything else), no new namespaces with caps; no sys_module, sys_rawio,
+  sys_ptrace, net_admin, sys_resource, sys_time. /proc/sys and /proc/sysrq-trigger are
+  read-only (and owned by host root, which the sandbox is not); /sys is absent.
+- Filesystem: only the overlay root plus a fresh /dev and /proc; nothing of the host. The
+  image and the cache are never written. Mounted ``nodev``.
 - Fresh pid, mount, ipc, uts, cgroup and (unless ``spec.network``) net namespaces; a new
   session (no terminal injection); a clean environment: the image's
   /.singularity.d/env/{10-docker2singularity,90-environment}.sh sourced, then
@@ -42,16 +42,19 @@ Enforced (threat model: an untrusted agent as root inside, a semi-trusted image)
 - Max lifetime, twice: pid 1 inside ends at the deadline (signals from inside cannot stop
   it: pid 1 of a namespace ignores them), and the host ``timeout`` kills the tree 5 s
   later. Both hold if every daemon dies.
-- With a writable cgroup v1 tree (``cgroup_parent`` under /sys/fs/cgroup/<controller>):
-  memory (``memory.limit_in_bytes`` and ``memsw`` where present; OOM kills counted from
+- cgroup v1 (``cgroup_parent`` under /sys/fs/cgroup/<controller>; required): memory
+  (``memory.limit_in_bytes`` and ``memsw`` where present; OOM kills counted from
   ``memory.oom_control``, reported as ``ExecResult.oom``), CPU pinning to ``spec.cpus``
-  CPUs of the worker's affinity, least-used first (``cpuset``), and ``pids.max``.
+  CPUs of the worker's affinity, least-used first (``cpuset``), ``pids.max``, and a
+  freezer (the agent is frozen while the verifier's view is built).
+- The verifier (``verify``) runs in a fresh process tree the agent cannot see, signal or
+  trace (its own pid, mount, ipc and user namespaces; the sandbox's network), over the
+  agent's final files but with the image's own system directories and tool configuration
+  (``PRISTINE``), and writes its reward into a host folder only it has mounted.
 
-Not enforced: without writable cgroups, memory and pids are unlimited, CPU pinning is
-``taskset`` (the sandbox may widen its own affinity) and ``oom`` is always False. No CPU
-time quota (pinning bounds parallelism only), no disk quota on the upper dir, no seccomp
-filter. Pids are checked by start time, but a pid can be reused between that check and
-``nsenter`` (microseconds). Whatever ``spec.network`` shares is the host's network.
+Not enforced: no CPU time quota (pinning bounds parallelism only), no seccomp filter, no
+per-task network policy (``spec.network`` shares the host's network). Pids are checked by
+start time, but a pid can be reused between that check and ``setns`` (microseconds).
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ import os
 import select
 import shutil
 import signal
+import stat as _stat
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -78,44 +83,62 @@ from sandfleet.runtime import sif
 from sandfleet.runtime.base import (
     OWNER_RE,
     CommandRuntime,
+    ExecResult,
     SandboxSpec,
     check_name,
     default_owner,
     kill_group,
     proc_start_time,
     read_small,
+    run_capture,
     write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
 
 log = logging.getLogger(__name__)
 
-TOOLS = ("timeout", "unshare", "mount", "bwrap", "nsenter", "taskset")
+TOOLS = ("timeout", "mount", "mkfs.ext4", "bwrap", "nsenter", "setpriv")
+HELPER = Path(__file__).with_name("helper.py")
 HOST_GRACE_S = 5
-ID_MAP = "0 0 65536\n"
+UID_COUNT = 65536
 IMAGE_ENV_FILES = ("/.singularity.d/env/10-docker2singularity.sh",
                    "/.singularity.d/env/90-environment.sh")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTAINER_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+                  "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+                  "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_MKNOD", "CAP_AUDIT_WRITE",
+                  "CAP_SETFCAP")
+"""What root inside keeps (Docker's default set); must match helper.CONTAINER_CAPS."""
+PRISTINE = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+"""Top-level entries the verifier gets from the image as built, not from the agent."""
+PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+                "python3", "perl", "bash.bashrc", "environment", "profile", "profile.d")
+PRISTINE_ETC_PREFIXES = ("python3.",)
+"""Entries of /etc that decide which program or library runs (the loader's cache and
+preload list, the alternatives' links, interpreters' site customisation): the image's."""
 
-# Host side, in the private mount namespace: join the cgroups given before "--", mount
-# the overlay, exec the rest (bwrap).
-SETUP_SH = """set -e
-while [ "$1" != -- ]; do echo $$ > "$1"; shift; done; shift
-mount -t overlay overlay -o "nodev,lowerdir=$1,upperdir=$2,workdir=$3" "$4"
-shift 4
-exec "$@"
-"""
 # Pid 1 inside: drops the host's log file and bwrap's fd, turns deaf to signals, reaps
 # orphans (bash does), ends at the deadline.
 INIT_SH = ('exec </dev/null >/dev/null 2>&1; eval "exec $2<&-"; '
            'trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; end=$1; '
            'while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done')
-# Host side of every command: join the cgroups given before "--", exec the rest (nsenter).
+# Host side of the verifier: join the cgroups given before "--", exec the rest (nsenter).
 JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
-# Inside, first thing of every command: working directory, then a clean environment.
-ENTER_SH = 'cd -- "$1" || exit 126; shift; exec /usr/bin/env -i "$@"'
+# The verifier's host side, in a private copy of the sandbox's mount namespace: its tests
+# and logs folders at the fixed mount points, then the rest (bwrap, as the sandbox's uid).
+BIND_SH = ('mount --bind -- "$1" "$2" && mount --bind -- "$3" "$4" || exit 125; '
+           'shift 4; exec "$@"')
 ENV_PROBE_SH = ('for f in "$@"; do if [ -r "$f" ]; then . "$f"; fi; done; '
                 'unset PWD OLDPWD SHLVL _; exec env -0')
+
+
+class RuntimeUnavailable(RuntimeError):
+    """This machine cannot give the local runtime's guarantees; the message says which
+    feature is missing and what to do."""
+
+
+def id_map(uid_base: int) -> str:
+    return f"0 {uid_base} {UID_COUNT}\n"
 
 
 @dataclass
@@ -132,6 +155,11 @@ class SandboxRecord:
     """(pid, start time) of the host-side ``timeout``, leader of the tree's process group."""
     init: tuple[int, int] | None = None
     """(pid, start time) of pid 1 inside; None until the sandbox is up."""
+    monitor: tuple[int, int] | None = None
+    """(pid, start time) of bwrap's host-side process, in the sandbox's private mount
+    namespace (where the image, the disk and the overlay are mounted)."""
+    uid_base: int = 0
+    """Host uid (and gid) that uid 0 inside maps to."""
     cgroups: list[str] = field(default_factory=list)
     cpus: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -141,7 +169,8 @@ class SandboxRecord:
         try:
             data = json.loads(path.read_text())
             data["leader"] = tuple(data["leader"])
-            data["init"] = tuple(data["init"]) if data.get("init") else None
+            for key in ("init", "monitor"):
+                data[key] = tuple(data[key]) if data.get(key) else None
             return cls(**data)
         except (OSError, ValueError, TypeError, KeyError):
             return None
@@ -153,45 +182,52 @@ class SandboxRecord:
         return self.init is not None and proc_start_time(self.init[0]) == self.init[1]
 
 
-def init_argv(*, lifetime_s: float, lower: Path, upper: Path, work: Path, merged: Path,
-              cgroup_procs: Sequence[str], taskset: str | None, network: bool,
-              hostname: str, info_fd: int, block_fd: int) -> list[str]:
+def helper_argv(what: str, spec: dict) -> list[str]:
+    """The host command running ``helper.py what`` (standard library only, isolated)."""
+    return [sys.executable, "-I", "-S", str(HELPER), what, json.dumps(spec)]
+
+
+def sandbox_bwrap(*, root: str | None, network: bool, hostname: str, info_fd: int,
+                  block_fd: int, command: list[str], binds: BwrapSpec | None = None,
+                  env: dict[str, str] | None = None, cwd: str = "/",
+                  as_pid_1: bool = False) -> list[str]:
+    """bwrap for a sealed sandbox (or a verifier): a new user namespace whose map the
+    runtime writes (``--userns-block-fd``), a container's capabilities, every namespace
+    new but the network unless ``network``."""
+    spec = binds or BwrapSpec(root=root)
+    spec.root, spec.network, spec.hostname, spec.cwd = root or None, network, hostname, cwd
+    spec.env = env if env is not None else {"PATH": DEFAULT_PATH, "HOME": "/root"}
+    caps = [arg for cap in CONTAINER_CAPS for arg in ("--cap-add", cap)]
+    spec.extra_args = ["--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd",
+                       str(block_fd), "--info-fd", str(info_fd), "--cap-drop", "ALL", *caps]
+    spec.extra_args += ["--as-pid-1"] if as_pid_1 else []
+    return spec.argv(command)
+
+
+def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, info_fd: int,
+              block_fd: int) -> list[str]:
     """The host command that builds one sandbox and runs its pid 1 (see module doc)."""
-    bwrap = BwrapSpec(root=str(merged), network=network, hostname=hostname,
-                      env={"PATH": DEFAULT_PATH, "HOME": "/root"},
-                      extra_args=["--unshare-user", "--uid", "0", "--gid", "0",
-                                  "--userns-block-fd", str(block_fd), "--info-fd",
-                                  str(info_fd), "--as-pid-1"])
     seconds = math.ceil(lifetime_s)
-    return (["timeout", "-s", "KILL", str(seconds + HOST_GRACE_S),
-             "unshare", "-m", "--propagation", "private", "--",
-             "sh", "-c", SETUP_SH, "sh", *cgroup_procs, "--",
-             str(lower), str(upper), str(work), str(merged)]
-            + (["taskset", "-c", taskset] if taskset else [])
-            + bwrap.argv(["bash", "-c", INIT_SH, "sandfleet-init", str(seconds),
-                           str(block_fd)]))
+    bwrap = sandbox_bwrap(root=seal["root"], network=network, hostname=hostname,
+                          info_fd=info_fd, block_fd=block_fd,
+                          command=["bash", "-c", INIT_SH, "sandfleet-init", str(seconds),
+                                   str(block_fd)], as_pid_1=True)
+    return (["timeout", "-s", "KILL", str(seconds + HOST_GRACE_S)]
+            + helper_argv("seal", {**seal, "argv": bwrap}))
 
 
-def enter_argv(*, init_pid: int, cgroup_procs: Sequence[str], taskset: str | None,
+def enter_argv(*, init_pid: int, cgroup_procs: Sequence[str], cpus: Sequence[int] | None,
                cwd: str, env: dict[str, str], argv: Sequence[str]) -> list[str]:
     """The host command that runs ``argv`` inside the sandbox whose pid 1 is ``init_pid``."""
-    return (["sh", "-c", JOIN_SH, "sh", *cgroup_procs, "--"]
-            + (["taskset", "-c", taskset] if taskset else [])
-            + ["nsenter", "-t", str(init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-C",
-               "-r", "-w", "--", "/bin/sh", "-c", ENTER_SH, "sh", cwd, "--"]
-            + [f"{k}={v}" for k, v in env.items()] + list(argv))
+    return helper_argv("enter", {"init": init_pid, "cgroup_procs": list(cgroup_procs),
+                                 "cpus": list(cpus) if cpus else None, "cwd": cwd,
+                                 "env": dict(env), "argv": list(argv)})
 
 
 def pick_cpus(allowed: Iterable[int], n: int, load: Counter) -> list[int]:
     """The ``n`` CPUs of ``allowed`` with the fewest sandboxes on them (lowest first)."""
     ranked = sorted(allowed, key=lambda cpu: (load[cpu], cpu))
     return sorted(ranked[:n])
-
-
-def image_key(path: Path) -> str:
-    st = path.stat()
-    ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
 def _read(path: str) -> str:
@@ -211,17 +247,45 @@ def _wait_gone(pid: int, start: int, timeout: float) -> bool:
     return True
 
 
+class UidSlots:
+    """Host uid ranges for sandboxes: slot ``n`` is ``base + n * 65536``, held by an
+    exclusive flock on ``lock_dir/<n>`` (the sandbox leader inherits the fd, so the range
+    is free again the moment the sandbox's tree is gone, whoever dies)."""
+
+    def __init__(self, lock_dir: Path, base: int, slots: int):
+        self.lock_dir, self.base, self.slots = Path(lock_dir), base, slots
+        if base < UID_COUNT or base + slots * UID_COUNT >= 2**32 - 1:
+            raise ValueError(f"uid_base {base}: the ranges must lie in [65536, 2^32 - 1)")
+
+    def acquire(self) -> tuple[int, int]:
+        """(uid base, fd holding its lock); SandboxStartError-worthy RuntimeError if full."""
+        self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for slot in range(self.slots):
+            fd = os.open(self.lock_dir / str(slot), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return self.base + slot * UID_COUNT, fd
+        raise RuntimeError(f"all {self.slots} uid ranges in {self.lock_dir} are in use")
+
+
 class Cgroups:
-    """The cgroup v1 controllers (memory, cpuset, pids) this process can write under
+    """The cgroup v1 controllers (memory, cpuset, pids, freezer) under
     ``<root>/<controller>/<parent>``; one child cgroup per sandbox."""
 
-    CONTROLLERS = ("memory", "cpuset", "pids")
+    CONTROLLERS = ("memory", "cpuset", "pids", "freezer")
+    REQUIRED = ("memory", "pids", "freezer")
 
     def __init__(self, parent: str = "sandfleet", root: Path = CGROUP_ROOT):
         self.parents: dict[str, Path] = {}
+        self.problems: dict[str, str] = {}
         for ctrl in self.CONTROLLERS:
             base, path = root / ctrl, root / ctrl / parent
             if not (base / "cgroup.procs").exists():
+                self.problems[ctrl] = f"no cgroup v1 {ctrl} hierarchy at {base}"
                 continue
             try:
                 path.mkdir(exist_ok=True)
@@ -231,7 +295,10 @@ class Cgroups:
                             (path / name).write_text((base / name).read_text())
                 self.parents[ctrl] = path
             except OSError as e:
-                log.info("cgroup %s not usable (%s): not enforced", path, e)
+                self.problems[ctrl] = f"{path} not writable: {e.strerror or e}"
+
+    def missing(self) -> list[str]:
+        return [self.problems[c] for c in self.REQUIRED if c in self.problems]
 
     def paths(self, name: str) -> dict[str, Path]:
         return {ctrl: parent / name for ctrl, parent in self.parents.items()}
@@ -266,11 +333,26 @@ class Cgroups:
         return None
 
     @staticmethod
+    def freeze(freezer: Path, frozen: bool, timeout: float = 10.0) -> bool:
+        """Freeze (or thaw) every process of the cgroup; whether it got there in time."""
+        want = "FROZEN" if frozen else "THAWED"
+        deadline = time.monotonic() + timeout
+        while True:
+            (freezer / "freezer.state").write_text(want)
+            if _read(str(freezer / "freezer.state")) == want:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
+    @staticmethod
     def remove(path: Path, timeout: float = 5.0) -> None:
         """Kill what is left in the cgroup, then remove it (retrying while it drains)."""
         deadline = time.monotonic() + timeout
         while path.exists():
             try:
+                if (path / "freezer.state").exists():
+                    (path / "freezer.state").write_text("THAWED")  # frozen tasks never die
                 for pid in (path / "cgroup.procs").read_text().split():
                     try:
                         os.kill(int(pid), signal.SIGKILL)
@@ -286,26 +368,63 @@ class Cgroups:
                 time.sleep(0.02)
 
 
-class LocalRuntime(CommandRuntime):
-    """Bubblewrap sandboxes over SIF images, on this machine (see the module doc)."""
+def host_problems(cgroups: Cgroups) -> list[str]:
+    """What this machine lacks for the local runtime's guarantees (empty: nothing)."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("the local runtime needs root on the node (it mounts images and "
+                        "disk quotas through loop devices and writes cgroup limits); as an "
+                        "ordinary user use `runtime: apptainer`")
+    if not Path("/proc/self/uid_map").exists():
+        problems.append("the kernel has no user namespaces (CONFIG_USER_NS)")
+    if not Path("/dev/loop-control").exists():
+        problems.append("no loop devices (/dev/loop-control missing: modprobe loop)")
+    filesystems = _read("/proc/filesystems")
+    for fs in ("squashfs", "overlay"):
+        if fs not in filesystems:
+            problems.append(f"the kernel has no {fs} file system (modprobe {fs})")
+    missing = [t for t in TOOLS if shutil.which(t, path=DEFAULT_PATH) is None]
+    if missing:
+        problems.append(f"missing tools: {', '.join(missing)} (bin/tmax-setup installs them)")
+    problems += [f"{p} (memory, pids and freezer limits are required)" for p in cgroups.missing()]
+    return problems
 
-    def __init__(self, state_dir: Path, cache_dir: Path, owner: str | None = None, *,
-                 cgroup_parent: str = "sandfleet", pids_max: int = 4096,
-                 start_timeout_s: float = 60.0, cache_max_gb: float | None = None):
+
+class LocalRuntime(CommandRuntime):
+    """Sealed bubblewrap sandboxes over SIF images, on this machine (see the module doc)."""
+
+    def __init__(self, state_dir: Path, cache_dir: Path | None = None,
+                 owner: str | None = None, *, cgroup_parent: str = "sandfleet",
+                 pids_max: int = 4096, start_timeout_s: float = 60.0,
+                 uid_base: int = 1 << 31, uid_slots: int = 4096,
+                 uid_lock_dir: Path = Path("/run/sandfleet/uid-slots"),
+                 mount_dir: Path = Path("/run/sandfleet/mnt")):
         self.state_dir = Path(state_dir).resolve()
-        self.cache_dir = Path(cache_dir).resolve()
+        self.cache_dir = Path(cache_dir).resolve() if cache_dir is not None else None
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
-        for path in (self.state_dir, self.cache_dir):
-            if any(c in str(path) for c in ",:\\\n"):  # they go into overlay mount options
-                raise ValueError(f"{path}: ',', ':' and '\\' cannot appear in overlay paths")
+        if any(c in str(self.state_dir) for c in ",:\\\n"):  # they go into mount options
+            raise ValueError(f"{self.state_dir}: ',', ':' and '\\' cannot appear in "
+                             "overlay paths")
         self.pids_max, self.start_timeout_s = pids_max, start_timeout_s
-        self.cache_max_bytes = None if cache_max_gb is None else int(cache_max_gb * 2**30)
         self.cgroups = Cgroups(cgroup_parent)
+        problems = host_problems(self.cgroups)
+        if problems:
+            raise RuntimeUnavailable("local runtime unavailable on this machine: "
+                                     + "; ".join(problems))
+        self.uids = UidSlots(uid_lock_dir, uid_base, uid_slots)
+        self.mnt = Path(mount_dir)
+        """Mount points inside each sandbox's private mount namespace (``root``: the
+        overlay, ``image``: the image alone, ``tests``/``logs``: the verifier's folders);
+        on the host they stay empty directories."""
+        for sub in ("root", "image", "tests", "logs"):
+            (self.mnt / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.mnt, 0o755)
         self._scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:8]
         self._records: dict[str, SandboxRecord] = {}
         self._oom_files: dict[str, str] = {}  # sandbox id -> its memory cgroup
         self._children: dict[str, subprocess.Popen] = {}  # leaders we started, to reap
         self._lock = threading.Lock()
+        self.remove_unpacked_cache()
 
     # ---- paths and records
 
@@ -349,19 +468,18 @@ class LocalRuntime(CommandRuntime):
             path = self._oom_files[sandbox_id] = memory[0]
         return Cgroups.oom_kills(path)
 
-    def _procs_files(self, record: SandboxRecord) -> list[str]:
-        return [str(Path(p) / "cgroup.procs") for p in record.cgroups]
+    def _procs_files(self, record: SandboxRecord, *, freezer: bool = True) -> list[str]:
+        return [str(Path(p) / "cgroup.procs") for p in record.cgroups
+                if freezer or Path(p).parent != self.cgroups.parents.get("freezer")]
 
-    def _taskset(self, record: SandboxRecord) -> str | None:
-        if "cpuset" in self.cgroups.parents or not record.cpus:
-            return None
-        return ",".join(map(str, record.cpus))
+    def _cpus(self, record: SandboxRecord) -> list[int] | None:
+        return None if "cpuset" in self.cgroups.parents or not record.cpus else record.cpus
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
                env: dict[str, str] | None) -> list[str]:
         record = self._live(sandbox_id)
         return enter_argv(init_pid=record.init[0], cgroup_procs=self._procs_files(record),
-                          taskset=self._taskset(record), cwd=cwd or record.spec["workdir"],
+                          cpus=self._cpus(record), cwd=cwd or record.spec["workdir"],
                           env={**record.env, **(env or {})}, argv=argv)
 
     def _host_env(self) -> dict[str, str]:
@@ -369,98 +487,48 @@ class LocalRuntime(CommandRuntime):
 
     # ---- images
 
-    def rootfs(self, image: Path) -> Path:
-        """The image's root filesystem in the node cache, extracted on first use."""
+    @staticmethod
+    def partition(image: Path) -> sif.Partition:
+        """The image's squashfs partition; ImageMissing when it cannot be used."""
         try:
-            sif.read_partition(image)
-            key = image_key(image)
+            return sif.read_partition(image)
         except sif.SifError as e:
             raise ImageMissing(str(image), e.reason) from None
         except OSError as e:
             raise ImageMissing(str(image), e.strerror or str(e)) from None
-        dest = self.cache_dir / "rootfs" / key
-        if dest.is_dir():
-            _touch(dest)
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not dest.is_dir():
-                log.info("extracting %s into %s", image, dest)
-                try:
-                    sif.extract(image, dest)
-                except sif.SifError as e:
-                    raise ImageMissing(str(image), e.reason) from None
-                except (RuntimeError, subprocess.SubprocessError) as e:
-                    raise ImageMissing(str(image), f"cannot unpack: {e}") from None
-                (dest.parent / f"{key}.size").write_text(str(_tree_size(dest)))
-        if self.cache_max_bytes is not None:
-            self.evict(self.cache_max_bytes, keep=key)
-        return dest
 
-    def _pin(self, image: Path) -> tuple[Path, int]:
-        """The image's root and an fd holding a shared lock on it (for the sandbox leader)."""
-        for _ in range(3):
-            lower = self.rootfs(image)
-            fd = os.open(lower.parent / f"{lower.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if lower.is_dir():  # not evicted between rootfs() and the lock
-                return lower, fd
-            os.close(fd)
-        raise ImageMissing(str(image), "its unpacked root kept being evicted; raise "
-                           "cache_max_gb")
-
-    def evict(self, max_bytes: int, keep: str | None = None) -> list[str]:
-        """Remove least recently used roots not in use until the cache fits ``max_bytes``;
-        returns the keys removed."""
+    def remove_unpacked_cache(self) -> list[str]:
+        """Remove root filesystems unpacked by earlier versions (``cache_dir/rootfs``),
+        partial ones included: images are mounted now, nothing uses them."""
+        if self.cache_dir is None or not (self.cache_dir / "rootfs").is_dir():
+            return []
         root = self.cache_dir / "rootfs"
-        entries = []
-        for d in root.iterdir() if root.is_dir() else ():
-            if d.is_dir() and not d.name.startswith("."):
-                size_file = root / f"{d.name}.size"
-                try:
-                    size = int(size_file.read_text())
-                except (OSError, ValueError):
-                    size = _tree_size(d)
-                entries.append((d.stat().st_mtime, d.name, size))
-        total = sum(e[2] for e in entries)
-        removed = []
-        for _, key, size in sorted(entries):
-            if total <= max_bytes:
-                break
-            if key == keep:
-                continue
-            with open(root / f"{key}.lock", "w") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a sandbox (or an extraction) uses it
-                trash = root / f".evicted-{key}-{os.getpid()}"
-                try:
-                    os.rename(root / key, trash)
-                except FileNotFoundError:
-                    continue
-                (root / f"{key}.size").unlink(missing_ok=True)
-            shutil.rmtree(trash, ignore_errors=True)
-            total -= size
-            removed.append(key)
-            log.info("evicted unpacked image %s (%d MB) from %s", key, size >> 20, root)
-        return removed
+        trash = self.cache_dir / f".rootfs-removed-{os.getpid()}"
+        try:
+            os.rename(root, trash)
+        except OSError:
+            return []
+        subprocess.run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600,
+                       check=False, stdin=subprocess.DEVNULL)
+        log.info("removed the unpacked image cache %s", root)
+        return [f"removed unpacked image cache {root}"]
 
     # ---- lifecycle
 
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
         check_name("sandbox id", sandbox_id)
-        missing = [t for t in TOOLS if shutil.which(t, path=DEFAULT_PATH) is None]
-        if missing:
-            raise SandboxStartError(sandbox_id, f"missing tools: {', '.join(missing)}")
-        lower, pin = self._pin(spec.image)
+        part = self.partition(spec.image)
         try:
-            self._start(sandbox_id, spec, lower, pin)
+            uid_base, slot = self.uids.acquire()
+        except RuntimeError as e:
+            raise SandboxStartError(sandbox_id, str(e)) from None
+        try:
+            self._start(sandbox_id, spec, part, uid_base, slot)
         finally:
-            os.close(pin)  # the leader keeps its own copy for the sandbox's life
+            os.close(slot)  # the leader keeps its own copy for the sandbox's life
 
-    def _start(self, sandbox_id: str, spec: SandboxSpec, lower: Path, pin: int) -> None:
+    def _start(self, sandbox_id: str, spec: SandboxSpec, part: sif.Partition,
+               uid_base: int, slot: int) -> None:
         home = self._dir(sandbox_id)
         with self._lock:
             if home.exists():
@@ -468,7 +536,7 @@ class LocalRuntime(CommandRuntime):
                 if old is not None and old.alive():
                     raise SandboxStartError(sandbox_id, "already running")
                 self._destroy(sandbox_id, old)
-            for sub in ("upper", "work", "merged"):
+            for sub in ("raw", "disk"):
                 (home / sub).mkdir(parents=True)
             cpus = pick_cpus(sorted(os.sched_getaffinity(0)), spec.cpus, self._cpu_load())
             try:
@@ -480,10 +548,10 @@ class LocalRuntime(CommandRuntime):
                 raise SandboxStartError(sandbox_id, f"cgroup setup: {e}") from None
             now = time.time()
             record = SandboxRecord(sandbox_id, self.owner, os.getuid(), spec.to_dict(), now,
-                                   now + spec.max_lifetime_s, (0, 0),
+                                   now + spec.max_lifetime_s, (0, 0), uid_base=uid_base,
                                    cgroups=[str(p) for p in cgroups], cpus=cpus)
             try:
-                self._launch(record, spec, lower, home, pin)
+                self._launch(record, spec, part, home, slot)
                 record.env = {"PATH": DEFAULT_PATH, "HOME": "/root",
                               **self._image_env(sandbox_id), **spec.env}
                 record.save(home / "sandbox.json")
@@ -495,20 +563,25 @@ class LocalRuntime(CommandRuntime):
                 self._destroy(sandbox_id, record)
                 raise error from e
 
-    def _launch(self, record: SandboxRecord, spec: SandboxSpec, lower: Path,
-                home: Path, pin: int) -> None:
+    def _launch(self, record: SandboxRecord, spec: SandboxSpec, part: sif.Partition,
+                home: Path, slot: int) -> None:
         """Start the process tree; returns once pid 1 runs inside (record updated)."""
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
-        argv = init_argv(lifetime_s=spec.max_lifetime_s, lower=lower, upper=home / "upper",
-                         work=home / "work", merged=home / "merged",
-                         cgroup_procs=self._procs_files(record), taskset=self._taskset(record),
-                         network=spec.network, hostname=spec.hostname, info_fd=info_w,
-                         block_fd=block_r)
+        seal = {"home": str(home), "image": str(Path(spec.image).resolve()),
+                "offset": part.offset, "size": part.size, "uid_base": record.uid_base,
+                "uid_count": UID_COUNT, "storage_mb": spec.storage_mb,
+                "cgroup_procs": self._procs_files(record), "root": str(self.mnt / "root"),
+                "image_dir": str(self.mnt / "image"), "close_fds": [slot]}
+        argv = init_argv(lifetime_s=spec.max_lifetime_s, seal=seal, network=spec.network,
+                         hostname=spec.hostname, info_fd=info_w, block_fd=block_r)
+        if self._cpus(record):
+            argv = ["taskset", "-c", ",".join(map(str, record.cpus))] + argv
         try:
             with open(home / "init.log", "wb") as logfile:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logfile,
-                                        stderr=subprocess.STDOUT, pass_fds=(info_w, block_r, pin),
+                                        stderr=subprocess.STDOUT,
+                                        pass_fds=(info_w, block_r, slot),
                                         env={"PATH": DEFAULT_PATH}, start_new_session=True)
             self._children[record.sandbox_id] = proc
             record.leader = (proc.pid, proc_start_time(proc.pid) or 0)
@@ -517,27 +590,37 @@ class LocalRuntime(CommandRuntime):
             os.close(block_r)
             info_w = block_r = -1
             deadline = time.monotonic() + self.start_timeout_s
-            info = self._read_info(info_r, deadline)
-            if info is None:
+            child = self._userns_ready(info_r, block_w, record.uid_base, deadline)
+            if child is None:
                 proc.poll()
                 raise self._start_error(record.sandbox_id, home, "bwrap gave no sandbox pid")
-            child = info["child-pid"]
-            for name in ("uid_map", "gid_map"):
-                Path(f"/proc/{child}/{name}").write_text(ID_MAP)
-            os.write(block_w, b"1")
             while (comm := _read(f"/proc/{child}/comm")) == "bwrap":  # not yet exec'd
                 if proc.poll() is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.002)
             start = proc_start_time(child)
-            if comm in ("bwrap", "") or start is None:
+            monitor = _parent(child)
+            if comm in ("bwrap", "") or start is None or monitor is None:
                 raise self._start_error(record.sandbox_id, home, "pid 1 did not start")
             record.init = (child, start)
+            record.monitor = (monitor, proc_start_time(monitor) or 0)
             self._records[record.sandbox_id] = record
         finally:
             for fd in (info_r, info_w, block_r, block_w):
                 if fd >= 0:
                     os.close(fd)
+
+    def _userns_ready(self, info_r: int, block_w: int, uid_base: int,
+                      deadline: float) -> int | None:
+        """Read bwrap's child pid, write its user namespace's maps, let it go on; the pid."""
+        info = self._read_info(info_r, deadline)
+        if info is None:
+            return None
+        child = info["child-pid"]
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{child}/{name}").write_text(id_map(uid_base))
+        os.write(block_w, b"1")
+        return child
 
     @staticmethod
     def _read_info(fd: int, deadline: float) -> dict | None:
@@ -578,6 +661,133 @@ class LocalRuntime(CommandRuntime):
                 load.update(record.cpus)
         return load
 
+    # ---- the verifier
+
+    def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
+               timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
+               agent_system: bool = False) -> ExecResult:
+        """Run ``command`` (the task's verifier) beside the sandbox, in a process tree of
+        its own that no agent process can see, signal or trace: new pid, mount, ipc, uts
+        and user namespaces, the sandbox's network. Its root is the agent's final file
+        system, except that the image's own ``PRISTINE`` directories and ``PRISTINE_ETC``
+        entries replace the agent's (unless ``agent_system``), the agent's /tests and
+        /logs are not shown, host folder ``tests`` is /tests and host folder ``logs`` is
+        /logs/verifier: the only place it writes that the caller reads. The agent is
+        frozen while that view is built, so it cannot race it."""
+        record = self._live(sandbox_id)
+        home = self._dir(sandbox_id)
+        base = record.uid_base
+        for path in (tests, logs):
+            _chown_tree(path, base)
+        freezer = [Path(p) for p in record.cgroups
+                   if Path(p).parent == self.cgroups.parents.get("freezer")]
+        frozen = bool(freezer) and Cgroups.freeze(freezer[0], True)
+        if freezer and not frozen:  # cannot stop it from racing: end it instead
+            log.warning("sandbox %s: agent would not freeze; killing its processes", sandbox_id)
+            for pid in _read(str(freezer[0] / "cgroup.procs")).split():
+                if int(pid) != record.init[0]:
+                    _kill(int(pid))
+        try:
+            spec = self._verifier_view(record, home, tests, logs, agent_system)
+        except BaseException:
+            if freezer:
+                Cgroups.freeze(freezer[0], False)
+            raise
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        bwrap = sandbox_bwrap(root=None, network=True, hostname=record.spec["hostname"],
+                              info_fd=info_w, block_fd=block_r, command=list(command),
+                              binds=spec, cwd=cwd or record.spec["workdir"],
+                              env={"PATH": DEFAULT_PATH, "HOME": "/root",
+                                   "PYTHONNOUSERSITE": "1", **(env or {})})
+        argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
+                 "nsenter", f"--mount=/proc/{record.monitor[0]}/ns/mnt",
+                 f"--net=/proc/{record.init[0]}/ns/net", "--",
+                 "unshare", "-m", "--propagation", "private", "--",
+                 "sh", "-c", BIND_SH, "sh", str(tests), str(self.mnt / "tests"), str(logs),
+                 str(self.mnt / "logs"),
+                 "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
+                + bwrap)
+        started = {}
+
+        def on_start(proc: subprocess.Popen) -> None:
+            os.close(info_w)
+            os.close(block_r)
+            try:
+                deadline = time.monotonic() + self.start_timeout_s
+                child = self._userns_ready(info_r, block_w, base, deadline)
+                while child and _read(f"/proc/{child}/comm") == "bwrap" \
+                        and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.002)  # its mounts are in place once it has exec'd
+                started["child"] = child
+            finally:
+                os.close(info_r)
+                os.close(block_w)
+                if freezer:
+                    Cgroups.freeze(freezer[0], False)
+
+        self._check_monitor(record)
+        output, code, timed_out, seconds = run_capture(
+            argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
+            pass_fds=(info_w, block_r), on_start=on_start)
+        self._check_alive(sandbox_id)
+        if not started.get("child"):
+            raise SandboxStartError(sandbox_id, f"verifier did not start: {output[-1500:]}")
+        return ExecResult(output, code, timed_out, False, seconds)
+
+    def _check_monitor(self, record: SandboxRecord) -> None:
+        if record.monitor is None or proc_start_time(record.monitor[0]) != record.monitor[1]:
+            raise SandboxLost(record.sandbox_id, "its mount namespace is gone")
+
+    def _verifier_view(self, record: SandboxRecord, home: Path, tests: Path, logs: Path,
+                       agent_system: bool) -> BwrapSpec:
+        """The verifier's mounts (see ``verify``), read from the sandbox's mount namespace
+        through the monitor's /proc root without following any of the agent's links."""
+        self._check_monitor(record)
+        ns = Path(f"/proc/{record.monitor[0]}/root")
+        merged, lower = str(self.mnt / "root"), str(self.mnt / "image")
+        spec = BwrapSpec(root=None)
+        pristine = () if agent_system else PRISTINE
+
+        def add(src: str, dest: str, *, image: bool) -> None:
+            try:
+                st = os.lstat(f"{ns}{src}")
+            except OSError:
+                return
+            if _stat.S_ISLNK(st.st_mode):
+                spec.symlinks.append((os.readlink(f"{ns}{src}"), dest))
+            elif _stat.S_ISDIR(st.st_mode) or _stat.S_ISREG(st.st_mode):
+                (spec.ro_binds if image else spec.binds).append((src, dest))
+
+        def names(path: str) -> list[str]:
+            try:
+                return sorted(os.listdir(f"{ns}{path}"))
+            except OSError:
+                return []
+
+        image_top = set(names(lower))
+        for name in names(merged):
+            if name in ("tests", "logs") or name in pristine:
+                continue
+            if name == "etc" and not agent_system and os.path.isdir(f"{ns}{merged}/etc") \
+                    and not os.path.islink(f"{ns}{merged}/etc"):
+                for entry in names(f"{merged}/etc"):
+                    if not _pristine_etc(entry):
+                        add(f"{merged}/etc/{entry}", f"/etc/{entry}", image=False)
+                for entry in names(f"{lower}/etc"):
+                    if _pristine_etc(entry):
+                        add(f"{lower}/etc/{entry}", f"/etc/{entry}", image=True)
+                continue
+            st = os.lstat(f"{ns}{merged}/{name}")
+            if _stat.S_ISREG(st.st_mode) and name not in image_top:
+                continue  # a file the agent put at / (a /conftest.py, a /pytest.ini)
+            add(f"{merged}/{name}", f"/{name}", image=False)
+        for name in pristine:
+            add(f"{lower}/{name}", f"/{name}", image=True)
+        spec.binds += [(str(self.mnt / "tests"), "/tests"), (str(self.mnt / "logs"),
+                                                             "/logs/verifier")]
+        return spec
+
     def stop(self, sandbox_id: str) -> None:
         check_name("sandbox id", sandbox_id)
         with self._lock:
@@ -588,6 +798,12 @@ class LocalRuntime(CommandRuntime):
         self._records.pop(sandbox_id, None)
         self._oom_files.pop(sandbox_id, None)
         home = self._dir(sandbox_id)
+        paths = self.cgroups.paths(self._cgroup_name(sandbox_id))
+        if "freezer" in paths and paths["freezer"].exists():
+            try:  # a frozen process does not die of SIGKILL until thawed
+                Cgroups.freeze(paths["freezer"], False, timeout=1)
+            except OSError:
+                pass
         if record is not None:
             # Pid 1 inside first: the kernel kills the rest, bwrap reaps it and exits, then
             # timeout does. Killing the host side first would orphan pid 1 to the host's
@@ -605,7 +821,7 @@ class LocalRuntime(CommandRuntime):
                 child.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 log.warning("sandbox %s: leader %d still running", sandbox_id, child.pid)
-        for path in self.cgroups.paths(self._cgroup_name(sandbox_id)).values():
+        for path in paths.values():
             Cgroups.remove(path)
         if home.exists():
             shutil.rmtree(home, ignore_errors=True)
@@ -628,9 +844,9 @@ class LocalRuntime(CommandRuntime):
         return [sid for sid, rec in self._own_records().items() if rec and rec.alive()]
 
     def reap(self, keep: Iterable[str]) -> list[str]:
-        """Stop every sandbox of this owner not in ``keep``, dead leftovers included, and
-        sandboxes whose state dir is gone but whose cgroups (named by owner, id and
-        state dir) are still there."""
+        """Stop every sandbox of this owner not in ``keep``, dead leftovers included (their
+        disk files with them), and sandboxes whose state dir is gone but whose cgroups
+        (named by owner, id and state dir) are still there."""
         keep = set(keep)
         gone = {sid for sid in self._own_records() if sid not in keep}
         prefix, suffix = f"{self.owner}-", f".{self._scope}"
@@ -643,24 +859,28 @@ class LocalRuntime(CommandRuntime):
         return sorted(gone)
 
 
-def _touch(path: Path) -> None:
-    """Mark a cached root as used now (eviction removes the least recently used first)."""
+def _pristine_etc(name: str) -> bool:
+    return name in PRISTINE_ETC or name.startswith(PRISTINE_ETC_PREFIXES)
+
+
+def _parent(pid: int) -> int | None:
+    for line in _read(f"/proc/{pid}/status").splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1]) or None
+    return None
+
+
+def _kill(pid: int) -> None:
     try:
-        os.utime(path)
-    except OSError:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
         pass
 
 
-def _tree_size(path: Path) -> int:
-    """Bytes used by the files under ``path`` (hard links counted once)."""
-    seen, total = set(), 0
+def _chown_tree(path: Path, uid: int) -> None:
+    """Give ``path`` and everything under it (links themselves, not their targets) to
+    ``uid``: the verifier's root, so it can write its files and logs."""
+    os.lchown(path, uid, uid)
     for dirpath, dirnames, filenames in os.walk(path):
-        for name in filenames + dirnames:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)

@@ -2,7 +2,7 @@
 
 Phases and their timings (``Trajectory.timings``): ``queue`` (waiting for a free slot),
 ``start`` (the sandbox starting), ``agent`` (policy turns + commands; the episode budget
-starts at the grant), ``verifier`` (copy tests in, run test.sh, read the reward).
+starts at the grant), ``verifier`` (test.sh through the fleet's ``verify``, the reward read).
 
 Infrastructure failures (the fleet's ``InfraError`` family, an unreachable policy endpoint)
 are caught here, at the boundary, and recorded as ``infra_failure`` with their cause; the
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.errors import ImageMissing, InfraError
-from sandfleet.protocol import RemoteError
 from tmax.agent.config import AgentConfig
 from tmax.agent.harness import Agent, Episode
 from tmax.agent.policy import Policy, PolicyUnavailable, start_episode
@@ -52,6 +50,9 @@ class LeaseShell:
 
     async def get_file(self, src: str, dest: Path) -> Path:
         return await self.lease.get_file(src, dest)
+
+    async def verify(self, tests: Path, command: list[str], **kwargs: Any):
+        return await self.lease.verify(tests, command, **kwargs)
 
 
 @dataclass
@@ -98,7 +99,8 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         env = task.config.environment
         t_ask = time.monotonic()
         async with fleet.lease(sif, cpus=env.cpus, memory_mb=env.memory_mb,
-                               network=env.network, ttl_s=lease_ttl_s,
+                               storage_mb=env.storage_mb, network=env.network,
+                               ttl_s=lease_ttl_s,
                                workdir=workdir) as lease:
             granted = time.monotonic()
             traj.node = lease.grant.node
@@ -151,28 +153,27 @@ def _record_episode(traj: Trajectory, ep: Episode) -> None:
 
 async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
                   base_path: str) -> None:
-    """Remove stale rewards, copy tests/ to /tests, run test.sh, read the reward.
+    """Run test.sh through the fleet's ``verify`` and read the reward it wrote.
 
-    test.sh runs as ``/bin/bash`` with the PATH the sandbox had before the agent started
-    (plus the task's verifier env), so an agent cannot shadow ``bash`` or the tools the
-    verifier calls through PATH or shell functions. What this does not cover: an agent that
-    rewrites system files (it is root in its sandbox); tasks that care keep their checks in
-    tests/, which is copied in only now.
+    The verifier gets tests/ as /tests and a fresh /logs/verifier that only it can write,
+    in a process tree of its own (on the local runtime: the agent's processes cannot see,
+    signal or trace it, and /usr, /bin, /lib and the loader's and interpreters' files in
+    /etc are the image's as built, unless the task sets ``[verifier] agent_system``).
+    test.sh runs as ``/bin/bash`` in the task's workdir with the PATH the sandbox had
+    before the agent started, plus the task's verifier env.
     """
-    timeout = task.config.verifier.timeout_sec
-    await shell.run("rm -rf /logs/verifier /tests; mkdir -p /logs/verifier", 60)
-    await shell.put_file(task.tests_dir, "/tests")
-    env = " ".join(_q(f"{k}={v}") for k, v in
-                   {"PATH": base_path, **task.config.verifier.env}.items())
-    result = await shell.run(f"cd {_q(workdir)} && env {env} /bin/bash /tests/test.sh",
-                             timeout)
-    traj.verifier_output = result.output[-4000:]
-    if result.timed_out:
-        traj.verifier_error = f"test.sh timed out after {timeout:g} s"
-        return
+    verifier = task.config.verifier
+    env = {"PATH": base_path, **verifier.env}
     with tempfile.TemporaryDirectory(prefix="tmax-verify-") as tmp:
+        result, got = await shell.verify(task.tests_dir, ["/bin/bash", "/tests/test.sh"],
+                                         timeout=verifier.timeout_sec,
+                                         dest=Path(tmp) / "verifier", cwd=workdir, env=env,
+                                         agent_system=verifier.agent_system)
+        traj.verifier_output = result.output[-4000:]
+        if result.timed_out:
+            traj.verifier_error = f"test.sh timed out after {verifier.timeout_sec:g} s"
+            return
         try:
-            got = await shell.get_file("/logs/verifier", Path(tmp) / "verifier")
             traj.reward = read_reward(got, task.task_id)
             metrics = got / "reward.json"
             if metrics.is_file():
@@ -181,12 +182,6 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
                                        if isinstance(v, (int, float))}
         except VerifierError as e:
             traj.verifier_error = e.reason
-        except RemoteError as e:  # /logs/verifier removed by test.sh itself
-            traj.verifier_error = f"cannot read /logs/verifier: {e}"
-
-
-def _q(value: str) -> str:
-    return shlex.quote(value)
 
 
 __all__ = ["EpisodeContext", "ImageMissing", "LeaseShell", "TaskImages", "rollout"]

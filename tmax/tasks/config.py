@@ -67,6 +67,10 @@ class Verifier(_Strict):
     """Wall-clock limit for tests/test.sh."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set for the verifier."""
+    agent_system: bool = False
+    """Run the verifier with the agent's /usr, /bin, /lib and /etc instead of the image's
+    as built: for tasks that grade what the agent installed. An agent can then change the
+    tools that grade it (audits flag such tasks as hackable)."""
 
 
 class Agent(_Strict):

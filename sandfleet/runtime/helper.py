@@ -1,0 +1,278 @@
+"""The local runtime's privileged steps, run as host root in a process of their own:
+``python3 -I -S helper.py seal|enter SPEC_JSON``. Standard library only, no package
+imports (``-I -S``: nothing from the environment, the user or site-packages is read).
+
+``seal`` builds one sandbox's root filesystem, then execs bubblewrap on it, as the sandbox
+leader's child. It
+
+1. enters a private mount namespace (everything below lives and dies with the sandbox:
+   nothing reaches the host's mount table, nothing is left to clean up after a crash);
+2. joins the sandbox's cgroups;
+3. mounts the SIF's squashfs partition read-only through a loop device (no unpacking) and
+   re-mounts it *idmapped* to the sandbox's uid range, so the image's root-owned files
+   are owned by the sandbox's own (unprivileged) root;
+4. makes a fresh ext4 file system of ``storage_mb`` in a sparse file and mounts it through
+   a loop device: the writable layer, so writes past the quota fail with ENOSPC inside
+   and the node's disk is untouched;
+5. mounts the overlay (image below, disk above) at ``root`` and the image alone at
+   ``image_dir`` (fixed, world-traversable paths: this namespace's own mounts there hide
+   nobody else's), becomes the sandbox's host uid (no
+   capabilities left on the host) and execs the given argv (bwrap).
+
+``enter`` runs a command inside a running sandbox (in place of ``nsenter``): it joins the
+sandbox's cgroups, enters its user namespace first and then its mount, pid, network, ipc,
+uts and cgroup namespaces (no user namespaces can be made below the sandbox's), becomes root *of that namespace* (the sandbox's unprivileged
+uid on the host), changes root to the sandbox's, drops every capability a container does
+not need (bounding set included: no ``CAP_SYS_ADMIN``, so no mounts, no cgroup or
+namespace tricks; ``setns`` into a user namespace hands out a full set, which is why this
+step exists), forks (the pid namespace applies to children) and execs the command in the
+child with exactly the given environment. The parent waits and exits as the child did.
+Everything it needs is loaded before the root changes: nothing of the sandbox's file
+system is read while it is privileged.
+
+Loop devices are attached with autoclear: they detach when the namespace's last process
+exits. Errors go to stderr (the runtime's init.log) and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC = 1, 0o2000000
+AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
+MOUNT_ATTR_IDMAP = 0x00100000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+NAMESPACES = (("user", 0x10000000), ("mnt", CLONE_NEWNS), ("pid", 0x20000000),
+              ("net", 0x40000000), ("ipc", 0x08000000), ("uts", 0x04000000),
+              ("cgroup", 0x02000000))
+# What a container keeps (Docker's default set): chown, dac_override, fowner, fsetid, kill,
+# setgid, setuid, setpcap, net_bind_service, net_raw, sys_chroot, mknod, audit_write,
+# setfcap. Notably absent: sys_admin, sys_ptrace, sys_module, sys_rawio, net_admin,
+# sys_resource, sys_time, syslog, bpf, perfmon.
+CONTAINER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+class SealError(Exception):
+    pass
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise SealError(f"{what}: {os.strerror(err)}")
+    return result
+
+
+def private_mount_namespace() -> None:
+    _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+
+
+def mapping_userns(uid_base: int, count: int) -> int:
+    """An fd of a fresh user namespace mapping 0..count-1 to uid_base.. (uids and gids)."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: a user namespace held open until the parent has its fd
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            code = 0 if _libc.unshare(CLONE_NEWUSER) == 0 else 1
+            os.write(ready_w, b"%d" % code)
+            os.read(hold_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(hold_r)
+    try:
+        if os.read(ready_r, 1) != b"0":
+            raise SealError("cannot create a user namespace (user namespaces disabled?)")
+        line = f"0 {uid_base} {count}\n"
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(line)
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(hold_w)
+        os.waitpid(pid, 0)
+
+
+def idmapped_bind(src: str, dest: str, userns_fd: int) -> None:
+    """Mount ``src`` again at ``dest``, its ids shifted through ``userns_fd``'s mapping."""
+    tree = _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, src.encode(),
+                                OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC), f"open_tree {src}")
+    try:
+        attr = MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+        _check(_libc.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
+                             ctypes.sizeof(attr)),
+               f"idmapped mount of {src} (kernel without idmapped squashfs/ext4 mounts?)")
+        _check(_libc.syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, dest.encode(),
+                             MOVE_MOUNT_F_EMPTY_PATH), f"move_mount to {dest}")
+    finally:
+        os.close(tree)
+
+
+def run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env={"PATH": PATH}, check=False)
+    if proc.returncode != 0:
+        raise SealError(f"{' '.join(argv[:3])}... failed ({proc.returncode}): "
+                        f"{proc.stderr.strip()[-800:]}")
+
+
+def make_disk(image: str, mountpoint: str, storage_mb: int) -> None:
+    """A sparse ext4 file of ``storage_mb`` mounted at ``mountpoint`` (nodev)."""
+    with open(image, "wb") as f:
+        f.truncate(storage_mb << 20)
+    run(["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "32768", "-O", "^has_journal",
+         "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", image])
+    run(["mount", "-t", "ext4", "-o", "loop,nodev,nosuid,noatime", image, mountpoint])
+
+
+def seal(spec: dict) -> list[str]:
+    """Steps 1-5 of the module doc; the argv to exec."""
+    private_mount_namespace()
+    for procs in spec["cgroup_procs"]:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    home, root, lower = spec["home"], spec["root"], spec["image_dir"]
+    raw, disk = os.path.join(home, "raw"), os.path.join(home, "disk")
+    run(["mount", "-t", "squashfs", "-o",
+         f"ro,nodev,loop,offset={spec['offset']},sizelimit={spec['size']}", spec["image"], raw])
+    userns = mapping_userns(spec["uid_base"], spec["uid_count"])
+    try:
+        idmapped_bind(raw, lower, userns)
+    finally:
+        os.close(userns)
+    make_disk(os.path.join(home, "disk.img"), disk, spec["storage_mb"])
+    upper, work = os.path.join(disk, "upper"), os.path.join(disk, "work")
+    os.mkdir(upper, 0o755)
+    os.mkdir(work, 0o700)
+    os.chown(upper, spec["uid_base"], spec["uid_base"])
+    run(["mount", "-t", "overlay", "overlay", "-o",
+         f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
+    for fd in spec.get("close_fds", []):
+        os.close(fd)
+    # bwrap runs as the sandbox's host uid: its new user namespace then maps that uid as 0
+    # (the runtime writes the map), and nothing of host root crosses into the sandbox.
+    os.setgroups([])
+    os.setresgid(spec["uid_base"], spec["uid_base"], spec["uid_base"])
+    os.setresuid(spec["uid_base"], spec["uid_base"], spec["uid_base"])
+    return spec["argv"]
+
+
+def drop_capabilities(keep: tuple[int, ...] = CONTAINER_CAPS, last: int = 40) -> None:
+    """Bounding, ambient, inheritable, permitted and effective sets down to ``keep``."""
+    for cap in range(last + 1):
+        if cap not in keep:
+            _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    mask = sum(1 << cap for cap in keep)
+    data = (CapData * 2)(CapData(mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0),
+                         CapData(mask >> 32, mask >> 32, 0))
+    _check(_libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), data), "capset")
+
+
+def no_nested_userns() -> None:
+    """No user namespaces below the current one (the limit is per user namespace; raising
+    it again needs sys_resource there, which the sandbox does not keep)."""
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+
+
+def enter(spec: dict) -> int:
+    """Run ``spec["argv"]`` in the sandbox whose pid 1 is ``spec["init"]``; its exit code."""
+    import signal
+
+    init = spec["init"]
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    for procs in spec["cgroup_procs"]:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
+    fds = [(os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC), flag)
+           for name, flag in NAMESPACES]
+    root = os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for i, (fd, flag) in enumerate(fds):
+        _check(_libc.setns(fd, flag), f"setns {flag:#x}")
+        os.close(fd)
+        if i == 0:  # in the sandbox's user namespace, still in the host's mounts
+            no_nested_userns()
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    os.fchdir(root)
+    os.chroot(".")
+    os.close(root)
+    drop_capabilities(last=last_cap)
+    env, argv, cwd = spec["env"], spec["argv"], spec["cwd"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.chdir(cwd)
+        except OSError as e:
+            os.write(2, f"cannot enter {cwd}: {e.strerror}\n".encode())
+            os._exit(126)
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
+            os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the child decides; we report how it ended
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    return os.waitstatus_to_exitcode(status)
+
+
+def main() -> None:
+    what, spec = sys.argv[1], json.loads(sys.argv[2])
+    if what == "enter":
+        try:
+            code = enter(spec)
+        except (SealError, OSError) as e:
+            print(f"sandfleet enter: {e}", file=sys.stderr, flush=True)
+            code = 125
+        sys.exit(code)
+    try:
+        argv = seal(spec)
+    except (SealError, OSError, ValueError, KeyError) as e:
+        print(f"sandbox setup: {e}", file=sys.stderr, flush=True)
+        sys.exit(125)
+    os.execvpe(argv[0], argv, {"PATH": PATH})
+
+
+if __name__ == "__main__":
+    main()

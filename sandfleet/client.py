@@ -27,6 +27,7 @@ import contextlib
 import io
 import logging
 import os
+import select
 import socket
 import tarfile
 import tempfile
@@ -42,6 +43,7 @@ from sandfleet.errors import ControllerUnreachable, InfraError, NodeLost
 from sandfleet.protocol import (
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
+    PREAUTH_HEADER_BYTES,
     PREFIX,
     Acquire,
     Connection,
@@ -50,6 +52,7 @@ from sandfleet.protocol import (
     Get,
     Grant,
     LeaseClosed,
+    Ping,
     Put,
     Release,
     RemoteError,
@@ -57,6 +60,8 @@ from sandfleet.protocol import (
     Reply,
     Status,
     UnknownLease,
+    Verify,
+    VerifyReply,
     encode_frame,
     error_from_dict,
     new_id,
@@ -96,7 +101,8 @@ class AsyncFleetClient:
                 await self._ctl.close()
                 self._ctl = None
             if self._ctl is None:
-                self._ctl = await Connection.open(info.address, info.token, timeout=5)
+                self._ctl = await Connection.open(info.address, info.token, timeout=5,
+                                                  idle_s=self.config.conn_idle_timeout_s)
             return self._ctl
 
     async def _worker(self, address: str) -> Connection:
@@ -105,10 +111,13 @@ class AsyncFleetClient:
             async with self._opening.setdefault(address, asyncio.Lock()):  # one per worker
                 conn = self._workers.get(address)
                 if conn is None or conn.closed:
+                    if conn is not None:  # lost, or idle long enough for the worker to close
+                        await conn.close()
                     info = read_controller_info(self.state_dir)
                     if info is None:
                         raise ControllerUnreachable(str(self.state_dir), "no controller.json")
-                    conn = await Connection.open(address, info.token, timeout=5)
+                    conn = await Connection.open(address, info.token, timeout=5,
+                                                 idle_s=self.config.conn_idle_timeout_s)
                     self._workers[address] = conn
         return conn
 
@@ -143,11 +152,13 @@ class AsyncFleetClient:
     async def acquire(self, image: str | os.PathLike, *, cpus: int = 2, memory_mb: int = 2048,
                       ttl_s: float | None = None, network: bool = False,
                       wait_s: float | None = None, env: dict[str, str] | None = None,
-                      workdir: str = "/", max_lifetime_s: float | None = None) -> AsyncLease:
+                      workdir: str = "/", max_lifetime_s: float | None = None,
+                      storage_mb: int | None = None) -> AsyncLease:
         """A lease on a fresh sandbox of ``image``, once one is ready (queues when full)."""
         wait = self.config.acquire_wait_s if wait_s is None else wait_s
         message = Acquire(id=new_id("a"), image=os.path.abspath(image), cpus=cpus,
-                          memory_mb=memory_mb, ttl_s=ttl_s, network=network, wait_s=wait,
+                          memory_mb=memory_mb, storage_mb=storage_mb, ttl_s=ttl_s,
+                          network=network, wait_s=wait,
                           client=self.client_id, env=env or {}, workdir=workdir,
                           max_lifetime_s=max_lifetime_s)
         timeout = wait + self.config.sandbox_start_timeout_s + 30
@@ -326,6 +337,27 @@ class AsyncLease:
         await self._call(Put(id=new_id(), lease_id=self.lease_id, path=dest, name=name),
                          data, timeout=timeout)
 
+    async def verify(self, tests: str | os.PathLike, command: list[str], *, timeout: float,
+                     dest: str | os.PathLike, cwd: str | None = None,
+                     env: dict[str, str] | None = None,
+                     agent_system: bool = False) -> tuple[ExecResult, Path]:
+        """Run a task's verifier beside the sandbox: host folder ``tests`` is its /tests,
+        ``command`` runs in a process tree the agent cannot reach (on the local runtime;
+        see ``sandfleet.runtime.local``), and what it leaves in /logs/verifier lands in
+        host folder ``dest`` (which must not exist). The verifier's result and ``dest``."""
+        tests = Path(tests)
+        if not tests.is_dir():
+            raise FileNotFoundError(f"verify: {tests} is not a folder")
+        data = await asyncio.to_thread(_tar_of, tests, "tests")
+        message = Verify(id=new_id(), lease_id=self.lease_id, name="tests",
+                         command=list(command), cwd=cwd, env=env or {}, timeout=timeout,
+                         agent_system=agent_system)
+        result, logs = await self._call(message, data, timeout=timeout + 120)
+        reply = VerifyReply.model_validate(result)
+        out = await asyncio.to_thread(_untar_to, logs, Path(dest))
+        return ExecResult(reply.output, reply.exit_code, reply.timed_out, reply.oom,
+                          reply.duration_s), out
+
     async def get_file(self, src: str, dest: str | os.PathLike, *,
                        timeout: float = 600.0) -> Path:
         """Copy sandbox file or directory ``src`` to host path ``dest`` (replaced if a
@@ -433,6 +465,8 @@ class Lease:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._fleet_token = ""
+        self._used = 0.0
+        """When the socket's last reply came."""
         client._leases.add(self)
 
     def __getattr__(self, name: str):
@@ -467,23 +501,45 @@ class Lease:
         return self._fleet_token
 
     def _request(self, message, timeout: float) -> tuple[dict, bytes]:
+        frame, ping = encode_frame(message), ""
+        if self._sock is not None and time.monotonic() - self._used > 1.0 \
+                and self._stale(self._sock):
+            self._drop()  # the worker closed it, or will: reconnect instead
         if self._sock is None:
             host, _, port = self.aio.worker_address.rpartition(":")
             self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(frame) - PREFIX.size > PREAUTH_HEADER_BYTES:  # too large to authenticate
+                ping = new_id("p")
+                frame = encode_frame(Ping(id=ping, token=message.token)) + frame
         sock = self._sock
         sock.settimeout(timeout)
-        sock.sendall(encode_frame(message))
-        header_len, payload_len = PREFIX.unpack(_recv_exactly(sock, PREFIX.size))
-        if not 2 <= header_len <= MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
-            raise ConnectionResetError("bad frame from the worker")
-        reply = Reply.model_validate_json(_recv_exactly(sock, header_len))
-        data = _recv_exactly(sock, payload_len) if payload_len else b""
-        if reply.id != message.id:
-            raise ConnectionResetError("reply to another request")
+        sock.sendall(frame)
+        while True:
+            header_len, payload_len = PREFIX.unpack(_recv_exactly(sock, PREFIX.size))
+            if not 2 <= header_len <= MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+                raise ConnectionResetError("bad frame from the worker")
+            reply = Reply.model_validate_json(_recv_exactly(sock, header_len))
+            data = _recv_exactly(sock, payload_len) if payload_len else b""
+            if reply.id == message.id:
+                break
+            if reply.id != ping or not ping:
+                raise ConnectionResetError("reply to another request")
+        self._used = time.monotonic()
         if not reply.ok:
             raise error_from_dict(reply.error or {})
         return reply.result, data
+
+    def _stale(self, sock: socket.socket) -> bool:
+        """Idle for half the worker's idle timeout, or readable while idle: closed by the
+        worker (or stray bytes); either way not to be used again."""
+        idle = self._client.aio.config.conn_idle_timeout_s
+        if idle is not None and time.monotonic() - self._used > idle / 2:
+            return True
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -496,6 +552,10 @@ class Lease:
 
     def get_file(self, src: str, dest: str | os.PathLike, **kwargs: Any) -> Path:
         return self._client._run(self.aio.get_file(src, dest, **kwargs))
+
+    def verify(self, tests: str | os.PathLike, command: list[str],
+               **kwargs: Any) -> tuple[ExecResult, Path]:
+        return self._client._run(self.aio.verify(tests, command, **kwargs))
 
     def renew(self) -> None:
         self._client._run(self.aio.renew())

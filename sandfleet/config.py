@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sandfleet.protocol import IDLE_TIMEOUT_S, WireLimits
 from sandfleet.runtime.base import default_owner
 
 
@@ -103,10 +104,22 @@ class FleetConfig(Strict):
     work_dir: str = "/tmp/sandfleet-{user}"
     """Node-local directory for sandbox state (one subdirectory per worker)."""
     cache_dir: str = "/tmp/sandfleet-{user}/cache"
-    """Node-local image cache (unpacked root filesystems), shared by the node's workers."""
-    cache_max_gb: float | None = Field(default=50.0, gt=0)
-    """Bound on that cache: least recently used roots not in use are removed past it
-    (None: unbounded)."""
+    """Node-local cache shared by the node's workers (the local runtime mounts images in
+    place and keeps nothing there; root filesystems unpacked by older versions are removed
+    from it)."""
+    storage_mb: int = Field(default=10240, ge=16)
+    """Default disk quota of a sandbox's writable layer (a lease may ask for another)."""
+    conn_auth_timeout_s: float = Field(default=5.0, gt=0)
+    """A connection to the controller or a worker must present the fleet token (a complete
+    frame header) this soon after it opens, or it is closed."""
+    conn_idle_timeout_s: float | None = Field(default=IDLE_TIMEOUT_S, gt=0)
+    """Authenticated connections with nothing in flight silent this long are closed (None:
+    never); clients reconnect after half of it without a word."""
+    conns_per_peer: int = Field(default=4096, ge=1)
+    """Most connections one IP may hold to the controller or to a worker (each sync lease
+    holds one to its worker)."""
+    unauth_conns_per_peer: int = Field(default=256, ge=1)
+    """Most connections one IP may hold that have not presented the token yet."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm settings, used when ``provider`` is ``slurm``."""
     owner_pid: int | None = Field(default=None, gt=0)
@@ -124,6 +137,13 @@ class FleetConfig(Strict):
         if self.lost_after_s < self.heartbeat_s * 2:
             raise ValueError("lost_after_s must be at least two heartbeat periods")
         return self
+
+    def wire_limits(self) -> WireLimits:
+        """What the controller's and the workers' servers grant each peer."""
+        return WireLimits(auth_timeout_s=self.conn_auth_timeout_s,
+                          idle_timeout_s=self.conn_idle_timeout_s,
+                          per_peer=self.conns_per_peer,
+                          unauthenticated_per_peer=self.unauth_conns_per_peer)
 
     def path(self, field: str) -> Path:
         """A path field with ``{user}`` filled in."""

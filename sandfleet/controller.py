@@ -413,7 +413,8 @@ class Controller:
         write_private(self.state_dir / CONFIG_FILE, self.config.model_dump_json(indent=1))
         self._recover()
         self._journal = Journal(self.state_dir / JOURNAL)
-        self._server = Server(self.handle, self.token, name="controller")
+        self._server = Server(self.handle, self.token, name="controller",
+                              limits=self.config.wire_limits())
         port = self.config.port
         if old and not port:
             with contextlib.suppress(ValueError):
@@ -772,7 +773,7 @@ class Controller:
         lease_id = new_id("L")
         max_life = min(req.max_lifetime_s or self.config.max_lease_s, self.config.max_lease_s)
         spec = {"image": req.image, "cpus": req.cpus, "memory_mb": req.memory_mb,
-                "network": req.network, "max_lifetime_s": max_life, "env": dict(req.env),
+                "storage_mb": req.storage_mb or self.config.storage_mb, "network": req.network, "max_lifetime_s": max_life, "env": dict(req.env),
                 "workdir": req.workdir, "hostname": "sandbox"}
         lease = Lease(lease_id, req.id, waiter.client, node.worker_id, node.node, node.address,
                       spec, req.cpus, req.memory_mb, req.ttl_s or self.config.lease_ttl_s)

@@ -12,6 +12,16 @@ malicious length never allocates memory; a frame that breaks the framing (bad le
 header that is not a JSON object) closes that connection and only that one. The payload
 carries bulk bytes without JSON escaping: exec output, tar streams of files.
 
+A ``Server`` checks each frame's token as soon as its header is complete, before a byte of
+its payload is kept, and then bounds the payload by the request's type (only ``put``
+carries one). Until a connection has presented the token its header may be at most
+``PREAUTH_HEADER_BYTES`` (a client whose first request is larger sends a ``ping`` before
+it); it must do so within ``WireLimits.auth_timeout_s``, and each peer IP may hold only so
+many such connections (and so many in all). Authenticated connections idle for
+``WireLimits.idle_timeout_s`` are closed; a ``Connection`` counts itself closed after half
+that, so its owner opens a new one instead of racing the server's close. Rejections are
+logged once per peer per interval.
+
 Every request is a pydantic model with ``extra="forbid"`` and a ``type`` discriminator,
 carrying the protocol version ``v``, a request id ``id`` and the fleet's ``token``. A reply
 carries the request's ``id`` and either ``result`` or ``error``: an infrastructure failure
@@ -47,9 +57,12 @@ import logging
 import math
 import os
 import random
+import socket
 import struct
+import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -68,6 +81,12 @@ MAX_PAYLOAD_BYTES = 512 << 20
 """Largest binary payload accepted (one file transfer's tar stream)."""
 FRAME_TIMEOUT_S = 300.0
 """Once a frame has started, the time its remaining bytes may take."""
+PREAUTH_HEADER_BYTES = 64 << 10
+"""Largest header a server reads before the connection has presented its token."""
+PAYLOAD_BYTES: dict[str, int] = {"put": MAX_PAYLOAD_BYTES, "verify": MAX_PAYLOAD_BYTES}
+"""Largest payload of each request type; any other request carries none."""
+IDLE_TIMEOUT_S = 900.0
+"""A server closes an authenticated connection with nothing in flight silent this long."""
 ID_MAX = 128
 
 
@@ -164,6 +183,8 @@ class Acquire(Request):
     """Path of the SIF image, readable on the worker nodes."""
     cpus: int = Field(default=2, ge=1, le=1024)
     memory_mb: int = Field(default=2048, ge=16)
+    storage_mb: int | None = Field(default=None, ge=16)
+    """Disk quota of the sandbox's writable layer (the fleet's default if unset)."""
     ttl_s: float | None = Field(default=None, gt=0, le=7 * 86400)
     """The lease expires this long after its last renewal (the fleet's default if unset)."""
     network: bool = False
@@ -282,8 +303,28 @@ class Get(Request):
     path: str = Field(min_length=1, max_length=4096)
 
 
+class Verify(Request):
+    """Client -> worker: run a task's verifier beside the lease's sandbox.
+
+    The payload is a tar stream of the tests folder (one member tree named ``name``), which
+    the verifier sees as /tests; the reply's payload is a tar stream of what it left in
+    /logs/verifier (one member tree named ``verifier``). See the runtime's ``verify``.
+    """
+
+    type: Literal["verify"] = "verify"
+    lease_id: str = Field(max_length=ID_MAX)
+    name: str = Field(min_length=1, max_length=255)
+    command: list[str] = Field(min_length=1, max_length=256)
+    cwd: str | None = Field(default=None, max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout: float = Field(gt=0, le=7 * 86400)
+    agent_system: bool = False
+    """Let the verifier run the agent's system tools (/usr, /bin, /lib, /etc) instead of
+    the image's: a task opts in when it grades what the agent installed."""
+
+
 AnyRequest = Annotated[Ping | Acquire | Renew | Release | Status | Shutdown | Register
-                       | Heartbeat | StartSandbox | StopSandbox | Exec | Put | Get,
+                       | Heartbeat | StartSandbox | StopSandbox | Exec | Put | Get | Verify,
                        Field(discriminator="type")]
 REQUEST = TypeAdapter(AnyRequest)
 
@@ -320,6 +361,13 @@ class ExecReply(Message):
     timed_out: bool
     oom: bool
     duration_s: float
+
+
+class VerifyReply(ExecReply):
+    """The result of ``verify``; the payload is the tar stream of /logs/verifier."""
+
+    output: str
+    """The verifier's stdout and stderr (its last 64 KiB)."""
 
 
 _ids = itertools.count()
@@ -422,14 +470,17 @@ class _Framed(asyncio.Protocol):
         self.max_header, self.max_payload = max_header, max_payload
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.peer = "?"
+        self.peer = self.ip = "?"
         self.closing = False
         self.write_paused = False
         self._chunks: list[bytes] = []
         """The bytes of an incomplete frame."""
         self._have = 0
         self._need = 0
-        """Bytes the incomplete frame needs in all (its prefix's, while that is incomplete)."""
+        """Bytes the incomplete frame needs in all (its prefix's and header's, while its
+        header is incomplete)."""
+        self._head: tuple[dict, int, int] | None = None
+        """The incomplete frame's header, once checked: (header, its length, payload length)."""
         self._started = 0.0
         self._frame_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -444,6 +495,7 @@ class _Framed(asyncio.Protocol):
         self.transport = transport
         addr = transport.get_extra_info("peername")
         self.peer = f"{addr[0]}:{addr[1]}" if addr else "?"
+        self.ip = str(addr[0]) if addr else "?"
 
     def data_received(self, data: bytes) -> None:
         fresh = not self._chunks
@@ -453,35 +505,55 @@ class _Framed(asyncio.Protocol):
             if self._have < self._need:
                 return
             data, self._chunks, self._have = b"".join(self._chunks), [], 0
+        head, self._head = self._head, None  # the checked header of the frame at data[0]
         pos, size, need = 0, len(data), PREFIX.size
         try:
             while not self.closing:
-                if size - pos < PREFIX.size:
-                    need = PREFIX.size
-                    break
-                header_len, payload_len = PREFIX.unpack_from(data, pos)
-                if not 2 <= header_len <= self.max_header:
-                    raise ProtocolError(f"header length {header_len} outside "
-                                        f"[2, {self.max_header}]")
-                if payload_len > self.max_payload:
-                    raise ProtocolError(f"payload length {payload_len} over {self.max_payload}")
+                if head is None:
+                    if size - pos < PREFIX.size:
+                        need = PREFIX.size
+                        break
+                    header_len, payload_len = PREFIX.unpack_from(data, pos)
+                    if not 2 <= header_len <= self.max_header:
+                        raise ProtocolError(f"header length {header_len} outside "
+                                            f"[2, {self.max_header}]")
+                    if payload_len > self.max_payload:
+                        raise ProtocolError(f"payload length {payload_len} over "
+                                            f"{self.max_payload}")
+                    need = PREFIX.size + header_len
+                    if size - pos < need:  # only the header's bytes are waited for
+                        break
+                    header = _header(data[pos + PREFIX.size:pos + need])
+                    self.header_received(header, payload_len)  # before the payload is kept
+                    if self.closing:
+                        return
+                    head = (header, header_len, payload_len)
+                header, header_len, payload_len = head
                 need = PREFIX.size + header_len + payload_len
                 if size - pos < need:
                     break
-                start, pos = pos + PREFIX.size, pos + need
-                header = _header(data[start:start + header_len])
-                self.frame_received(header, data[start + header_len:pos] if payload_len else b"")
+                start, pos, head = pos + PREFIX.size + header_len, pos + need, None
+                self.frame_received(header, data[start:pos] if payload_len else b"")
         except ProtocolError as e:
             self.fail(e)
             return
         if pos < size and not self.closing:
             rest = data[pos:] if pos else data
-            self._chunks, self._have, self._need = [rest], len(rest), need
+            self._chunks, self._have, self._need, self._head = [rest], len(rest), need, head
             if pos or fresh:  # a frame began in these bytes
                 self._started = self.loop.time()
             if self._frame_timer is None:
                 self._frame_timer = self.loop.call_at(self._started + self.frame_timeout,
                                                       self._frame_late)
+
+    def header_received(self, header: dict, payload_len: int) -> None:
+        """A frame's header, before any of its payload is kept: raise ProtocolError (or
+        close) to refuse the frame."""
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held now."""
+        return self._have
 
     def _frame_late(self) -> None:
         self._frame_timer = None
@@ -502,10 +574,13 @@ class _Framed(asyncio.Protocol):
         """Broken framing (or a peer that reads nothing): drop this connection now, with
         whatever it has not taken yet."""
         if not self.closing:
-            log.warning("%s: closing %s: %s", self.name, self.peer, error)
+            self.log_failure(f"closing {self.peer}: {error}")
             self.closing = True
             if self.transport is not None:
                 self.transport.abort()
+
+    def log_failure(self, what: str) -> None:
+        log.warning("%s: %s", self.name, what)
 
     def close(self) -> None:
         """Close once what was queued is written."""
@@ -516,7 +591,7 @@ class _Framed(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self._chunks = []
+        self._chunks, self._have, self._head = [], 0, None
         for timer in (self._frame_timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
@@ -626,6 +701,53 @@ class Peer:
         self.address = address
 
 
+@dataclass(frozen=True)
+class WireLimits:
+    """What a ``Server`` grants each peer; the defaults hold for a controller or worker
+    reachable from a whole cluster."""
+
+    auth_timeout_s: float = 5.0
+    """A new connection must deliver a frame header with the right token within this."""
+    idle_timeout_s: float | None = IDLE_TIMEOUT_S
+    """An authenticated connection with nothing in flight silent this long is closed (None:
+    never); clients open a new one after half of it."""
+    per_peer: int = 4096
+    """Most connections at once from one IP (an orchestrator's sync leases each hold one
+    to their worker)."""
+    unauthenticated_per_peer: int = 256
+    """Most connections at once from one IP that have not presented the token yet."""
+    preauth_header_bytes: int = PREAUTH_HEADER_BYTES
+    """Largest header read before the token is checked."""
+    header_bytes: int = MAX_HEADER_BYTES
+    """Largest header of an authenticated connection."""
+    payload_bytes: Mapping[str, int] = field(default_factory=lambda: dict(PAYLOAD_BYTES))
+    """Largest payload by request type; other types carry none."""
+    log_interval_s: float = 60.0
+    """Rejections of one peer are logged at most once per this interval."""
+
+
+class _Rejections:
+    """Rejected connections and frames, logged once per peer IP per interval (a flood of
+    them costs one line a minute, with the count of those not logged)."""
+
+    def __init__(self, name: str, interval: float):
+        self.name, self.interval = name, interval
+        self._seen: dict[str, tuple[float, int]] = {}
+        """Peer IP -> (when it was last logged, rejections since)."""
+
+    def note(self, ip: str, what: str) -> None:
+        now = time.monotonic()
+        logged, since = self._seen.get(ip, (-math.inf, 0))
+        if now - logged < self.interval:
+            self._seen[ip] = (logged, since + 1)
+            return
+        if len(self._seen) >= 4096:  # many peers: forget those quiet for an interval
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
+        self._seen[ip] = (now, 0)
+        more = f" (and {since} more from {ip} since its last report)" if since else ""
+        log.warning("%s: rejected %s%s", self.name, what, more)
+
+
 class Server:
     """A TCP server that authenticates and validates requests and runs ``handler`` on each.
 
@@ -634,19 +756,24 @@ class Server:
     answered at once costs no task; an awaitable runs concurrently with the connection's
     other requests (at most ``per_connection`` of them; past that the connection is not read
     until one ends), so a slow ``exec`` never delays a ``renew`` on the same socket. A bad
-    token is answered with Unauthorized and the connection closed; an invalid message gets
-    BadRequest; broken framing closes the connection. None of these touch other
-    connections. A connection that ends cancels its requests still running.
+    token is answered with Unauthorized and the connection closed, and a payload over its
+    type's bound with BadRequest and the same, both before the payload is read; an invalid
+    message gets BadRequest; broken framing closes the connection. None of these touch
+    other connections. A connection that ends cancels its requests still running.
+    ``limits`` (``WireLimits``) bounds what each peer may hold before and after it
+    authenticates.
     """
 
     def __init__(self, handler: Handler, token: str, *, name: str = "server",
-                 max_payload: int = MAX_PAYLOAD_BYTES, per_connection: int = 256,
-                 idle_timeout: float | None = None):
+                 limits: WireLimits | None = None, per_connection: int = 256):
         self.handler, self.token, self.name = handler, token, name
-        self.max_payload, self.per_connection = max_payload, per_connection
-        self.idle_timeout = idle_timeout
+        self.limits = limits or WireLimits()
+        self.per_connection = per_connection
+        self.rejections = _Rejections(name, self.limits.log_interval_s)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Served] = set()
+        self._peers: dict[str, list[int]] = {}
+        """Peer IP -> [its connections, those not authenticated yet]."""
 
     async def start(self, host: str, port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -654,6 +781,34 @@ class Server:
                                                 reuse_address=True)
         sock = self._server.sockets[0].getsockname()
         return sock[0], sock[1]
+
+    def _admit(self, conn: _Served) -> bool:
+        """Count a new connection against its peer's caps; False (logged) when over one."""
+        counts = self._peers.setdefault(conn.ip, [0, 0])
+        if counts[0] >= self.limits.per_peer:
+            self.rejections.note(conn.ip, f"{conn.peer}: {counts[0]} connections open "
+                                          f"from {conn.ip} (at most {self.limits.per_peer})")
+            return False
+        if counts[1] >= self.limits.unauthenticated_per_peer:
+            self.rejections.note(conn.ip, f"{conn.peer}: {counts[1]} unauthenticated "
+                                          f"connections open from {conn.ip} (at most "
+                                          f"{self.limits.unauthenticated_per_peer})")
+            return False
+        counts[0] += 1
+        counts[1] += 1
+        return True
+
+    def _release(self, conn: _Served) -> None:
+        counts = self._peers[conn.ip]
+        counts[0] -= 1
+        counts[1] -= not conn.authenticated
+        if not counts[0]:
+            del self._peers[conn.ip]
+
+    def peer_connections(self, ip: str) -> tuple[int, int]:
+        """(connections, unauthenticated ones) open from ``ip`` now."""
+        counts = self._peers.get(ip, (0, 0))
+        return counts[0], counts[1]
 
     async def close(self) -> None:
         if self._server is not None:
@@ -673,43 +828,131 @@ class Server:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
 
+REFUSED_LINGER_S = 1.0
+"""A refused connection's reply gets this long to reach its peer before the connection is
+dropped (it is not read meanwhile)."""
+
+
 class _Served(_Framed):
-    """A connection to a ``Server``: each request handled as its frame arrives."""
+    """A connection to a ``Server``: each header checked as it completes, each request
+    handled as its frame does."""
 
     def __init__(self, server: Server):
-        super().__init__(server.name, max_payload=server.max_payload)
+        limits = server.limits
+        super().__init__(server.name, max_header=limits.preauth_header_bytes,
+                         max_payload=max(limits.payload_bytes.values(), default=0))
         self.server = server
         self.running: set[asyncio.Future] = set()
         self.backlog: deque[tuple[dict, bytes]] = deque()
         """Frames read past ``per_connection`` running requests."""
         self.peer_info = Peer("?")
+        self.authenticated = False
+        """A frame header with the fleet's token has come on this connection."""
+        self.admitted = False
         self._reading = True
         self._last = 0.0
+        """When a byte last came or a reply last left."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._graced = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.peer_info = Peer(self.peer)
+        if not self.server._admit(self):
+            self.closing = True
+            transport.abort()
+            return
+        self.admitted = True
         self.server._conns.add(self)
-        if self.server.idle_timeout is not None:
-            self._last = self.loop.time()
-            self.loop.call_later(self.server.idle_timeout, self._idle_check)
+        sock = transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):  # a peer gone without a word
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 15)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+        self._last = self.loop.time()
+        self._check_at(self._last + self.server.limits.auth_timeout_s)
 
-    def data_received(self, data: bytes) -> None:
-        if self.server.idle_timeout is not None:
-            self._last = self.loop.time()
-        super().data_received(data)
+    def _check_at(self, when: float) -> None:
+        self._due = when
+        self._timer = self.loop.call_at(when, self._check_idle)
 
-    def _idle_check(self) -> None:
+    def _check_idle(self) -> None:
+        """The auth deadline, then the idle timeout: one timer per connection."""
+        self._timer = None
         if self.closing:
             return
-        left = self._last + self.server.idle_timeout - self.loop.time()
-        if left > 0:
-            self.loop.call_later(left, self._idle_check)
+        now, limits = self.loop.time(), self.server.limits
+        if not self.authenticated:
+            if now - self._due > 0.1 and not self._graced:  # the loop stalled: first
+                self._graced = True                          # read what came meanwhile
+                self._check_at(now + 0.1)
+                return
+            self.server.rejections.note(self.ip, f"{self.peer}: no frame with the token "
+                                                 f"within {limits.auth_timeout_s:g}s")
+            self.closing = True
+            self.transport.abort()
+            return
+        if limits.idle_timeout_s is None:
+            return
+        if self.running or self.backlog or self._chunks or self.write_paused:
+            self._last = now  # busy is not idle
+        if now - self._last < limits.idle_timeout_s:
+            self._check_at(self._last + limits.idle_timeout_s)
         else:
+            log.debug("%s: closing %s, idle for %.0fs", self.name, self.peer,
+                      now - self._last)
             self.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._last = self.loop.time()
+        super().data_received(data)
+
+    def log_failure(self, what: str) -> None:
+        self.server.rejections.note(self.ip, what)
+
+    def header_received(self, header: dict, payload_len: int) -> None:
+        if not check_token(str(header.get("token", "")), self.server.token):
+            self._refuse(header, Unauthorized("bad or missing fleet token"), "bad token")
+            return
+        if not self.authenticated and self.admitted:
+            self.authenticated = True
+            self.max_header = self.server.limits.header_bytes
+            self.server._peers[self.ip][1] -= 1
+        if payload_len:
+            kind = header.get("type")
+            limit = self.server.limits.payload_bytes.get(kind, 0) \
+                if isinstance(kind, str) else 0
+            if payload_len > limit:
+                self._refuse(header, BadRequest(
+                    f"a {str(kind)[:40]!r} request carries at most {limit} payload bytes, "
+                    f"not {payload_len}"), f"payload of {payload_len} bytes")
+
+    def _refuse(self, header: dict, error: RemoteError, why: str) -> None:
+        """Answer the frame with ``error`` and drop the connection without reading on: the
+        reply and an end of stream go out, the peer's further bytes stay unread."""
+        rid = header.get("id") if isinstance(header.get("id"), str) else ""
+        self.server.rejections.note(self.ip, f"{self.peer}: {why}")
+        self._reply(rid[:ID_MAX], error=error.to_dict())
+        self.flush()
+        self.closing = True
+        transport = self.transport
+        transport.pause_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(REFUSED_LINGER_S, transport.abort)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.admitted:
+            self.admitted = False
+            self.server._release(self)
         self.server._conns.discard(self)
         self.backlog.clear()
         for job in list(self.running):
@@ -726,11 +969,6 @@ class _Served(_Framed):
         server = self.server
         rid = header.get("id") if isinstance(header.get("id"), str) else ""
         rid = rid[:ID_MAX]
-        if not check_token(str(header.get("token", "")), server.token):
-            log.warning("%s: bad token from %s", server.name, self.peer)
-            self._reply(rid, error=Unauthorized("bad or missing fleet token").to_dict())
-            self.close()
-            return
         try:
             if header.get("v") != PROTOCOL_VERSION:
                 raise BadRequest(f"protocol version {header.get('v')!r} not supported "
@@ -797,6 +1035,7 @@ class _Served(_Framed):
                payload: bytes = b"") -> None:
         header = {"type": "reply", "v": PROTOCOL_VERSION, "id": rid, "ok": error is None,
                   "result": result or {}, "error": error}
+        self._last = self.loop.time()
         try:
             self.send(header, payload)
         except ConnectionError as e:
@@ -817,10 +1056,19 @@ def _short(e: ValidationError) -> str:
 
 class Connection:
     """One multiplexed client connection: ``request()`` may be called concurrently;
-    ``call()`` is the same without a coroutine, for callers that chain callbacks."""
+    ``call()`` is the same without a coroutine, for callers that chain callbacks.
 
-    def __init__(self, address: str, token: str):
+    ``idle_s`` is the server's idle timeout: once nothing has been in flight for half of
+    it, the connection counts as ``closed``, so its owner opens a new one rather than send
+    on one the server may be closing at that moment.
+    """
+
+    def __init__(self, address: str, token: str, *, idle_s: float | None = IDLE_TIMEOUT_S):
         self.address, self.token = address, token
+        self.reuse_s = math.inf if idle_s is None else idle_s / 2
+        self._used = 0.0
+        """When a request last left, or its reply or timeout last came."""
+        self._fresh = True
         self._pending: dict[str, tuple[asyncio.Future, float, str, float | None]] = {}
         """Request id -> (future, deadline, request type, timeout)."""
         self._closed: BaseException | None = None
@@ -829,17 +1077,22 @@ class Connection:
         self._sweep_at = math.inf
 
     @classmethod
-    async def open(cls, address: str, token: str, *, timeout: float = 10.0) -> Connection:
+    async def open(cls, address: str, token: str, *, timeout: float = 10.0,
+                   idle_s: float | None = IDLE_TIMEOUT_S) -> Connection:
         host, port = parse_address(address)
-        conn = cls(address, token)
+        conn = cls(address, token, idle_s=idle_s)
         loop = asyncio.get_running_loop()
         _, conn._framed = await asyncio.wait_for(
             loop.create_connection(lambda: _Replies(conn), host, port), timeout)
+        conn._used = loop.time()
         return conn
 
     @property
     def closed(self) -> bool:
-        return self._closed is not None
+        """No new request should go on it: it is closed, lost, or idle for ``reuse_s``."""
+        return self._closed is not None or (
+            not self._pending and self._framed is not None
+            and self._framed.loop.time() - self._used > self.reuse_s)
 
     def call(self, message: Request, payload: bytes = b"", *,
              timeout: float | None = 30.0) -> asyncio.Future:
@@ -854,10 +1107,15 @@ class Connection:
             header = message.model_dump()
             header["token"] = self.token
         framed = self._framed
+        if self._fresh:
+            self._fresh = False
+            if len(to_json(header)) > PREAUTH_HEADER_BYTES:  # too large to authenticate
+                framed.send(Ping(id=new_id("p"), token=self.token))  # reply ignored
         framed.send(header, payload)
         framed.flush()  # a client's request leaves now, not at the end of the loop's turn
         future = framed.loop.create_future()
-        deadline = math.inf if timeout is None else framed.loop.time() + timeout
+        self._used = now = framed.loop.time()
+        deadline = math.inf if timeout is None else now + timeout
         self._pending[message.id] = (future, deadline, message.type, timeout)
         if deadline < self._sweep_at:
             self._expire_at(deadline)
@@ -883,6 +1141,7 @@ class Connection:
                 self._pending.pop(message.id, None)
 
     def _reply(self, reply: Reply, payload: bytes) -> None:
+        self._used = self._framed.loop.time()
         entry = self._pending.pop(reply.id, None)
         if entry is None or entry[0].done():
             return
@@ -901,6 +1160,7 @@ class Connection:
     def _expire(self) -> None:
         self._sweep, self._sweep_at = None, math.inf
         now, earliest = self._framed.loop.time(), math.inf
+        self._used = now
         for rid, (future, deadline, kind, timeout) in list(self._pending.items()):
             if future.done():
                 del self._pending[rid]

@@ -70,6 +70,8 @@ from sandfleet.protocol import (
     StartSandbox,
     StopSandbox,
     UnknownLease,
+    Verify,
+    VerifyReply,
     new_id,
     parse_address,
     read_controller_info,
@@ -118,6 +120,17 @@ def address_towards(host: str) -> str:
         return socket.gethostname()
 
 
+def tar_bounded(path: Path, name: str, limit: int) -> bytes:
+    """``path`` as a tar stream named ``name``, links stored as links (never followed);
+    BadRequest past ``limit`` bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(path, arcname=name)
+    if buf.tell() > limit:
+        raise BadRequest(f"{path} is over {limit >> 20} MiB as a tar stream")
+    return buf.getvalue()
+
+
 def unpack_checked(data: bytes, name: str, dest: Path) -> Path:
     """Unpack a put's tar into ``dest``; every member must lie under ``name``."""
     try:
@@ -154,7 +167,6 @@ class Worker:
             kwargs: dict[str, Any] = {"state_dir": self.work / "runtime"}
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
-                kwargs["cache_max_gb"] = config.cache_max_gb
             runtime = get_runtime(config.runtime, **kwargs)
         self.runtime = runtime
         self.leases: dict[str, Held] = {}
@@ -193,7 +205,8 @@ class Worker:
                       self.config.worker_grace_s)
             return
         self.token = info.token
-        self._server = Server(self.handle, self.token, name=f"worker {self.name}")
+        self._server = Server(self.handle, self.token, name=f"worker {self.name}",
+                              limits=self.config.wire_limits())
         host, port = await self._server.start(self.config.worker_host, 0)
         advertise = host if host not in ("0.0.0.0", "::") else \
             address_towards(parse_address(info.address)[0])
@@ -337,6 +350,8 @@ class Worker:
             return await self._put(req, payload)
         if isinstance(req, Get):
             return await self._get(req)
+        if isinstance(req, Verify):
+            return await self._verify(req, payload)
         if isinstance(req, StartSandbox):
             return await self._start(req)
         if isinstance(req, StopSandbox):
@@ -487,6 +502,36 @@ class Worker:
                 held.running -= 1
                 held.touch()
         return {"path": src, "bytes": len(data)}, data
+
+    async def _verify(self, req: Verify, payload: bytes):
+        if "/" in req.name or req.name in (".", ".."):
+            raise BadRequest(f"verify: bad name {req.name!r}")
+        held = self._held(req.lease_id)
+        held.touch()
+
+        def work() -> tuple[ExecResult, bytes]:
+            with tempfile.TemporaryDirectory(dir=self._xfer_dir()) as tmp:
+                tests = unpack_checked(payload, req.name, Path(tmp) / "in")
+                logs = Path(tmp) / "verifier"
+                logs.mkdir()
+                result = self.runtime.verify(req.lease_id, list(req.command), tests=tests,
+                                             logs=logs, timeout=req.timeout, cwd=req.cwd,
+                                             env=dict(req.env), agent_system=req.agent_system)
+                return result, tar_bounded(logs, "verifier", MAX_PAYLOAD_BYTES)
+
+        async with held.lock:
+            held.running += 1
+            try:
+                result, data = await self._call(work)
+            except InfraError as e:
+                raise await self._lost_or(held, e) from None
+            finally:
+                held.running -= 1
+                held.touch()
+        reply = VerifyReply(exit_code=result.exit_code, timed_out=result.timed_out,
+                            oom=result.oom, duration_s=result.duration_s,
+                            output=result.output[-65536:])
+        return reply.model_dump(), data
 
     def _xfer_dir(self) -> Path:
         path = self.work / "xfer"

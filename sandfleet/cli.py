@@ -13,8 +13,9 @@ import click
 # What each runtime and provider needs from the machine: (kind, name, why).
 REQUIREMENTS = (
     ("runtime local", "bwrap", "bubblewrap sandboxes"),
-    ("runtime local", "squashfuse", "mount a SIF's squashfs root without root"),
-    ("runtime local", "unsquashfs", "extract a SIF's root into a node-local cache"),
+    ("runtime local", "mkfs.ext4", "each sandbox's disk quota (an ext4 upper layer)"),
+    ("runtime local", "nsenter", "the verifier beside a sandbox"),
+    ("runtime local", "setpriv", "the verifier as the sandbox's uid"),
     ("runtime apptainer", "apptainer", "instance start/exec/stop on clusters"),
     ("images", "mksquashfs", "pack image root filesystems"),
     ("images", "siftool", "wrap squashfs as SIF"),
@@ -36,7 +37,8 @@ def machine_report() -> dict:
         "fuse": Path("/dev/fuse").exists(),
         "slurm_conf": os.environ.get("SLURM_CONF"),
         "runtimes": {
-            "local": bool(tools["bwrap"] and (tools["squashfuse"] or tools["unsquashfs"])),
+            "local": os.geteuid() == 0 and all(tools[n] for n in ("bwrap", "mkfs.ext4",
+                                                                  "nsenter", "setpriv")),
             "apptainer": bool(tools["apptainer"]),
         },
         "providers": {"local": True,
@@ -303,6 +305,10 @@ def gc_cmd(state_dir: Path) -> None:
         actions += _offline_cleanup(state_dir)
     config = resolve_config(None, None, state_dir)
     actions += reap_dead_workers(config.path("work_dir") / fleet_key(state_dir), config)
+    if config.runtime == "local":
+        from sandfleet.runtime.local import remove_unpacked_cache
+
+        actions += remove_unpacked_cache(config.path("cache_dir"))
     for line in actions or ["nothing to collect"]:
         click.echo(line)
 

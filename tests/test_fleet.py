@@ -196,7 +196,7 @@ class Fleet:
     """A fleet started with the CLI in a tmp state dir; ``down`` checks nothing is left."""
 
     def __init__(self, root: Path, cache: Path, **overrides):
-        self.root = root
+        self.root, self.cache = root, cache
         root.mkdir(parents=True, exist_ok=True)
         self.state = root / "state"
         self.work = root / "work"
@@ -674,8 +674,12 @@ def test_workers_outlive_a_dead_controller_only_for_the_grace_and_gc_cleans_up(
         assert fleet.sandboxes() == []  # it stopped its sandboxes on the way out
         with pytest.raises((NodeLost, SandboxLost, ControllerUnreachable)):
             lease.run("true")
+    partial = fleet.cache / "rootfs" / ".6d524ae9a92cb66bde4c899a.3n_2w_mq"  # older versions
+    (partial / "usr").mkdir(parents=True)  # unpacked images; a worker killed mid-unpack
     out = fleet.cli("gc").stdout
     assert "removed controller.json" in out
+    assert f"removed unpacked image cache {fleet.cache / 'rootfs'}" in out
+    assert not (fleet.cache / "rootfs").exists()
     assert fleet.info() is None
 
 

@@ -424,7 +424,8 @@ class LocalRuntime(CommandRuntime):
         self._oom_files: dict[str, str] = {}  # sandbox id -> its memory cgroup
         self._children: dict[str, subprocess.Popen] = {}  # leaders we started, to reap
         self._lock = threading.Lock()
-        self.remove_unpacked_cache()
+        if self.cache_dir is not None:
+            remove_unpacked_cache(self.cache_dir)
 
     # ---- paths and records
 
@@ -496,22 +497,6 @@ class LocalRuntime(CommandRuntime):
             raise ImageMissing(str(image), e.reason) from None
         except OSError as e:
             raise ImageMissing(str(image), e.strerror or str(e)) from None
-
-    def remove_unpacked_cache(self) -> list[str]:
-        """Remove root filesystems unpacked by earlier versions (``cache_dir/rootfs``),
-        partial ones included: images are mounted now, nothing uses them."""
-        if self.cache_dir is None or not (self.cache_dir / "rootfs").is_dir():
-            return []
-        root = self.cache_dir / "rootfs"
-        trash = self.cache_dir / f".rootfs-removed-{os.getpid()}"
-        try:
-            os.rename(root, trash)
-        except OSError:
-            return []
-        subprocess.run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600,
-                       check=False, stdin=subprocess.DEVNULL)
-        log.info("removed the unpacked image cache %s", root)
-        return [f"removed unpacked image cache {root}"]
 
     # ---- lifecycle
 
@@ -857,6 +842,24 @@ class LocalRuntime(CommandRuntime):
         for sandbox_id in sorted(gone):
             self.stop(sandbox_id)
         return sorted(gone)
+
+
+def remove_unpacked_cache(cache_dir: Path) -> list[str]:
+    """Remove root filesystems unpacked by earlier versions (``cache_dir/rootfs``, partial
+    ones of a worker killed while unpacking included): images are mounted now, nothing
+    uses them. What was removed, one line each."""
+    root = Path(cache_dir) / "rootfs"
+    if not root.is_dir():
+        return []
+    trash = root.with_name(f".rootfs-removed-{os.getpid()}")
+    try:
+        os.rename(root, trash)
+    except OSError:
+        return []
+    subprocess.run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600, check=False,
+                   stdin=subprocess.DEVNULL)
+    log.info("removed the unpacked image cache %s", root)
+    return [f"removed unpacked image cache {root}"]
 
 
 def _pristine_etc(name: str) -> bool:

@@ -199,7 +199,8 @@ def sandbox_bwrap(*, root: str | None, network: bool, hostname: str, info_fd: in
     spec.env = env if env is not None else {"PATH": DEFAULT_PATH, "HOME": "/root"}
     caps = [arg for cap in CONTAINER_CAPS for arg in ("--cap-add", cap)]
     spec.extra_args = ["--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd",
-                       str(block_fd), "--info-fd", str(info_fd), "--cap-drop", "ALL", *caps]
+                       str(block_fd), "--info-fd", str(info_fd), "--cap-drop", "ALL", *caps,
+                       "--ro-bind", "/proc/sys", "/proc/sys"]  # as Docker: sysctls read-only
     spec.extra_args += ["--as-pid-1"] if as_pid_1 else []
     return spec.argv(command)
 

@@ -13,8 +13,8 @@ header that is not a JSON object) closes that connection and only that one. The 
 carries bulk bytes without JSON escaping: exec output, tar streams of files.
 
 A ``Server`` checks each frame's token as soon as its header is complete, before a byte of
-its payload is kept, and then bounds the payload by the request's type (only ``put``
-carries one). Until a connection has presented the token its header may be at most
+its payload is kept, and then bounds the payload by the request's type
+(``PAYLOAD_BYTES``: only ``put`` and ``verify`` carry one). Until a connection has presented the token its header may be at most
 ``PREAUTH_HEADER_BYTES`` (a client whose first request is larger sends a ``ping`` before
 it); it must do so within ``WireLimits.auth_timeout_s``, and each peer IP may hold only so
 many such connections (and so many in all). Authenticated connections idle for

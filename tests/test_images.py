@@ -410,8 +410,8 @@ def test_every_example_builds_and_passes_checks(example_store):
                    and e.checks.nop_reward < 1.0)}
     assert bad == {}
     assert example_store.verify(deep=False) == []
-    # the checks unpacked each image privately and removed it after: nothing accumulates
-    assert list((Path.home() / ".cache" / "tmax" / "check-roots").iterdir()) == []
+    # the checks mount each image in place: nothing unpacked accumulates on the node
+    assert not (Path.home() / ".cache" / "tmax" / "check-roots").exists()
 
 
 def test_identical_environments_share_one_image(builds, tmp_path):

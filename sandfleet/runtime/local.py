@@ -657,27 +657,44 @@ class LocalRuntime(CommandRuntime):
         and user namespaces, the sandbox's network. Its root is the agent's final file
         system, except that the image's own ``PRISTINE`` directories and ``PRISTINE_ETC``
         entries replace the agent's (unless ``agent_system``), the agent's /tests and
-        /logs are not shown, host folder ``tests`` is /tests and host folder ``logs`` is
-        /logs/verifier: the only place it writes that the caller reads. The agent is
-        frozen while that view is built, so it cannot race it."""
+        /logs are not shown, a copy of host folder ``tests`` is /tests, and /logs/verifier
+        is a fresh folder on the sandbox's disk, copied to host folder ``logs`` at the end:
+        the only place it writes that the caller reads. The agent is frozen while that
+        view is built, so it cannot race it."""
         record = self._live(sandbox_id)
-        home = self._dir(sandbox_id)
-        base = record.uid_base
-        for path in (tests, logs):
-            _chown_tree(path, base)
-        freezer = [Path(p) for p in record.cgroups
-                   if Path(p).parent == self.cgroups.parents.get("freezer")]
-        frozen = bool(freezer) and Cgroups.freeze(freezer[0], True)
-        if freezer and not frozen:  # cannot stop it from racing: end it instead
-            log.warning("sandbox %s: agent would not freeze; killing its processes", sandbox_id)
-            for pid in _read(str(freezer[0] / "cgroup.procs")).split():
+        self._check_monitor(record)
+        home, base = self._dir(sandbox_id), record.uid_base
+        # The verifier's folders live on the sandbox's own disk (its quota bounds what the
+        # verifier writes), outside the agent's layer; the host reaches them through the
+        # sandbox's mount namespace.
+        work = f"{home}/disk/verify-{os.urandom(6).hex()}"
+        there = Path(f"/proc/{record.monitor[0]}/root{work}")
+        there.mkdir()
+        try:
+            shutil.copytree(tests, there / "tests", symlinks=True)
+            (there / "logs").mkdir()
+            _chown_tree(there, base)
+            result = self._run_verifier(record, home, work, command, timeout=timeout,
+                                        cwd=cwd, env=env, agent_system=agent_system)
+            shutil.copytree(there / "logs", logs, symlinks=True, dirs_exist_ok=True)
+            return result
+        finally:
+            shutil.rmtree(there, ignore_errors=True)
+
+    def _run_verifier(self, record: SandboxRecord, home: Path, work: str,
+                      command: list[str], *, timeout: float, cwd: str | None,
+                      env: dict[str, str] | None, agent_system: bool) -> ExecResult:
+        freezer = Path(self.cgroups.paths(self._cgroup_name(record.sandbox_id))["freezer"])
+        if not Cgroups.freeze(freezer, True):  # it cannot be kept from racing: end it
+            log.warning("sandbox %s: agent would not freeze; killing its processes",
+                        record.sandbox_id)
+            for pid in _read(str(freezer / "cgroup.procs")).split():
                 if int(pid) != record.init[0]:
                     _kill(int(pid))
         try:
-            spec = self._verifier_view(record, home, tests, logs, agent_system)
+            spec = self._verifier_view(record, agent_system)
         except BaseException:
-            if freezer:
-                Cgroups.freeze(freezer[0], False)
+            Cgroups.freeze(freezer, False)
             raise
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
@@ -686,12 +703,13 @@ class LocalRuntime(CommandRuntime):
                               binds=spec, cwd=cwd or record.spec["workdir"],
                               env={"PATH": DEFAULT_PATH, "HOME": "/root",
                                    "PYTHONNOUSERSITE": "1", **(env or {})})
+        base = record.uid_base
         argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
                  "nsenter", f"--mount=/proc/{record.monitor[0]}/ns/mnt",
                  f"--net=/proc/{record.init[0]}/ns/net", "--",
                  "unshare", "-m", "--propagation", "private", "--",
-                 "sh", "-c", BIND_SH, "sh", str(tests), str(self.mnt / "tests"), str(logs),
-                 str(self.mnt / "logs"),
+                 "sh", "-c", BIND_SH, "sh", f"{work}/tests", str(self.mnt / "tests"),
+                 f"{work}/logs", str(self.mnt / "logs"),
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -709,24 +727,22 @@ class LocalRuntime(CommandRuntime):
             finally:
                 os.close(info_r)
                 os.close(block_w)
-                if freezer:
-                    Cgroups.freeze(freezer[0], False)
+                Cgroups.freeze(freezer, False)
 
-        self._check_monitor(record)
         output, code, timed_out, seconds = run_capture(
             argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
             pass_fds=(info_w, block_r), on_start=on_start)
-        self._check_alive(sandbox_id)
+        self._check_alive(record.sandbox_id)
         if not started.get("child"):
-            raise SandboxStartError(sandbox_id, f"verifier did not start: {output[-1500:]}")
+            raise SandboxStartError(record.sandbox_id,
+                                    f"verifier did not start: {output[-1500:]}")
         return ExecResult(output, code, timed_out, False, seconds)
 
     def _check_monitor(self, record: SandboxRecord) -> None:
         if record.monitor is None or proc_start_time(record.monitor[0]) != record.monitor[1]:
             raise SandboxLost(record.sandbox_id, "its mount namespace is gone")
 
-    def _verifier_view(self, record: SandboxRecord, home: Path, tests: Path, logs: Path,
-                       agent_system: bool) -> BwrapSpec:
+    def _verifier_view(self, record: SandboxRecord, agent_system: bool) -> BwrapSpec:
         """The verifier's mounts (see ``verify``), read from the sandbox's mount namespace
         through the monitor's /proc root without following any of the agent's links."""
         self._check_monitor(record)

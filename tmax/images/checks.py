@@ -20,8 +20,8 @@ from sandfleet.errors import InfraError
 from sandfleet.runtime.base import Runtime, SandboxSpec
 from tmax.images.store import Checks
 from tmax.tasks import Task
-from tmax.tasks.check import run_solution, run_verifier
-from tmax.tasks.reward import VerifierError
+from tmax.tasks.check import run_solution
+from tmax.tasks.reward import VerifierError, read_reward
 
 
 class RuntimeBox:
@@ -44,12 +44,28 @@ class RuntimeBox:
         self.runtime.copy_out(self.id, path, dest)
         return dest
 
+    def verify(self, task: Task, scratch: Path) -> float:
+        """test.sh through the runtime's ``verify``, as rollouts run it: /tests and
+        /logs/verifier of its own, the image's system tools (unless the task opts out)."""
+        logs = scratch / "verifier"
+        verifier = task.config.verifier
+        result = self.runtime.verify(self.id, ["/bin/bash", "/tests/test.sh"],
+                                     tests=task.tests_dir, logs=logs,
+                                     timeout=verifier.timeout_sec, cwd=self.workdir,
+                                     env=dict(verifier.env),
+                                     agent_system=verifier.agent_system)
+        status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
+                  f"{result.duration_s:.1f}s]")
+        self.log += ["$ verify: /bin/bash /tests/test.sh", result.output.rstrip(), status]
+        return read_reward(logs, task.task_id)
+
 
 def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:
     env = task.config.environment
     budget = task.config.agent.timeout_sec + task.config.verifier.timeout_sec + 300
     return SandboxSpec(image=sif, cpus=env.cpus, memory_mb=env.memory_mb,
-                       network=env.network, max_lifetime_s=budget, workdir=workdir)
+                       storage_mb=env.storage_mb, network=env.network, max_lifetime_s=budget,
+                       workdir=workdir)
 
 
 def run_mode(runtime: Runtime, task: Task, sif: Path, workdir: str, mode: str,
@@ -63,7 +79,7 @@ def run_mode(runtime: Runtime, task: Task, sif: Path, workdir: str, mode: str,
         if mode == "oracle":
             run_solution(box, task)
         with tempfile.TemporaryDirectory(prefix="tmax-check-") as scratch:
-            return run_verifier(box, task, Path(scratch))
+            return box.verify(task, Path(scratch))
     finally:
         runtime.stop(sandbox_id)
 
@@ -94,13 +110,8 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
 
 def image_checker(cache_dir: Path, runtime: str = "auto"
                   ) -> Callable[[Task, Path, str, Path], Checks]:
-    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime.
-
-    The local runtime unpacks each image it starts; for build-time checks that unpacked
-    root (the image's full size) is needed only for the two check sandboxes, so each check
-    gets a private cache that is removed right after: checking a thousand images must not
-    leave a thousand unpacked roots on the node.
-    """
+    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime
+    (which mounts each image in place: nothing per image is left on the node)."""
     from sandfleet.runtime import get_runtime
 
     if runtime == "auto":
@@ -111,11 +122,7 @@ def image_checker(cache_dir: Path, runtime: str = "auto"
         return lambda task, sif, workdir, log_path: check_image(rt, runtime, task, sif,
                                                                   workdir, log_path)
 
-    def check(task: Task, sif: Path, workdir: str, log_path: Path) -> Checks:
-        roots = Path(cache_dir) / "check-roots"
-        roots.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="check-", dir=roots) as private:
-            rt = get_runtime("local", state_dir=state, cache_dir=Path(private))
-            return check_image(rt, "local", task, sif, workdir, log_path)
-
-    return check
+    shutil.rmtree(Path(cache_dir) / "check-roots", ignore_errors=True)  # older versions' unpacks
+    rt = get_runtime("local", state_dir=state)
+    return lambda task, sif, workdir, log_path: check_image(rt, "local", task, sif, workdir,
+                                                              log_path)

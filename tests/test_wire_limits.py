@@ -295,19 +295,25 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def blocking_probe(address: tuple[str, int], stream: int = 256 << 20) -> int:
+def blocking_probe(address: tuple[str, int], stream: int = 256 << 20,
+                   keep: list[socket.socket] | None = None) -> int:
     """A wrong-token put announcing MAX_PAYLOAD_BYTES, then up to ``stream`` bytes of it;
-    how many the server took before it closed the connection."""
+    how many the server took before it closed the connection. The socket is left open in
+    ``keep`` when given (closed otherwise)."""
     raw = _header("wrong-token")
     sent, chunk = 0, b"\0" * (1 << 20)
-    with socket.create_connection(address, timeout=5) as sock:
-        try:
-            sock.sendall(PREFIX.pack(len(raw), MAX_PAYLOAD_BYTES) + raw)
-            while sent < stream:
-                sock.sendall(chunk)
-                sent += len(chunk)
-        except OSError:  # refused: reset, or the server stopped reading
-            pass
+    sock = socket.create_connection(address, timeout=5)
+    try:
+        sock.sendall(PREFIX.pack(len(raw), MAX_PAYLOAD_BYTES) + raw)
+        while sent < stream:
+            sock.sendall(chunk)
+            sent += len(chunk)
+    except OSError:  # refused: reset, or the server stopped reading
+        pass
+    if keep is None:
+        sock.close()
+    else:
+        keep.append(sock)
     return sent
 
 
@@ -319,6 +325,8 @@ class Abuse:
         self.addresses, self.silent = addresses, silent
         self._stop = threading.Event()
         self.probes = 0
+        self.closed_by_server = 0
+        """Silent connections the server closed (and this reopened)."""
         self._threads = [threading.Thread(target=self._silent, args=(a,), daemon=True)
                          for a in addresses]
         self._threads += [threading.Thread(target=self._probes, args=(a,), daemon=True)
@@ -338,7 +346,11 @@ class Abuse:
         socks: list[socket.socket] = []
         try:
             while not self._stop.is_set():
-                socks = [s for s in socks if not _closed_by_peer(s)]
+                kept = [s for s in socks if not _closed_by_peer(s)]
+                for sock in set(socks) - set(kept):
+                    sock.close()
+                self.closed_by_server += len(socks) - len(kept)
+                socks = kept
                 while len(socks) < self.silent:
                     socks.append(socket.create_connection(address, timeout=5))
                 self._stop.wait(0.05)
@@ -367,9 +379,14 @@ def test_pre_auth_probes_do_not_grow_the_controller_or_the_worker(fleet):
     worker_pid = fleet.worker_pids()[0]
     worker = _address(fleet.status()["nodes"][0]["address"])
     before = {"controller": _rss_mib(info.pid), "worker": _rss_mib(worker_pid)}
-    taken = [blocking_probe(address) for address in (_address(info.address), worker)
-             for _ in range(2)]
-    after = {"controller": _rss_mib(info.pid), "worker": _rss_mib(worker_pid)}
+    held: list[socket.socket] = []  # the probes stay open while the servers are measured
+    try:
+        taken = [blocking_probe(address, keep=held)
+                 for address in (_address(info.address), worker) for _ in range(2)]
+        after = {"controller": _rss_mib(info.pid), "worker": _rss_mib(worker_pid)}
+    finally:
+        for sock in held:
+            sock.close()
     for role, rss in before.items():
         assert after[role] - rss < 32, (before, after, taken)
     assert max(taken) < 64 << 20, taken  # the rest of the payload was never read
@@ -409,8 +426,11 @@ def test_a_well_behaved_client_works_while_abuse_connections_are_open(fleet, bas
         before = {role: _rss_mib(pid) for role, pid in pids.items()}
         with Abuse([_address(info.address), worker], silent=100) as abuse:
             time.sleep(0.5)
-            for i in range(30):
+            i, deadline = 0, time.monotonic() + 60
+            while i < 30 or abuse.closed_by_server < 100:  # past the auth deadline (1 s)
                 assert lease.run(f"echo {i}").output == f"{i}\n"
+                i += 1
+                assert time.monotonic() < deadline, "the fleet closed no silent connection"
             with client.lease(base_sif) as other:
                 assert other.run("echo other").output == "other\n"
             lease.renew()

@@ -1,0 +1,320 @@
+"""Pre-authentication abuse of a real local fleet: memory under the probe, exec latency
+under silent and abusive connections (issue 11, item 5).
+
+    python benchmarks/wire_abuse_bench.py [--image IMAGE.sif] [--probes 4]
+        [--probe-mib 256] [--silent 200] [--abusers 2] [-n 2000] [--rounds 10]
+        [--out FILE.json]
+
+1. Memory: the controller's and the worker's RSS before, at the peak of, and after
+   ``--probes`` concurrent pre-auth probes on each (a ``put`` frame with a wrong token
+   announcing MAX_PAYLOAD_BYTES, then up to ``--probe-mib`` MiB of its payload streamed);
+   and how many bytes each probe got the server to take (the kernel's socket buffers, once
+   the server no longer reads).
+2. Latency: a well-behaved sync client's ``exec true`` round trip p50/p99, in ``--rounds``
+   interleaved blocks (``-n`` samples in all per way) without and with abuse open on both
+   the controller and the worker: ``--silent`` connections that never send a byte (reopened
+   as the servers close them) and ``--abusers`` probe loops per server.
+
+The fleet runs with its default wire limits (``FleetConfig``: 5 s auth deadline, 256
+unauthenticated connections per peer). Loopback only (127.0.0.1); every loop is bounded and
+the fleet is taken down at the end. Figures are from one run on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
+
+from sandfleet.client import FleetClient
+from sandfleet.protocol import MAX_PAYLOAD_BYTES, PREFIX, new_id, read_controller_info
+
+log = logging.getLogger("wire_abuse_bench")
+SANDFLEET = [sys.executable, "-m", "sandfleet.cli"]
+LOOPBACK = "127.0.0.1"
+
+
+def default_image() -> str | None:
+    """The tests' slim Debian base, when this machine has built it."""
+    from tmax.images.store import ImageStore
+
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    with contextlib.suppress(Exception):
+        store = ImageStore(cache / "test-store")
+        return str(store.path(store.read().bases["debian-slim"].sif))
+    return None
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+# ---- the fleet
+
+
+def fleet_up(root: Path, image_cache: Path) -> Path:
+    state = root / "state"
+    config = {"provider": "local", "min_nodes": 1, "max_nodes": 1, "cpus_per_node": 4,
+              "work_dir": str(root / "w"), "cache_dir": str(image_cache), "host": LOOPBACK,
+              "worker_host": LOOPBACK}
+    (root / "fleet.yaml").write_text(yaml.safe_dump(config))
+    subprocess.run([*SANDFLEET, "up", "--config", str(root / "fleet.yaml"), "--state-dir",
+                    str(state)], check=True, timeout=60, stdin=subprocess.DEVNULL)
+    return state
+
+
+def fleet_down(state: Path) -> None:
+    subprocess.run([*SANDFLEET, "down", "--state-dir", str(state)], check=True, timeout=180,
+                   stdin=subprocess.DEVNULL)
+
+
+def worker_of(fleet: FleetClient, timeout: float = 60) -> tuple[int, tuple[str, int]]:
+    """The one worker's pid and address, once it has registered."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = fleet.status()
+        if status["nodes"] and status["jobs"]:
+            pid = int(status["jobs"][0]["job_id"].split(".")[0])
+            return pid, address(status["nodes"][0]["address"])
+        time.sleep(0.2)
+    raise RuntimeError("no worker registered")
+
+
+# ---- the abuse
+
+
+def probe(target: tuple[str, int], stream: int, stop: threading.Event | None = None,
+          hold: threading.Event | None = None, taken: list[int] | None = None) -> int:
+    """A wrong-token ``put`` announcing MAX_PAYLOAD_BYTES, then up to ``stream`` bytes of
+    its payload; the bytes the server took (appended to ``taken`` too, as soon as known).
+    With ``hold``, the socket then stays open until it is set."""
+    raw = json.dumps({"type": "put", "v": 1, "id": new_id(), "token": "wrong-token",
+                      "lease_id": "L", "path": "/p", "name": "n"}).encode()
+    sent, chunk = 0, b"\0" * (1 << 20)
+    with socket.create_connection(target, timeout=5) as sock:
+        try:
+            sock.sendall(PREFIX.pack(len(raw), MAX_PAYLOAD_BYTES) + raw)
+            while sent < stream and not (stop and stop.is_set()):
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset by the server, or a full window for 5 s
+            pass
+        if taken is not None:
+            taken.append(sent)
+        if hold is not None:
+            hold.wait(60)
+    return sent
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class Abuse:
+    """``silent`` never-speaking connections per target (reopened as they are closed) and
+    ``abusers`` probe loops per target, in threads, until the ``with`` block ends."""
+
+    def __init__(self, targets: list[tuple[str, int]], silent: int, abusers: int):
+        self.stop = threading.Event()
+        self.silent, self.closed, self.probes, self.refused = silent, 0, 0, 0
+        self.threads = [threading.Thread(target=self._keep_silent, args=(t,), daemon=True)
+                        for t in targets]
+        self.threads += [threading.Thread(target=self._probe_loop, args=(t,), daemon=True)
+                         for t in targets for _ in range(abusers)]
+
+    def __enter__(self) -> Self:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+    def _keep_silent(self, target: tuple[str, int]) -> None:
+        socks: list[socket.socket] = []
+        try:
+            while not self.stop.is_set():
+                kept = [s for s in socks if not closed_by_peer(s)]
+                for sock in set(socks) - set(kept):
+                    sock.close()
+                self.closed += len(socks) - len(kept)
+                socks = kept
+                while len(socks) < self.silent and not self.stop.is_set():
+                    try:
+                        socks.append(socket.create_connection(target, timeout=5))
+                    except OSError:
+                        self.refused += 1
+                        break
+                self.stop.wait(0.05)
+        finally:
+            for sock in socks:
+                sock.close()
+
+    def _probe_loop(self, target: tuple[str, int]) -> None:
+        while not self.stop.is_set():
+            try:
+                probe(target, 64 << 20, self.stop)
+            except OSError:
+                self.refused += 1
+                self.stop.wait(0.1)
+            self.probes += 1
+
+
+# ---- the measurements
+
+
+def memory(pids: dict[str, int], targets: dict[str, tuple[str, int]], probes: int,
+           stream: int) -> dict[str, Any]:
+    """RSS before, at the peak of (sampled every 20 ms while the probes stream, and once
+    more with all of them still open) and after ``probes`` concurrent probes per server."""
+    before = {role: rss_mib(pid) for role, pid in pids.items()}
+    peak = dict(before)
+    hold, taken = threading.Event(), {role: [] for role in targets}
+    threads = [threading.Thread(target=probe, args=(targets[role], stream),
+                                kwargs={"hold": hold, "taken": taken[role]}, daemon=True)
+               for role in targets for _ in range(probes)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while True:
+        for role, pid in pids.items():
+            peak[role] = max(peak[role], rss_mib(pid))
+        if sum(map(len, taken.values())) == len(threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    hold.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    time.sleep(0.5)
+    after = {role: rss_mib(pid) for role, pid in pids.items()}
+    return {role: {"rss_before_mib": before[role], "rss_peak_mib": peak[role],
+                   "rss_after_mib": after[role],
+                   "probe_bytes_taken_mib": [round(b / 2**20, 1) for b in taken[role]]}
+            for role in pids}
+
+
+def latency(lease, targets: list[tuple[str, int]], n: int, rounds: int, silent: int,
+            abusers: int) -> dict[str, Any]:
+    """``exec true`` round trips in interleaved blocks: quiet, then under abuse."""
+    samples: dict[str, list[float]] = {"quiet": [], "abuse": []}
+    seen = {"silent_closed_by_fleet": 0, "probes": 0, "refused": 0}
+    block = max(n // rounds, 1)
+
+    def timed(k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t = time.perf_counter()
+            lease.run("true")
+            out.append(time.perf_counter() - t)
+        return out
+
+    for _ in range(rounds):
+        timed(5)
+        samples["quiet"] += timed(block)
+        with Abuse(targets, silent, abusers) as abuse:
+            time.sleep(0.5)  # the silent connections are open, the probes streaming
+            timed(5)
+            samples["abuse"] += timed(block)
+        seen["silent_closed_by_fleet"] += abuse.closed
+        seen["probes"] += abuse.probes
+        seen["refused"] += abuse.refused
+    rows = {key: {"n": len(v), "p50_ms": round(pct(v, 0.5) * 1e3, 3),
+                  "p99_ms": round(pct(v, 0.99) * 1e3, 3)} for key, v in samples.items()}
+    rows["abuse_over_quiet_p50_x"] = round(rows["abuse"]["p50_ms"] / rows["quiet"]["p50_ms"],
+                                           3)
+    return {**rows, **seen}
+
+
+def rejection_lines(state: Path) -> dict[str, int]:
+    """Log lines of rejected connections, per daemon log."""
+    return {path.name: sum("rejected" in line for line in path.read_text(
+        errors="replace").splitlines()) for path in sorted((state / "logs").glob("*.log"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image", default=default_image(), help="a SIF to lease")
+    parser.add_argument("--probes", type=int, default=4, help="concurrent probes per server")
+    parser.add_argument("--probe-mib", type=int, default=256, help="payload streamed each")
+    parser.add_argument("--silent", type=int, default=200, help="silent conns per server")
+    parser.add_argument("--abusers", type=int, default=2, help="probe loops per server")
+    parser.add_argument("-n", type=int, default=2000, help="exec samples per way")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", type=Path, help="write the report as JSON here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.image:
+        parser.error("no --image and no test base image on this machine")
+    root = Path(tempfile.mkdtemp(prefix="wire-abuse-"))
+    report: dict[str, Any] = {"machine": machine(), "root": str(root)}
+    state = fleet_up(root, root / "cache")
+    try:
+        with FleetClient(state) as fleet:
+            info = read_controller_info(state)
+            worker_pid, worker = worker_of(fleet)
+            pids = {"controller": info.pid, "worker": worker_pid}
+            targets = {"controller": address(info.address), "worker": worker}
+            log.info("memory under %d probes per server", args.probes)
+            report["memory"] = memory(pids, targets, args.probes, args.probe_mib << 20)
+            with fleet.lease(str(Path(args.image).resolve())) as lease:
+                lease.run("true")
+                log.info("exec latency, %d rounds", args.rounds)
+                report["exec"] = latency(lease, list(targets.values()), args.n, args.rounds,
+                                         args.silent, args.abusers)
+            report["rejection_log_lines"] = rejection_lines(state)
+    finally:
+        fleet_down(state)
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for role, m in report["memory"].items():
+        rows.append(f"{role:10} RSS {m['rss_before_mib']:7.1f} -> peak {m['rss_peak_mib']:7.1f}"
+                    f" -> {m['rss_after_mib']:7.1f} MiB; probes took "
+                    f"{m['probe_bytes_taken_mib']} MiB")
+    ex = report["exec"]
+    for key in ("quiet", "abuse"):
+        rows.append(f"exec {key:5}  p50 {ex[key]['p50_ms']:.3f} ms  p99 "
+                    f"{ex[key]['p99_ms']:.3f} ms  (n={ex[key]['n']})")
+    rows.append(f"abuse/quiet p50 x{ex['abuse_over_quiet_p50_x']}; silent conns closed by "
+                f"the fleet {ex['silent_closed_by_fleet']}, probes {ex['probes']}, refused "
+                f"{ex['refused']}; rejection log lines {report['rejection_log_lines']}")
+    emit(report, f"wire abuse, {args.probes} probes x {args.probe_mib} MiB per server, "
+         f"{args.silent} silent + {args.abusers} probe loops per server; {report['machine']}",
+         "\n".join(rows), args.out)
+
+
+if __name__ == "__main__":
+    main()

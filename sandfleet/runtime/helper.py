@@ -236,6 +236,7 @@ def enter(spec: dict) -> int:
     env, argv, cwd = spec["env"], spec["argv"], spec["cwd"]
     pid = os.fork()
     if pid == 0:
+        default_signals(signal)
         try:
             os.chdir(cwd)
         except OSError as e:
@@ -257,6 +258,13 @@ def enter(spec: dict) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def default_signals(signal) -> None:
+    """Undo what Python's start-up did (SIGPIPE, SIGXFSZ ignored), which an exec would
+    pass on: ``yes | head`` must end by SIGPIPE, not by an error message."""
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def main() -> None:
     what, spec = sys.argv[1], json.loads(sys.argv[2])
     if what == "enter":
@@ -271,6 +279,9 @@ def main() -> None:
     except (SealError, OSError, ValueError, KeyError) as e:
         print(f"sandbox setup: {e}", file=sys.stderr, flush=True)
         sys.exit(125)
+    import signal
+
+    default_signals(signal)
     os.execvpe(argv[0], argv, {"PATH": PATH})
 
 

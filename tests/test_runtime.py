@@ -396,3 +396,22 @@ def test_roots_unpacked_by_older_versions_are_removed(base_sif, tmp_path):
         assert list((tmp_path / "cache").iterdir()) == []
     finally:
         rt.stop("y")
+
+
+@pytest.mark.sandbox
+def test_the_entry_helper_reads_nothing_of_the_sandbox_after_entering(runtime, make):
+    """Commands enter through a Python helper that changes root into the sandbox: a module
+    it imported only then would come from the agent's files. Plant stdlib look-alikes at the
+    host interpreter's paths inside the sandbox; running, failing and missing commands must
+    never execute them."""
+    stdlib = os.path.dirname(os.__file__)
+    sid = make()
+    plant = "; ".join(
+        f"mkdir -p {stdlib}/{os.path.dirname(m)} && "
+        f"echo 'open(\"/tmp/pwned\", \"a\").write(\"{m}\\n\")' > {stdlib}/{m}"
+        for m in ("warnings.py", "traceback.py", "linecache.py", "re/__init__.py",
+                  "subprocess.py", "signal.py", "json/__init__.py", "encodings/__init__.py"))
+    assert run(runtime, sid, plant).exit_code == 0
+    for command in (["true"], ["no-such-command"], ["/no/such/path"], "exit 3", "kill -9 $$"):
+        run(runtime, sid, command)
+    assert run(runtime, sid, "cat /tmp/pwned 2>/dev/null; echo checked").output == "checked\n"

@@ -39,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import subprocess
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
@@ -139,6 +138,8 @@ def idmapped_bind(src: str, dest: str, userns_fd: int) -> None:
 
 
 def run(argv: list[str]) -> None:
+    import subprocess  # here: ``enter`` runs on every command and does without it
+
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           env={"PATH": PATH}, check=False)
     if proc.returncode != 0:
@@ -243,7 +244,7 @@ def enter(spec: dict) -> int:
             os.write(2, f"cannot enter {cwd}: {e.strerror}\n".encode())
             os._exit(126)
         try:
-            os.execvpe(argv[0], argv, env)
+            execvpe(argv, env)
         except OSError as e:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127 if isinstance(e, FileNotFoundError) else 126)
@@ -256,6 +257,22 @@ def enter(spec: dict) -> int:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
+
+
+def execvpe(argv: list[str], env: dict[str, str]) -> None:
+    """``os.execvpe`` without its lazy import (of ``warnings``): after the root has changed,
+    an import would read the sandbox's files."""
+    if "/" in argv[0]:
+        os.execve(argv[0], argv, env)
+    error: OSError | None = None
+    for folder in env.get("PATH", PATH).split(":"):
+        try:
+            os.execve(os.path.join(folder or ".", argv[0]), argv, env)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            error = error or e
+        except PermissionError as e:
+            error = e
+    raise error or FileNotFoundError(2, "No such file or directory", argv[0])
 
 
 def default_signals(signal) -> None:
@@ -282,7 +299,7 @@ def main() -> None:
     import signal
 
     default_signals(signal)
-    os.execvpe(argv[0], argv, {"PATH": PATH})
+    execvpe(argv, {"PATH": PATH})
 
 
 if __name__ == "__main__":

@@ -117,9 +117,12 @@ PRISTINE_ETC_PREFIXES = ("python3.",)
 """Entries of /etc that decide which program or library runs (the loader's cache and
 preload list, the alternatives' links, interpreters' site customisation): the image's."""
 
-# Pid 1 inside: drops the host's log file and bwrap's fd, turns deaf to signals, reaps
-# orphans (bash does), ends at the deadline.
-INIT_SH = ('exec </dev/null >/dev/null 2>&1; eval "exec $2<&-"; '
+# Pid 1 inside: writes the image's environment (its env files sourced in a subshell, as
+# NUL-separated entries and one more NUL) to fd $3, drops the host's log file and bwrap's
+# fds, turns deaf to signals, reaps orphans (bash does), ends at the deadline.
+INIT_SH = ('(for f in ' + " ".join(IMAGE_ENV_FILES) + '; do if [ -r "$f" ]; then . "$f"; '
+           'fi; done; unset PWD OLDPWD SHLVL _; env -0; printf "\\0") >&"$3" 2>/dev/null; '
+           'exec </dev/null >/dev/null 2>&1; eval "exec $2<&- $3>&-"; '
            'trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; end=$1; '
            'while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done')
 # Host side of the verifier: join the cgroups given before "--", exec the rest (nsenter).
@@ -128,8 +131,6 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # and logs folders at the fixed mount points, then the rest (bwrap, as the sandbox's uid).
 BIND_SH = ('mount --bind -- "$1" "$2" && mount --bind -- "$3" "$4" || exit 125; '
            'shift 4; exec "$@"')
-ENV_PROBE_SH = ('for f in "$@"; do if [ -r "$f" ]; then . "$f"; fi; done; '
-                'unset PWD OLDPWD SHLVL _; exec env -0')
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -206,13 +207,13 @@ def sandbox_bwrap(*, root: str | None, network: bool, hostname: str, info_fd: in
 
 
 def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, info_fd: int,
-              block_fd: int) -> list[str]:
+              block_fd: int, env_fd: int) -> list[str]:
     """The host command that builds one sandbox and runs its pid 1 (see module doc)."""
     seconds = math.ceil(lifetime_s)
     bwrap = sandbox_bwrap(root=seal["root"], network=network, hostname=hostname,
                           info_fd=info_fd, block_fd=block_fd,
                           command=["bash", "-c", INIT_SH, "sandfleet-init", str(seconds),
-                                   str(block_fd)], as_pid_1=True)
+                                   str(block_fd), str(env_fd)], as_pid_1=True)
     return (["timeout", "-s", "KILL", str(seconds + HOST_GRACE_S)]
             + helper_argv("seal", {**seal, "argv": bwrap}))
 
@@ -538,8 +539,7 @@ class LocalRuntime(CommandRuntime):
                                    cgroups=[str(p) for p in cgroups], cpus=cpus)
             try:
                 self._launch(record, spec, part, home, slot)
-                record.env = {"PATH": DEFAULT_PATH, "HOME": "/root",
-                              **self._image_env(sandbox_id), **spec.env}
+                record.env = {**record.env, **spec.env}
                 record.save(home / "sandbox.json")
             except BaseException as e:
                 if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
@@ -554,27 +554,30 @@ class LocalRuntime(CommandRuntime):
         """Start the process tree; returns once pid 1 runs inside (record updated)."""
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
+        env_r, env_w = os.pipe()
         seal = {"home": str(home), "image": str(Path(spec.image).resolve()),
                 "offset": part.offset, "size": part.size, "uid_base": record.uid_base,
                 "uid_count": UID_COUNT, "storage_mb": spec.storage_mb,
                 "cgroup_procs": self._procs_files(record), "root": str(self.mnt / "root"),
                 "image_dir": str(self.mnt / "image"), "close_fds": [slot]}
         argv = init_argv(lifetime_s=spec.max_lifetime_s, seal=seal, network=spec.network,
-                         hostname=spec.hostname, info_fd=info_w, block_fd=block_r)
+                         hostname=spec.hostname, info_fd=info_w, block_fd=block_r,
+                         env_fd=env_w)
         if self._cpus(record):
             argv = ["taskset", "-c", ",".join(map(str, record.cpus))] + argv
         try:
             with open(home / "init.log", "wb") as logfile:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logfile,
                                         stderr=subprocess.STDOUT,
-                                        pass_fds=(info_w, block_r, slot),
+                                        pass_fds=(info_w, block_r, env_w, slot),
                                         env={"PATH": DEFAULT_PATH}, start_new_session=True)
             self._children[record.sandbox_id] = proc
             record.leader = (proc.pid, proc_start_time(proc.pid) or 0)
             record.save(home / "sandbox.json")  # from here on, stop() can find the tree
             os.close(info_w)
             os.close(block_r)
-            info_w = block_r = -1
+            os.close(env_w)
+            info_w = block_r = env_w = -1
             deadline = time.monotonic() + self.start_timeout_s
             child = self._userns_ready(info_r, block_w, record.uid_base, deadline)
             if child is None:
@@ -588,11 +591,15 @@ class LocalRuntime(CommandRuntime):
             monitor = _parent(child)
             if comm in ("bwrap", "") or start is None or monitor is None:
                 raise self._start_error(record.sandbox_id, home, "pid 1 did not start")
+            image_env = self._read_env(env_r, deadline)
+            if image_env is None:
+                raise self._start_error(record.sandbox_id, home, "no image environment")
             record.init = (child, start)
             record.monitor = (monitor, proc_start_time(monitor) or 0)
+            record.env = {"PATH": DEFAULT_PATH, "HOME": "/root", **image_env}
             self._records[record.sandbox_id] = record
         finally:
-            for fd in (info_r, info_w, block_r, block_w):
+            for fd in (info_r, info_w, block_r, block_w, env_r, env_w):
                 if fd >= 0:
                     os.close(fd)
 
@@ -631,12 +638,18 @@ class LocalRuntime(CommandRuntime):
             tail = ""
         return SandboxStartError(sandbox_id, f"{what}: {tail or 'no output'}")
 
-    def _image_env(self, sandbox_id: str) -> dict[str, str]:
-        result = self.exec(sandbox_id, ["bash", "-c", ENV_PROBE_SH, "sh", *IMAGE_ENV_FILES],
-                           timeout=30, env={})
-        if result.exit_code != 0:
-            raise SandboxStartError(sandbox_id, f"image environment: {result.output[-500:]}")
-        pairs = (item.partition("=") for item in result.output.split("\0") if "=" in item)
+    @staticmethod
+    def _read_env(fd: int, deadline: float) -> dict[str, str] | None:
+        """The image environment pid 1 writes (see INIT_SH), or None if it did not."""
+        data = b""
+        while not (data == b"\0" or data.endswith(b"\0\0")):
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
+                return None
+            data += chunk
+        pairs = (item.partition("=") for item in data.decode("utf-8", "replace").split("\0")
+                 if "=" in item)
         return {key: value for key, _, value in pairs}
 
     def _cpu_load(self) -> Counter:

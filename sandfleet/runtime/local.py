@@ -379,6 +379,8 @@ def host_problems(cgroups: Cgroups) -> list[str]:
                         "ordinary user use `runtime: apptainer`")
     if not Path("/proc/self/uid_map").exists():
         problems.append("the kernel has no user namespaces (CONFIG_USER_NS)")
+    elif _read("/proc/sys/user/max_user_namespaces") in ("", "0"):
+        problems.append("user namespaces are disabled (sysctl user.max_user_namespaces=0)")
     if not Path("/dev/loop-control").exists():
         problems.append("no loop devices (/dev/loop-control missing: modprobe loop)")
     filesystems = _read("/proc/filesystems")

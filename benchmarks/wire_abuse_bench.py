@@ -2,7 +2,7 @@
 under silent and abusive connections (issue 11, item 5).
 
     python benchmarks/wire_abuse_bench.py [--image IMAGE.sif] [--probes 4]
-        [--probe-mib 256] [--silent 200] [--abusers 2] [-n 2000] [--rounds 10]
+        [--probe-mib 256] [--silent 200] [--abusers 2] [--rounds 6] [--block-s 6]
         [--out FILE.json]
 
 1. Memory: the controller's and the worker's RSS before, at the peak of, and after
@@ -11,9 +11,10 @@ under silent and abusive connections (issue 11, item 5).
    and how many bytes each probe got the server to take (the kernel's socket buffers, once
    the server no longer reads).
 2. Latency: a well-behaved sync client's ``exec true`` round trip p50/p99, in ``--rounds``
-   interleaved blocks (``-n`` samples in all per way) without and with abuse open on both
+   interleaved blocks of ``--block-s`` seconds per way, without and with abuse open on both
    the controller and the worker: ``--silent`` connections that never send a byte (reopened
-   as the servers close them) and ``--abusers`` probe loops per server.
+   as the servers close them at their auth deadline) and ``--abusers`` probe loops per
+   server.
 
 The fleet runs with its default wire limits (``FleetConfig``: 5 s auth deadline, 256
 unauthenticated connections per peer). Loopback only (127.0.0.1); every loop is bounded and
@@ -26,7 +27,9 @@ import argparse
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -133,65 +136,78 @@ def probe(target: tuple[str, int], stream: int, stop: threading.Event | None = N
     return sent
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 class Abuse:
-    """``silent`` never-speaking connections per target (reopened as they are closed) and
-    ``abusers`` probe loops per target, in threads, until the ``with`` block ends."""
+    """``silent`` never-speaking connections per target (reopened as the server closes
+    them) and ``abusers`` probe loops per target, in a process of their own (so the
+    attacker's Python does not take the client's GIL), until the ``with`` block ends."""
 
     def __init__(self, targets: list[tuple[str, int]], silent: int, abusers: int):
-        self.stop = threading.Event()
-        self.silent, self.closed, self.probes, self.refused = silent, 0, 0, 0
-        self.threads = [threading.Thread(target=self._keep_silent, args=(t,), daemon=True)
-                        for t in targets]
-        self.threads += [threading.Thread(target=self._probe_loop, args=(t,), daemon=True)
-                         for t in targets for _ in range(abusers)]
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self.counts = ctx.Array("q", 3)  # silent closed by the server, probes, refused
+        self.process = ctx.Process(target=abuse, daemon=True,
+                                   args=(targets, silent, abusers, self.stop, self.counts))
+        self.closed = self.probes = self.refused = 0
 
     def __enter__(self) -> Self:
-        for thread in self.threads:
-            thread.start()
+        self.process.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=30)
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.closed, self.probes, self.refused = self.counts[:]
 
-    def _keep_silent(self, target: tuple[str, int]) -> None:
+
+def abuse(targets, silent: int, abusers: int, stop, counts) -> None:
+    """The abuse process: a thread keeping ``silent`` connections per target, and
+    ``abusers`` probe loops per target."""
+    lock = threading.Lock()
+
+    def count(i: int, n: int = 1) -> None:
+        with lock:
+            counts[i] += n
+
+    def keep_silent(target: tuple[str, int]) -> None:
         socks: list[socket.socket] = []
         try:
-            while not self.stop.is_set():
-                kept = [s for s in socks if not closed_by_peer(s)]
-                for sock in set(socks) - set(kept):
-                    sock.close()
-                self.closed += len(socks) - len(kept)
-                socks = kept
-                while len(socks) < self.silent and not self.stop.is_set():
+            while not stop.is_set():
+                if socks:  # one select for all: readable here means closed by the server
+                    gone = set(select.select(socks, [], [], 0.05)[0])
+                    for sock in gone:
+                        sock.close()
+                    count(0, len(gone))
+                    socks = [s for s in socks if s not in gone]
+                while len(socks) < silent and not stop.is_set():
                     try:
                         socks.append(socket.create_connection(target, timeout=5))
                     except OSError:
-                        self.refused += 1
+                        count(2)
+                        stop.wait(0.1)
                         break
-                self.stop.wait(0.05)
         finally:
             for sock in socks:
                 sock.close()
 
-    def _probe_loop(self, target: tuple[str, int]) -> None:
-        while not self.stop.is_set():
+    def probe_loop(target: tuple[str, int]) -> None:
+        while not stop.is_set():
             try:
-                probe(target, 64 << 20, self.stop)
+                probe(target, 64 << 20, stop)
             except OSError:
-                self.refused += 1
-                self.stop.wait(0.1)
-            self.probes += 1
+                count(2)
+                stop.wait(0.1)
+            count(1)
+
+    threads = [threading.Thread(target=keep_silent, args=(t,)) for t in targets]
+    threads += [threading.Thread(target=probe_loop, args=(t,))
+                for t in targets for _ in range(abusers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 # ---- the measurements
@@ -227,34 +243,36 @@ def memory(pids: dict[str, int], targets: dict[str, tuple[str, int]], probes: in
             for role in pids}
 
 
-def latency(lease, targets: list[tuple[str, int]], n: int, rounds: int, silent: int,
-            abusers: int) -> dict[str, Any]:
-    """``exec true`` round trips in interleaved blocks: quiet, then under abuse."""
+def latency(lease, targets: list[tuple[str, int]], rounds: int, block_s: float,
+            silent: int, abusers: int) -> dict[str, Any]:
+    """``exec true`` round trips in interleaved blocks of ``block_s`` seconds each (longer
+    than the fleet's auth deadline, so the servers close silent connections during them):
+    quiet, then under abuse."""
     samples: dict[str, list[float]] = {"quiet": [], "abuse": []}
     seen = {"silent_closed_by_fleet": 0, "probes": 0, "refused": 0}
-    block = max(n // rounds, 1)
 
-    def timed(k: int) -> list[float]:
-        out = []
-        for _ in range(k):
+    def timed(seconds: float) -> list[float]:
+        out, end = [], time.monotonic() + seconds
+        while time.monotonic() < end and len(out) < 100_000:
             t = time.perf_counter()
             lease.run("true")
             out.append(time.perf_counter() - t)
         return out
 
     for _ in range(rounds):
-        timed(5)
-        samples["quiet"] += timed(block)
+        timed(0.1)
+        samples["quiet"] += timed(block_s)
         with Abuse(targets, silent, abusers) as abuse:
             time.sleep(0.5)  # the silent connections are open, the probes streaming
-            timed(5)
-            samples["abuse"] += timed(block)
+            samples["abuse"] += timed(block_s)
         seen["silent_closed_by_fleet"] += abuse.closed
         seen["probes"] += abuse.probes
         seen["refused"] += abuse.refused
     rows = {key: {"n": len(v), "p50_ms": round(pct(v, 0.5) * 1e3, 3),
                   "p99_ms": round(pct(v, 0.99) * 1e3, 3)} for key, v in samples.items()}
     rows["abuse_over_quiet_p50_x"] = round(rows["abuse"]["p50_ms"] / rows["quiet"]["p50_ms"],
+                                           3)
+    rows["abuse_over_quiet_p99_x"] = round(rows["abuse"]["p99_ms"] / rows["quiet"]["p99_ms"],
                                            3)
     return {**rows, **seen}
 
@@ -272,8 +290,8 @@ def main() -> None:
     parser.add_argument("--probe-mib", type=int, default=256, help="payload streamed each")
     parser.add_argument("--silent", type=int, default=200, help="silent conns per server")
     parser.add_argument("--abusers", type=int, default=2, help="probe loops per server")
-    parser.add_argument("-n", type=int, default=2000, help="exec samples per way")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=6, help="blocks per way")
+    parser.add_argument("--block-s", type=float, default=6.0, help="seconds per block")
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -293,8 +311,8 @@ def main() -> None:
             with fleet.lease(str(Path(args.image).resolve())) as lease:
                 lease.run("true")
                 log.info("exec latency, %d rounds", args.rounds)
-                report["exec"] = latency(lease, list(targets.values()), args.n, args.rounds,
-                                         args.silent, args.abusers)
+                report["exec"] = latency(lease, list(targets.values()), args.rounds,
+                                         args.block_s, args.silent, args.abusers)
             report["rejection_log_lines"] = rejection_lines(state)
     finally:
         fleet_down(state)
@@ -308,7 +326,8 @@ def main() -> None:
     for key in ("quiet", "abuse"):
         rows.append(f"exec {key:5}  p50 {ex[key]['p50_ms']:.3f} ms  p99 "
                     f"{ex[key]['p99_ms']:.3f} ms  (n={ex[key]['n']})")
-    rows.append(f"abuse/quiet p50 x{ex['abuse_over_quiet_p50_x']}; silent conns closed by "
+    rows.append(f"abuse/quiet p50 x{ex['abuse_over_quiet_p50_x']}, p99 "
+                f"x{ex['abuse_over_quiet_p99_x']}; silent conns closed by "
                 f"the fleet {ex['silent_closed_by_fleet']}, probes {ex['probes']}, refused "
                 f"{ex['refused']}; rejection log lines {report['rejection_log_lines']}")
     emit(report, f"wire abuse, {args.probes} probes x {args.probe_mib} MiB per server, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import threading
 import time
@@ -365,10 +366,11 @@ class Abuse:
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
+    """The peer closed (or reset) it; never waits (a socket with a timeout would)."""
+    if not select.select([sock], [], [], 0)[0]:
         return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
     except OSError:
         return True
 

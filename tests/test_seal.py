@@ -453,9 +453,15 @@ def test_the_verifier_gets_the_images_system_tools_and_the_agents_files(runtime,
     assert reward == "0.5", (reward, result.output)
     assert result.output.splitlines() == ["the agent wrote this", "awk-ok", "python-ok 3"], \
         result.output  # nothing from the loader about the agent's ld.so.preload either
-    # the agent's sandbox keeps its changes
-    assert run(runtime, sid, ["/bin/cat", "/etc/ld.so.preload"]).output.endswith(
-        "/tmp/agent-preload.so\n")
+    # the agent's sandbox keeps its changes, but what would have shaped the verifier's tools
+    # where the image has nothing (its ld.so.preload, a file at /) is set aside, not lost
+    names = run(runtime, sid, ["/bin/ls", "-a", "/etc", "/"]).output.split()  # (its bash
+    aside = [n for n in names if n.startswith(".tmax-set-aside-")]           # is the forge)
+    assert [n.rsplit("-", 1)[0] for n in sorted(aside)] == [
+        ".tmax-set-aside-conftest.py", ".tmax-set-aside-ld.so.preload"], names
+    preload = next(n for n in aside if "ld.so.preload" in n)
+    assert run(runtime, sid, ["/bin/cat", f"/etc/{preload}", "/app/answer.txt"]).output == \
+        "/tmp/agent-preload.so\nthe agent wrote this\n"
 
 
 @pytest.mark.sandbox

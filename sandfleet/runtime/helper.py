@@ -48,6 +48,8 @@ OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC = 1, 0o2000000
 AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
 MOUNT_ATTR_IDMAP = 0x00100000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+OOM_SCORE_ADJ = 500
+RESERVE_FILES, RESERVE_BYTES = 8, 64 << 10
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 NAMESPACES = (("user", 0x10000000), ("mnt", CLONE_NEWNS), ("pid", 0x20000000),
               ("net", 0x40000000), ("ipc", 0x08000000), ("uts", 0x04000000),
@@ -175,6 +177,14 @@ def seal(spec: dict) -> list[str]:
     upper, work = os.path.join(disk, "upper"), os.path.join(disk, "work")
     os.mkdir(upper, 0o755)
     os.mkdir(work, 0o700)
+    reserve = os.path.join(disk, "reserve")  # freed by the host to make the verifier's
+    os.mkdir(reserve, 0o700)                 # mount points on a disk the agent filled
+    for i in range(RESERVE_FILES):
+        fd = os.open(os.path.join(reserve, str(i)), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
     os.chown(upper, spec["uid_base"], spec["uid_base"])
     run(["mount", "-t", "overlay", "overlay", "-o",
          f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
@@ -217,6 +227,8 @@ def enter(spec: dict) -> int:
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
+    with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice (the
+        f.write(str(OOM_SCORE_ADJ))                   # sandbox cannot go back below 0)
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
     fds = [(os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC), flag)

@@ -59,6 +59,7 @@ start time, but a pid can be reused between that check and ``setns`` (microsecon
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -71,6 +72,7 @@ import signal
 import stat as _stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -100,6 +102,8 @@ log = logging.getLogger(__name__)
 TOOLS = ("timeout", "mount", "mkfs.ext4", "bwrap", "nsenter", "setpriv")
 HELPER = Path(__file__).with_name("helper.py")
 HOST_GRACE_S = 5
+SHM_BYTES = 64 << 20
+"""Size of a sandbox's /dev/shm (Docker's default); its pages count against its memory."""
 UID_COUNT = 65536
 IMAGE_ENV_FILES = ("/.singularity.d/env/10-docker2singularity.sh",
                    "/.singularity.d/env/90-environment.sh")
@@ -127,10 +131,18 @@ INIT_SH = ('(for f in ' + " ".join(IMAGE_ENV_FILES) + '; do if [ -r "$f" ]; then
            'while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done')
 # Host side of the verifier: join the cgroups given before "--", exec the rest (nsenter).
 JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
-# The verifier's host side, in a private copy of the sandbox's mount namespace: its tests
-# and logs folders at the fixed mount points, then the rest (bwrap, as the sandbox's uid).
-BIND_SH = ('mount --bind -- "$1" "$2" && mount --bind -- "$3" "$4" || exit 125; '
-           'shift 4; exec "$@"')
+# The verifier's host side, in a private copy of the sandbox's mount namespace: a tmpfs of
+# $2 at $1 (charged to the sandbox's memory cgroup, so what the verifier writes is bounded
+# and the agent, which cannot see it, cannot fill it) with a copy of the tests folder $4
+# and an empty logs folder, both owned by $3; then the rest (bwrap, as the sandbox's uid);
+# then what it left in logs copied (links as links) to the host folder $5.
+VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
+               'cp -a -- "$t" "$v/tests" && mkdir "$v/logs" && chown -R -- "$3" "$v" '
+               '|| exit 125; shift 5; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; '
+               'exit $code')
+VERIFIER_SPACE_MB = 256
+"""Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes
+in /tests)."""
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -201,7 +213,11 @@ def sandbox_bwrap(*, root: str | None, network: bool, hostname: str, info_fd: in
     caps = [arg for cap in CONTAINER_CAPS for arg in ("--cap-add", cap)]
     spec.extra_args = ["--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd",
                        str(block_fd), "--info-fd", str(info_fd), "--cap-drop", "ALL", *caps,
-                       "--ro-bind", "/proc/sys", "/proc/sys"]  # as Docker: sysctls read-only
+                       # as Docker: sysctls read-only, a bounded /dev/shm, no files in /dev
+                       # (a tmpfs of half the node's memory otherwise, outside every quota)
+                       "--ro-bind", "/proc/sys", "/proc/sys",
+                       "--perms", "1777", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
+                       "--remount-ro", "/dev"]
     spec.extra_args += ["--as-pid-1"] if as_pid_1 else []
     return spec.argv(command)
 
@@ -418,9 +434,9 @@ class LocalRuntime(CommandRuntime):
         self.uids = UidSlots(uid_lock_dir, uid_base, uid_slots)
         self.mnt = Path(mount_dir)
         """Mount points inside each sandbox's private mount namespace (``root``: the
-        overlay, ``image``: the image alone, ``tests``/``logs``: the verifier's folders);
-        on the host they stay empty directories."""
-        for sub in ("root", "image", "tests", "logs"):
+        overlay, ``image``: the image alone, ``verifier``: the verifier's folders); on the
+        host they stay empty directories."""
+        for sub in ("root", "image", "verifier"):
             (self.mnt / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.mnt, 0o755)
         self._scope = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:8]
@@ -596,6 +612,13 @@ class LocalRuntime(CommandRuntime):
             image_env = self._read_env(env_r, deadline)
             if image_env is None:
                 raise self._start_error(record.sandbox_id, home, "no image environment")
+            # The OOM killer must pick an agent process, not pid 1 (whose death would turn the
+            # agent's own memory use into a lost sandbox): pid 1 is exempt where the host
+            # lets us (cap_sys_resource), and commands enter with a raised score either way.
+            try:
+                Path(f"/proc/{child}/oom_score_adj").write_text("-1000")
+            except PermissionError:
+                pass
             record.init = (child, start)
             record.monitor = (monitor, proc_start_time(monitor) or 0)
             record.env = {"PATH": DEFAULT_PATH, "HOME": "/root", **image_env}
@@ -673,30 +696,22 @@ class LocalRuntime(CommandRuntime):
         system, except that the image's own ``PRISTINE`` directories and ``PRISTINE_ETC``
         entries replace the agent's (unless ``agent_system``), the agent's /tests and
         /logs are not shown, a copy of host folder ``tests`` is /tests, and /logs/verifier
-        is a fresh folder on the sandbox's disk, copied to host folder ``logs`` at the end:
-        the only place it writes that the caller reads. The agent is frozen while that
-        view is built, so it cannot race it."""
+        is a fresh folder, both on a tmpfs of the verifier's own (bounded, in the sandbox's
+        memory cgroup); what it leaves in /logs/verifier is copied to host folder ``logs``
+        at the end: the only place it writes that the caller reads. The agent is frozen
+        while that view is built, so it cannot race it."""
         record = self._live(sandbox_id)
         self._check_monitor(record)
-        home, base = self._dir(sandbox_id), record.uid_base
-        # The verifier's folders live on the sandbox's own disk (its quota bounds what the
-        # verifier writes), outside the agent's layer; the host reaches them through the
-        # sandbox's mount namespace.
-        work = f"{home}/disk/verify-{os.urandom(6).hex()}"
-        there = Path(f"/proc/{record.monitor[0]}/root{work}")
-        there.mkdir()
-        try:
-            shutil.copytree(tests, there / "tests", symlinks=True)
-            (there / "logs").mkdir()
-            _chown_tree(there, base)
-            result = self._run_verifier(record, home, work, command, timeout=timeout,
-                                        cwd=cwd, env=env, agent_system=agent_system)
-            shutil.copytree(there / "logs", logs, symlinks=True, dirs_exist_ok=True)
-            return result
-        finally:
-            shutil.rmtree(there, ignore_errors=True)
+        logs = Path(logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="verify-", dir=self._dir(sandbox_id)) as tmp:
+            staged = Path(tmp) / "tests"
+            shutil.copytree(tests, staged, symlinks=True)
+            size_mb = (_tree_bytes(staged) >> 20) + VERIFIER_SPACE_MB
+            return self._run_verifier(record, staged, logs, size_mb, command, timeout=timeout,
+                                      cwd=cwd, env=env, agent_system=agent_system)
 
-    def _run_verifier(self, record: SandboxRecord, home: Path, work: str,
+    def _run_verifier(self, record: SandboxRecord, tests: Path, logs: Path, size_mb: int,
                       command: list[str], *, timeout: float, cwd: str | None,
                       env: dict[str, str] | None, agent_system: bool) -> ExecResult:
         freezer = Path(self.cgroups.paths(self._cgroup_name(record.sandbox_id))["freezer"])
@@ -713,7 +728,7 @@ class LocalRuntime(CommandRuntime):
             raise
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
-        bwrap = sandbox_bwrap(root=None, network=True, hostname=record.spec["hostname"],
+        bwrap = sandbox_bwrap(root=spec.root, network=True, hostname=record.spec["hostname"],
                               info_fd=info_w, block_fd=block_r, command=list(command),
                               binds=spec, cwd=cwd or record.spec["workdir"],
                               env={"PATH": DEFAULT_PATH, "HOME": "/root",
@@ -723,8 +738,8 @@ class LocalRuntime(CommandRuntime):
                  "nsenter", f"--mount=/proc/{record.monitor[0]}/ns/mnt",
                  f"--net=/proc/{record.init[0]}/ns/net", "--",
                  "unshare", "-m", "--propagation", "private", "--",
-                 "sh", "-c", BIND_SH, "sh", f"{work}/tests", str(self.mnt / "tests"),
-                 f"{work}/logs", str(self.mnt / "logs"),
+                 "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
+                 f"{base}:{base}", str(tests), str(logs),
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -735,9 +750,9 @@ class LocalRuntime(CommandRuntime):
             try:
                 deadline = time.monotonic() + self.start_timeout_s
                 child = self._userns_ready(info_r, block_w, base, deadline)
-                while child and _read(f"/proc/{child}/comm") == "bwrap" \
+                while child and not _command_started(child) \
                         and proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.002)  # its mounts are in place once it has exec'd
+                    time.sleep(0.002)  # its mounts are in place once the command runs
                 started["child"] = child
             finally:
                 os.close(info_r)
@@ -758,51 +773,46 @@ class LocalRuntime(CommandRuntime):
             raise SandboxLost(record.sandbox_id, "its mount namespace is gone")
 
     def _verifier_view(self, record: SandboxRecord, agent_system: bool) -> BwrapSpec:
-        """The verifier's mounts (see ``verify``), read from the sandbox's mount namespace
-        through the monitor's /proc root without following any of the agent's links."""
+        """The verifier's mounts (see ``verify``): the agent's root, with the image's own
+        ``PRISTINE`` directories and ``PRISTINE_ETC`` entries bound over it read-only and
+        the verifier's tests and logs at /tests and /logs/verifier.
+
+        With the agent frozen, the host first makes every mount point a real directory (or
+        file) of the agent's tree, setting aside whatever the agent put there instead (a
+        link, a file, a /etc/ld.so.preload the image has not, a /conftest.py): an entry is
+        renamed to ``.tmax-set-aside-<name>-<random>`` in its folder, which follows no link
+        (an image's directory is never set aside: overlayfs cannot rename one, and a real
+        directory needs nothing but the mount over it). The host works through the sandbox's mount namespace (the monitor's /proc root) on
+        paths whose every component but the last it controls."""
         self._check_monitor(record)
-        ns = Path(f"/proc/{record.monitor[0]}/root")
-        merged, lower = str(self.mnt / "root"), str(self.mnt / "image")
-        spec = BwrapSpec(root=None)
-        pristine = () if agent_system else PRISTINE
-
-        def add(src: str, dest: str, *, image: bool) -> None:
-            try:
-                st = os.lstat(f"{ns}{src}")
-            except OSError:
-                return
-            if _stat.S_ISLNK(st.st_mode):
-                spec.symlinks.append((os.readlink(f"{ns}{src}"), dest))
-            elif _stat.S_ISDIR(st.st_mode) or _stat.S_ISREG(st.st_mode):
-                (spec.ro_binds if image else spec.binds).append((src, dest))
-
-        def names(path: str) -> list[str]:
-            try:
-                return sorted(os.listdir(f"{ns}{path}"))
-            except OSError:
-                return []
-
-        image_top = set(names(lower))
-        for name in names(merged):
-            if name in ("tests", "logs") or name in pristine:
-                continue
-            if name == "etc" and not agent_system and os.path.isdir(f"{ns}{merged}/etc") \
-                    and not os.path.islink(f"{ns}{merged}/etc"):
-                for entry in names(f"{merged}/etc"):
-                    if not _pristine_etc(entry):
-                        add(f"{merged}/etc/{entry}", f"/etc/{entry}", image=False)
-                for entry in names(f"{lower}/etc"):
-                    if _pristine_etc(entry):
-                        add(f"{lower}/etc/{entry}", f"/etc/{entry}", image=True)
-                continue
-            st = os.lstat(f"{ns}{merged}/{name}")
-            if _stat.S_ISREG(st.st_mode) and name not in image_top:
-                continue  # a file the agent put at / (a /conftest.py, a /pytest.ini)
-            add(f"{merged}/{name}", f"/{name}", image=False)
-        for name in pristine:
-            add(f"{lower}/{name}", f"/{name}", image=True)
-        spec.binds += [(str(self.mnt / "tests"), "/tests"), (str(self.mnt / "logs"),
-                                                             "/logs/verifier")]
+        ns = f"/proc/{record.monitor[0]}/root"
+        root, image = str(self.mnt / "root"), str(self.mnt / "image")
+        fix = _ViewFixer(ns, record.uid_base, f"{self._dir(record.sandbox_id)}/disk/reserve")
+        spec = BwrapSpec(root=root)
+        if not agent_system:
+            image_top = set(fix.names(image))
+            for name in fix.names(root):  # files and links the image has not at / go
+                if name not in image_top and not fix.is_dir(f"{root}/{name}"):
+                    fix.set_aside(f"{root}/{name}")
+            for name in PRISTINE:
+                if fix.like(f"{image}/{name}", f"{root}/{name}") == "bind":
+                    spec.ro_binds.append((f"{image}/{name}", f"/{name}"))
+            if not fix.is_dir(f"{root}/etc"):  # the agent replaced /etc: the image's whole
+                fix.like(f"{image}/etc", f"{root}/etc")
+                spec.ro_binds.append((f"{image}/etc", "/etc"))
+            elif fix.like(f"{image}/etc", f"{root}/etc") == "bind":
+                image_etc = set(fix.names(f"{image}/etc"))
+                for name in fix.names(f"{root}/etc"):
+                    if _pristine_etc(name) and name not in image_etc:
+                        fix.set_aside(f"{root}/etc/{name}")
+                for name in sorted(image_etc):
+                    if _pristine_etc(name) and \
+                            fix.like(f"{image}/etc/{name}", f"{root}/etc/{name}") == "bind":
+                        spec.ro_binds.append((f"{image}/etc/{name}", f"/etc/{name}"))
+        for path in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
+            fix.real_dir(f"{root}/{path}")                             # mounts cover them
+        spec.binds += [(str(self.mnt / "verifier" / "tests"), "/tests"),
+                       (str(self.mnt / "verifier" / "logs"), "/logs/verifier")]
         return spec
 
     def stop(self, sandbox_id: str) -> None:
@@ -894,8 +904,96 @@ def remove_unpacked_cache(cache_dir: Path) -> list[str]:
     return [f"removed unpacked image cache {root}"]
 
 
+class _ViewFixer:
+    """Makes an agent's tree safe to mount over, as host root, without following links:
+    paths are sandbox paths under ``ns`` (a /proc/<pid>/root), and only their last
+    component is ever the agent's."""
+
+    def __init__(self, ns: str, uid: int, reserve: str):
+        self.ns, self.uid, self.reserve = ns, uid, reserve
+
+    def _make(self, make) -> None:
+        """``make()``, freeing the disk's reserve (blocks and inodes held outside the
+        agent's layer since the start) while it fails for lack of space: an agent that
+        filled its disk still gets graded."""
+        while True:
+            try:
+                return make()
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                left = self.names(self.reserve)
+                if not left:
+                    raise
+                os.unlink(f"{self.ns}{self.reserve}/{left[0]}")
+
+    def _lstat(self, path: str) -> os.stat_result | None:
+        try:
+            return os.lstat(f"{self.ns}{path}")
+        except FileNotFoundError:
+            return None
+
+    def names(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(f"{self.ns}{path}")) if self.is_dir(path) else []
+        except OSError:
+            return []
+
+    def is_dir(self, path: str) -> bool:
+        st = self._lstat(path)
+        return st is not None and _stat.S_ISDIR(st.st_mode)
+
+    def set_aside(self, path: str) -> None:
+        if self._lstat(path) is not None:
+            parent, name = os.path.split(path)
+            os.rename(f"{self.ns}{path}",
+                      f"{self.ns}{parent}/.tmax-set-aside-{name}-{os.urandom(4).hex()}")
+
+    def real_dir(self, path: str) -> None:
+        if not self.is_dir(path):
+            self.set_aside(path)
+            self._make(lambda: os.mkdir(f"{self.ns}{path}", 0o755))
+            os.lchown(f"{self.ns}{path}", self.uid, self.uid)
+
+    def like(self, image_path: str, path: str) -> str:
+        """Make ``path`` a mount point for ``image_path`` (a directory or a file: "bind"),
+        or the same link (then nothing needs mounting: "link"); set it aside when the
+        image has no such entry ("absent")."""
+        st = self._lstat(image_path)
+        mine = self._lstat(path)
+        if st is None:
+            self.set_aside(path)
+            return "absent"
+        if _stat.S_ISLNK(st.st_mode):
+            target = os.readlink(f"{self.ns}{image_path}")
+            if mine is None or not _stat.S_ISLNK(mine.st_mode) or \
+                    os.readlink(f"{self.ns}{path}") != target:
+                self.set_aside(path)
+                self._make(lambda: os.symlink(target, f"{self.ns}{path}"))
+                os.lchown(f"{self.ns}{path}", self.uid, self.uid)
+            return "link"
+        if _stat.S_ISDIR(st.st_mode):
+            self.real_dir(path)
+        elif mine is None or not _stat.S_ISREG(mine.st_mode):
+            self.set_aside(path)
+            self._make(lambda: os.close(os.open(f"{self.ns}{path}", os.O_CREAT | os.O_EXCL
+                                                | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
+            os.lchown(f"{self.ns}{path}", self.uid, self.uid)
+        return "bind"
+
+
 def _pristine_etc(name: str) -> bool:
     return name in PRISTINE_ETC or name.startswith(PRISTINE_ETC_PREFIXES)
+
+
+def _command_started(bwrap_child: int) -> bool:
+    """Whether bwrap (its process in the new namespaces given) has set everything up and
+    started the command: its own init's child runs something that is not bwrap."""
+    for pid in [bwrap_child] + _read(f"/proc/{bwrap_child}/task/{bwrap_child}/children").split():
+        comm = _read(f"/proc/{pid}/comm")
+        if comm and comm != "bwrap":
+            return True
+    return False
 
 
 def _parent(pid: int) -> int | None:
@@ -912,10 +1010,11 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _chown_tree(path: Path, uid: int) -> None:
-    """Give ``path`` and everything under it (links themselves, not their targets) to
-    ``uid``: the verifier's root, so it can write its files and logs."""
-    os.lchown(path, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, uid)
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links not followed)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            total += st.st_size if _stat.S_ISREG(st.st_mode) else 0
+    return total

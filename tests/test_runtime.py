@@ -55,11 +55,20 @@ def test_pick_cpus_prefers_the_least_used():
 
 
 def test_enter_argv_is_exact():
-    argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs"], cpus=None,
-                      cwd="/app", env={"A": "1"}, argv=["ls", "-l"])
-    assert argv == [sys.executable, "-I", "-S", str(HELPER), "enter",
-                    '{"init": 42, "cgroup_procs": ["/cg/m/cgroup.procs"], "cpus": null, '
-                    '"cwd": "/app", "env": {"A": "1"}, "argv": ["ls", "-l"]}']
+    from sandfleet.runtime import local
+    from sandfleet.runtime.helper import enter_spec
+
+    argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs", "/cg/p/cgroup.procs"],
+                      cpus=[2, 3], cwd="/app", env={"A": "1", "B": "x=y"}, argv=["ls", "-l"])
+    helper = local._compiled.get(HELPER, HELPER)
+    assert argv == [sys.executable, "-I", "-S", str(helper), "enter", "42", "2,3", "/app", "2",
+                    "/cg/m/cgroup.procs", "/cg/p/cgroup.procs", "2", "A=1", "B=x=y", "ls", "-l"]
+    assert enter_spec(argv[5:]) == {
+        "init": 42, "cpus": [2, 3], "cwd": "/app",
+        "cgroup_procs": ["/cg/m/cgroup.procs", "/cg/p/cgroup.procs"],
+        "env": {"A": "1", "B": "x=y"}, "argv": ["ls", "-l"]}
+    assert enter_spec(enter_argv(init_pid=1, cgroup_procs=[], cpus=None, cwd="/", env={},
+                                 argv=["--", "x"])[5:])["argv"] == ["--", "x"]
 
 
 def test_spec_roundtrip_rejects_unknown_fields():

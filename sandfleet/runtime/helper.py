@@ -37,7 +37,6 @@ exits. Errors go to stderr (the runtime's init.log) and exit non-zero.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 
@@ -219,7 +218,7 @@ def no_nested_userns() -> None:
 
 def enter(spec: dict) -> int:
     """Run ``spec["argv"]`` in the sandbox whose pid 1 is ``spec["init"]``; its exit code."""
-    import signal
+    import _signal as signal  # the C module: ``signal`` imports enum
 
     init = spec["init"]
     with open("/proc/sys/kernel/cap_last_cap") as f:
@@ -294,23 +293,37 @@ def default_signals(signal) -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+def enter_spec(args: list[str]) -> dict:
+    """``enter``'s arguments: INIT CPUS|- CWD N PROCS*N M ENV*M ARGV... (no JSON: it runs
+    on every command, and json's import costs more than the rest of its start-up)."""
+    n = int(args[3])
+    m = int(args[4 + n])
+    env = dict(item.split("=", 1) for item in args[5 + n:5 + n + m])
+    return {"init": int(args[0]), "cpus": [int(c) for c in args[1].split(",")]
+            if args[1] != "-" else None, "cwd": args[2], "cgroup_procs": args[4:4 + n],
+            "env": env, "argv": args[5 + n + m:]}
+
+
 def main() -> None:
-    what, spec = sys.argv[1], json.loads(sys.argv[2])
+    what = sys.argv[1]
     if what == "enter":
         try:
-            code = enter(spec)
+            code = enter(enter_spec(sys.argv[2:]))
         except (SealError, OSError) as e:
-            print(f"sandfleet enter: {e}", file=sys.stderr, flush=True)
+            os.write(2, f"sandfleet enter: {e}\n".encode())
             code = 125
-        sys.exit(code)
+        os._exit(code)  # nothing to flush, nothing to finalize
+    import json
+
+    spec = json.loads(sys.argv[2])
     try:
         argv = seal(spec)
     except (SealError, OSError, ValueError, KeyError) as e:
         print(f"sandbox setup: {e}", file=sys.stderr, flush=True)
         sys.exit(125)
-    import signal
+    import _signal
 
-    default_signals(signal)
+    default_signals(_signal)
     execvpe(argv, {"PATH": PATH})
 
 

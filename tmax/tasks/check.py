@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 from sandfleet.runtime.bwrap import BwrapSpec, host_root
 from tmax.tasks.confine import expand_source
-from tmax.tasks.model import Problem, Task, TaskError
+from tmax.tasks.model import MissingSolution, Problem, Task, TaskError
 from tmax.tasks.native import copy_operands, dockerfile_instructions, validate_task
 from tmax.tasks.reward import VerifierError, read_reward
 
@@ -249,7 +249,11 @@ class CheckSandbox(Protocol):
 
 
 def run_solution(box: CheckSandbox, task: Task, cwd: str | None = None) -> int:
-    """Copy solution/ to /solution and run solve.sh under the agent's time budget."""
+    """Copy solution/ to /solution and run solve.sh under the agent's time budget.
+
+    Raises ``MissingSolution`` for a task without solution/solve.sh."""
+    if not task.has_solution:
+        raise MissingSolution(task.task_id)
     box.copy_in(task.solution_dir, "/solution")
     return box.run("bash /solution/solve.sh", task.config.agent.timeout_sec, cwd)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from tmax.tasks.model import TaskError
-from tmax.tasks.native import find_tasks, load_task, validate_task, write_task
+from tmax.tasks.native import LAYOUTS, find_tasks, load_task, validate_task, write_task
 from tmax.tasks.readers import detect_format, read_any
 
 output_option = click.option("-o", "--output", type=click.Choice(["text", "json"]),
@@ -127,9 +127,15 @@ def show_cmd(path: str, output: str) -> None:
 @click.option("-d", "--dest", required=True, type=click.Path(file_okay=False),
               help="Folder to write the native tasks into.")
 @click.option("--force", is_flag=True, help="Replace tasks that already exist in DEST.")
+@click.option("--to", "layout", type=click.Choice(LAYOUTS), default="native",
+              show_default=True,
+              help="native: task.toml with every key as given; harbor: what Harbor reads "
+                   "(TMax's own keys kept under [metadata.tmax], TMax's defaults written out).")
 @output_option
-def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, output: str) -> None:
-    """Convert Terminal-Bench 1 / TMax v1.0 / native tasks to the native layout.
+def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, layout: str,
+                output: str) -> None:
+    """Convert Terminal-Bench 1 / TMax v1.0 / native / Harbor tasks to the native layout,
+    or (--to harbor) to Harbor's.
 
     Each task is written to a temporary folder, validated, then renamed into place:
     a failure leaves nothing half-written.
@@ -138,21 +144,22 @@ def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, output: str) -> 
     for path in _find(paths):
         try:
             draft = read_any(path)
-            task = write_task(draft, dest, overwrite=force)
+            task = write_task(draft, dest, overwrite=force, layout=layout)
         except TaskError as e:
             results.append({"task": path.name, "source": str(path), "ok": False,
                             "problems": [p.to_dict() for p in e.problems]})
         else:
             results.append({"task": task.task_id, "source": str(path), "ok": True,
-                            "format": draft.source_format, "path": str(task.root),
+                            "format": draft.source_format, "to": layout,
+                            "path": str(task.root),
                             "problems": [p.to_dict() for p in draft.warnings]})
     failed = [r for r in results if not r["ok"]]
     if output == "json":
         click.echo(json.dumps({"converted": results, "ok": not failed}, indent=2))
     else:
         for r in results:
-            head = f"ok   {r['task']} ({r['format']}) -> {r['path']}" if r["ok"] else \
-                f"FAIL {r['task']} ({r['source']})"
+            head = (f"ok   {r['task']} ({r['format']} -> {r['to']}) {r['path']}" if r["ok"]
+                    else f"FAIL {r['task']} ({r['source']})")
             click.echo(head)
             for p in r["problems"]:
                 click.echo(f"     {p['severity']}: {p['file']}: {p['message']}"

@@ -1,14 +1,55 @@
-"""task.toml: the native (Harbor / Terminal-Bench 2.x) task metadata, as a strict schema.
+"""task.toml: Harbor's task metadata (schema versions 1.0 to 1.4) plus TMax's own keys.
 
-Unknown keys are an error at load time. Free-form data a task author wants to keep goes
-under ``[metadata.extra]``; the axes a task generator sampled go under ``[metadata.axes]``.
+Read as Harbor reads it. Harbor (``harbor.models.task.config`` in its package) validates
+every task.toml with its current model, whatever ``schema_version`` says, and ignores keys
+it does not define; the versions differ by the keys they added:
+
+=======  ===================  ==============================================================
+schema   Harbor releases      keys added (each release still reads every earlier key)
+=======  ===================  ==============================================================
+1.0      up to 0.2            ``version``; [metadata] free; [verifier] timeout_sec, env, user;
+                              [agent] timeout_sec, user; [solution] env; ``source``;
+                              [environment] build_timeout_sec, docker_image, cpus, memory_mb,
+                              storage_mb, gpus, gpu_types, allow_internet (default true),
+                              mcp_servers, env, skills_dir, and ``memory`` / ``storage`` as
+                              size strings ("4G", "512M")
+1.1      0.3 to 0.5           ``schema_version`` (``version`` still read); [task] name
+                              ("org/name"), description, authors, keywords;
+                              [environment] healthcheck, workdir; [[steps]], artifacts,
+                              multi_step_reward_strategy
+1.2      0.6 to 0.9           [environment] os, tpu; [verifier] environment_mode, environment
+1.3      0.13 to 0.20         network_mode ("no-network" | "public" | "allowlist") and
+                              allowed_hosts in [environment], [agent] and [verifier];
+                              allow_internet deprecated (still mapped); [verifier] collect
+1.4      0.21 to 0.26         [task] version; mcp_servers headers
+=======  ===================  ==============================================================
+
+TMax reads every key of every version. TMax's own keys are typed and strict: [metadata]
+difficulty, domain, tags, skills, axes, source, extra (and Harbor's author_name,
+author_email, category), timeouts, resources, [environment] network and [verifier]
+agent_system. Any other [metadata] key is kept verbatim, as Harbor keeps it. A key that
+neither Harbor nor TMax defines is an error.
+
+What TMax acts on is exposed as typed fields, whichever spelling the file used:
+``environment.memory_mb`` / ``storage_mb`` (from ``memory`` / ``storage`` strings) and
+``environment.network`` (from ``network``, ``network_mode``, ``allow_internet`` and [agent]'s
+``network_mode``). These derived values are not recorded as given, so
+``TaskConfig.to_toml_dict`` writes back the keys the file had, in its own spelling.
+
+A task exported for Harbor (``to_harbor_dict``) keeps TMax's keys that Harbor does not define
+under ``[metadata.tmax]``, with the list of keys the export added to make TMax's defaults
+explicit for Harbor; reading it (``from_harbor_dict``) puts them back.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
+import ipaddress
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 DOMAINS: tuple[str, ...] = (
     "security",
@@ -35,13 +76,40 @@ Domain = Literal[
     "debugging",
 ]
 Difficulty = Literal["easy", "medium", "hard"]
+NetworkMode = Literal["no-network", "public", "allowlist"]
+
+SCHEMA_VERSIONS: tuple[str, ...] = ("1.0", "1.1", "1.2", "1.3", "1.4")
+"""Harbor's published task.toml schema versions, oldest first."""
+CURRENT_SCHEMA = SCHEMA_VERSIONS[-1]
+"""What Harbor assumes when a task.toml declares no version."""
+
+TMAX_ONLY: dict[str, tuple[str, ...]] = {"environment": ("network",), "verifier": ("agent_system",)}
+"""TMax's keys outside [metadata] that Harbor does not define (kept under [metadata.tmax] in
+a Harbor export)."""
+STASH = "tmax"
+"""The [metadata] table of a Harbor export that holds TMax's own keys."""
+
+_ORG_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
+_HOST_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """A validation error that names its dotted task.toml field (for cross-field checks)."""
+    return PydanticCustomError("tmax_field", "{message}", {"field": field, "message": message})
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Metadata(_Strict):
+# --------------------------------------------------------------------------- [metadata]
+
+
+class Metadata(BaseModel):
+    """[metadata]: TMax's keys typed, any other key kept verbatim (Harbor's is free-form)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
     author_name: str = ""
     """Who wrote the task."""
     author_email: str = ""
@@ -59,23 +127,118 @@ class Metadata(_Strict):
     source: str = ""
     """Where the task came from (e.g. ``converted from terminal-bench-1``)."""
     extra: dict[str, str | int | float | bool | list[str]] = Field(default_factory=dict)
-    """Anything else; kept, never interpreted."""
+    """Free-form data (older TMax files); any other [metadata] key is kept the same way."""
+
+    @property
+    def free(self) -> dict[str, Any]:
+        """The [metadata] keys TMax does not define, as written."""
+        return dict(self.__pydantic_extra__ or {})
 
 
-class Verifier(_Strict):
+# --------------------------------------------------------------------------- [task]
+
+
+class Author(_Strict):
+    name: str
+    email: str | None = None
+
+
+class PackageInfo(_Strict):
+    """[task] (Harbor 1.1+): the task's registry identity."""
+
+    name: str
+    """``org/name`` (e.g. ``terminal-bench/regex-log``)."""
+    version: str | None = Field(None, min_length=1)
+    description: str = ""
+    authors: tuple[Author, ...] = ()
+    keywords: tuple[str, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _org_name(cls, v: str) -> str:
+        if not _ORG_NAME.match(v) or ".." in v:
+            raise ValueError(f"task name must be 'org/name' (letters, digits, . _ -), got {v!r}")
+        return v
+
+
+# --------------------------------------------------------------------------- network policy
+
+
+def _check_hosts(hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Harbor's allowlist entries: hostnames, '*.' wildcards, IP addresses, CIDR ranges
+    (never URLs, ports or paths). Kept as written."""
+    for raw in hosts or ():
+        host = raw.strip().lower().rstrip(".")
+        if not host:
+            raise ValueError("allowed_hosts entries must not be empty")
+        if "/" in host or ":" in host:
+            try:
+                ipaddress.ip_network(host, strict=True) if "/" in host else \
+                    ipaddress.IPv6Address(host)
+            except ValueError:
+                raise ValueError(f"allowed_hosts entry {raw!r}: a hostname, IP address or CIDR "
+                                 "range, not a URL, port or path") from None
+            continue
+        name = host.removeprefix("*.")
+        if "*" in name or not all(_HOST_LABEL.match(label) for label in name.split(".")):
+            raise ValueError(f"allowed_hosts entry {raw!r} is not a hostname, '*.domain' "
+                             "pattern or IP address")
+    return hosts
+
+
+def phase_network(mode: str | None, hosts: tuple[str, ...] | None) -> bool | None:
+    """Whether a Harbor network policy gives network at all (None: no policy given).
+    An allowlist with hosts means network; per-host filtering is not enforced yet."""
+    if mode is None:
+        return None
+    return mode == "public" or (mode == "allowlist" and bool(hosts))
+
+
+class _NetworkPolicy(_Strict):
+    network_mode: NetworkMode | None = None
+    """Harbor 1.3+: no-network | public | allowlist."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Hosts reachable with ``network_mode = "allowlist"`` (kept; not enforced yet)."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return _check_hosts(v)
+
+    @model_validator(mode="after")
+    def _hosts_need_allowlist(self):
+        if self.allowed_hosts is not None and self.network_mode != "allowlist":
+            raise ValueError("allowed_hosts is only valid with network_mode = \"allowlist\"")
+        return self
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class Verifier(_NetworkPolicy):
     timeout_sec: float = Field(120.0, gt=0)
     """Wall-clock limit for tests/test.sh."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set for the verifier."""
-    agent_system: bool = False
+    agent_system: bool = Field(False, strict=True)
     """Run the verifier with the agent's /usr, /bin, /lib and /etc instead of the image's
     as built: for tasks that grade what the agent installed. An agent can then change the
     tools that grade it (audits flag such tasks as hackable)."""
+    user: str | int | None = None
+    """Harbor: the user tests/test.sh runs as (not applied by TMax yet)."""
+    environment_mode: Literal["shared", "separate"] | None = None
+    """Harbor 1.2+: run the verifier in its own container (TMax: always the agent's sandbox)."""
+    environment: dict[str, Any] | None = None
+    """Harbor 1.2+: the separate verifier container's [environment] (kept, not used)."""
+    collect: tuple[dict[str, Any], ...] = ()
+    """Harbor 1.3+: [[verifier.collect]] hooks (kept, not run)."""
 
 
-class Agent(_Strict):
+class Agent(_NetworkPolicy):
     timeout_sec: float = Field(900.0, gt=0)
     """Episode time budget, counted from the moment the sandbox lease is granted."""
+    user: str | int | None = None
+    """Harbor: the user the agent runs as (not applied by TMax yet)."""
 
 
 class Solution(_Strict):
@@ -83,34 +246,263 @@ class Solution(_Strict):
     """Environment variables set for solution/solve.sh."""
 
 
-class Environment(_Strict):
+class Healthcheck(_Strict):
+    """Harbor 1.1+: a readiness command run after the environment starts (Docker's
+    HEALTHCHECK options)."""
+
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
+
+
+class MCPServer(_Strict):
+    """An MCP server Harbor offers the agent (kept; TMax's agents do not use them yet)."""
+
+    name: str
+    transport: Literal["stdio", "sse", "streamable-http", "http"] = "sse"
+    url: str | None = None
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _transport_fields(self):
+        if self.transport != "stdio" and not self.url:
+            raise ValueError(f"an MCP server over {self.transport!r} needs a url")
+        if self.transport == "stdio" and not self.command:
+            raise ValueError("an MCP server over 'stdio' needs a command")
+        return self
+
+
+MIN_MB = {"memory": 64, "storage": 16}
+
+
+def size_to_mb(text: str) -> int:
+    """Harbor's size strings: a number with a G, M or K suffix ("4G" -> 4096, "512M")."""
+    s = text.strip().upper()
+    scale = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}.get(s[-1:])
+    try:
+        if scale is None:
+            raise ValueError
+        return int(float(s[:-1]) * scale)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size like '4G', '512M' or '64K'") from None
+
+
+class Environment(_NetworkPolicy):
     build_timeout_sec: float = Field(600.0, gt=0)
     docker_image: str | None = None
-    """A prebuilt image to use instead of building environment/ (Harbor's field)."""
+    """A prebuilt image Harbor may run instead of building environment/ (TMax builds
+    environment/ and does not pull images)."""
+    os: str = "linux"
+    """Harbor 1.2+: linux | windows (TMax runs linux only)."""
     cpus: int = Field(2, ge=1)
-    memory_mb: int = Field(2048, ge=64)
-    storage_mb: int = Field(10240, ge=16)
+    memory_mb: int = Field(2048, ge=MIN_MB["memory"])
+    """Memory limit; also set by Harbor's ``memory = "4G"``."""
+    storage_mb: int = Field(10240, ge=MIN_MB["storage"])
+    """Disk quota; also set by Harbor's ``storage = "10G"``."""
     gpus: int = Field(0, ge=0)
-    network: bool = False
-    """Whether the sandbox gets a network; off unless the task needs it."""
+    gpu_types: tuple[str, ...] | None = None
+    tpu: dict[str, Any] | None = None
+    mcp_servers: tuple[MCPServer, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    """Harbor: variables for the task's container (``${VAR}`` from the host); not applied by
+    TMax yet."""
+    skills_dir: str | None = None
+    healthcheck: Healthcheck | None = None
+    workdir: str | None = None
+    """Harbor 1.1+: where commands start, over the image's WORKDIR (not applied by TMax yet)."""
+    allow_internet: bool | None = Field(None, strict=True)
+    """Harbor up to 1.2 (deprecated after): true = network_mode "public", false = "no-network"."""
+    memory: str | None = None
+    """Harbor's deprecated size string for ``memory_mb``."""
+    storage: str | None = None
+    """Harbor's deprecated size string for ``storage_mb``."""
+    network: bool = Field(False, strict=True)
+    """Whether the sandbox gets a network (TMax's key; off unless the task says so). Also set
+    by Harbor's ``network_mode`` / ``allow_internet`` and [agent] ``network_mode``."""
+
+    @field_validator("os")
+    @classmethod
+    def _os(cls, v: str) -> str:
+        if v.lower() not in ("linux", "windows"):
+            raise ValueError(f"os must be linux or windows, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        for key in ("memory", "storage"):
+            text = getattr(self, key)
+            if text is None:
+                continue
+            try:
+                mb = size_to_mb(text)
+            except ValueError as e:
+                raise field_error(f"environment.{key}", str(e)) from None
+            given = f"{key}_mb" in self.model_fields_set
+            if given and getattr(self, f"{key}_mb") != mb:
+                raise field_error(f"environment.{key}",
+                                  f"{key} = {text!r} ({mb} MB) conflicts with {key}_mb = "
+                                  f"{getattr(self, f'{key}_mb')}")
+            if not given:
+                floor = MIN_MB[key]
+                if mb < floor:
+                    raise field_error(f"environment.{key}",
+                                      f"{key} = {text!r} is {mb} MB, below {floor} MB")
+                object.__setattr__(self, f"{key}_mb", mb)  # derived: not recorded as given
+        return self
+
+    @property
+    def harbor_network(self) -> bool | None:
+        """What this section's Harbor keys say about network (None: they say nothing).
+        network_mode or allowed_hosts win over allow_internet, as in Harbor."""
+        if self.network_mode is not None:
+            return phase_network(self.network_mode, self.allowed_hosts)
+        return self.allow_internet
+
+
+# --------------------------------------------------------------------------- the file
 
 
 class TaskConfig(_Strict):
     """The whole of task.toml."""
 
-    version: str = "1.0"
+    schema_version: str | None = None
+    """Harbor 1.1+: the schema version the file follows."""
+    version: str | None = None
+    """Harbor 1.0's name for ``schema_version`` (older TMax files write it too)."""
+    task: PackageInfo | None = None
     metadata: Metadata = Field(default_factory=Metadata)
     verifier: Verifier = Field(default_factory=Verifier)
     agent: Agent = Field(default_factory=Agent)
     solution: Solution = Field(default_factory=Solution)
     environment: Environment = Field(default_factory=Environment)
+    source: str | None = None
+    """Harbor: where the task came from (top level)."""
+    multi_step_reward_strategy: Literal["mean", "final"] | None = None
+    steps: tuple[dict[str, Any], ...] | None = None
+    """Harbor 1.1+: [[steps]] of a multi-step task (not supported by TMax)."""
+    artifacts: tuple[str | dict[str, Any], ...] = ()
+    """Harbor 1.1+: files to collect after the run (kept, not collected)."""
+
+    @model_validator(mode="after")
+    def _network(self):
+        env, agent = self.environment, self.agent
+        harbor = phase_network(agent.network_mode, agent.allowed_hosts)
+        where = "[agent] network_mode"
+        if harbor is None:
+            harbor = env.harbor_network
+            where = ("network_mode" if env.network_mode is not None else "allow_internet")
+        if "network" in env.model_fields_set:
+            if harbor is not None and harbor != env.network:
+                raise field_error("environment.network",
+                                  f"network = {str(env.network).lower()} conflicts with "
+                                  f"{where} (network {'on' if harbor else 'off'})")
+        elif harbor is not None:
+            object.__setattr__(env, "network", harbor)  # derived: not recorded as given
+        return self
+
+    @property
+    def harbor_schema(self) -> str:
+        """The schema version the file declares (Harbor's current one when it says none)."""
+        return self.schema_version or self.version or CURRENT_SCHEMA
 
     def to_toml_dict(self) -> dict:
-        """A plain dict for tomli_w, without None values (TOML has no null)."""
-        return _drop_none(self.model_dump(mode="json"))
+        """The keys the file had (or the draft was given), in their own spelling, for
+        tomli_w; derived values and defaults are left out, and so are None values."""
+        return _drop_none(self.model_dump(exclude_unset=True))
+
+    def to_harbor_dict(self) -> dict:
+        """task.toml for Harbor: TMax's own keys outside [metadata] move under
+        [metadata.tmax]; where TMax's defaults differ from Harbor's (network off, the
+        timeouts, cpus, memory, storage), the value is written out and listed there as
+        added. A task with neither comes out unchanged."""
+        doc = self.to_toml_dict()
+        moved: dict[str, dict] = {}
+        added: list[str] = []
+        for section, keys in TMAX_ONLY.items():
+            for key in keys:
+                if key in doc.get(section, {}):
+                    moved.setdefault(section, {})[key] = doc[section].pop(key)
+
+        def add(path: str, value) -> None:
+            section, _, key = path.rpartition(".")
+            table = doc
+            if section:
+                if section not in doc:
+                    doc[section] = {}
+                    added.append(section)
+                table = doc[section]
+            if key not in table:
+                table[key] = value
+                added.append(path)
+
+        env = self.environment
+        if "schema_version" not in doc and "version" not in doc:
+            add("schema_version", CURRENT_SCHEMA)
+        if env.harbor_network is None:  # Harbor's baseline (the verifier's too) is public
+            add("environment.network_mode", "public" if env.network else "no-network")
+        add("verifier.timeout_sec", self.verifier.timeout_sec)
+        add("agent.timeout_sec", self.agent.timeout_sec)
+        add("environment.cpus", env.cpus)
+        if "memory" not in doc.get("environment", {}):
+            add("environment.memory_mb", env.memory_mb)
+        if "storage" not in doc.get("environment", {}):
+            add("environment.storage_mb", env.storage_mb)
+        if not moved and not added:
+            return doc
+        if "metadata" not in doc:
+            doc["metadata"] = {}
+            added.append("metadata")
+        doc["metadata"][STASH] = {"added": added, **moved}
+        return doc
+
+
+def from_harbor_dict(doc: dict) -> dict:
+    """The native form of a task.toml dict: a Harbor export's [metadata.tmax] put back (its
+    keys to their sections, the keys the export added removed). Anything else unchanged.
+    Raises ``ValueError`` (naming the field) for a malformed [metadata.tmax]."""
+    metadata = doc.get("metadata")
+    if not isinstance(metadata, dict) or STASH not in metadata:
+        return doc
+    doc = copy.deepcopy(doc)
+    stash = doc["metadata"].pop(STASH)
+    field = f"metadata.{STASH}"
+    if not isinstance(stash, dict):
+        message = f"{field}: expected a table (TMax's keys in a Harbor export)"
+        raise ValueError(message)  # noqa: TRY004 (callers report ValueErrors as task problems)
+    added = stash.pop("added", [])
+    if not isinstance(added, list) or not all(isinstance(a, str) for a in added):
+        raise ValueError(f"{field}.added: expected a list of dotted keys")
+    for path in sorted(added, key=lambda p: -p.count(".")):  # keys before their tables
+        section, _, key = path.rpartition(".")
+        table = doc.get(section) if section else doc
+        if not isinstance(table, dict) or key not in table:
+            continue
+        if isinstance(table[key], dict) and table[key]:
+            continue  # a table the export made that holds other keys now
+        del table[key]
+    for section, keys in stash.items():
+        allowed = TMAX_ONLY.get(section)
+        if allowed is None or not isinstance(keys, dict) or set(keys) - set(allowed):
+            raise ValueError(f"{field}.{section}: not TMax's keys (expected "
+                             + "; ".join(f"[{field}.{s}] {', '.join(k)}"
+                                         for s, k in TMAX_ONLY.items()) + ")")
+        table = doc.setdefault(section, {})
+        for key, value in keys.items():
+            if key in table and table[key] != value:
+                raise ValueError(f"{section}.{key} is given twice, differently: "
+                                 f"{table[key]!r} and {value!r} in [{field}.{section}]")
+            table[key] = value
+    return doc
 
 
 def _drop_none(value):
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_none(v) for v in value]
     return value

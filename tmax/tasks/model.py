@@ -6,7 +6,7 @@ Native layout (Harbor / Terminal-Bench 2.x)::
     <task>/task.toml               metadata, timeouts, resources (see ``config.TaskConfig``)
     <task>/environment/            Dockerfile or container.def (Apptainer), plus their files
     <task>/tests/test.sh           verifier: writes /logs/verifier/reward.txt or reward.json
-    <task>/solution/solve.sh       reference solution
+    <task>/solution/solve.sh       reference solution (optional, as in Harbor)
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ class TaskError(Exception):
         return self.problems[0].task
 
 
+class MissingSolution(RuntimeError):
+    """A check that runs the reference solution, on a task that has none (solution/ is
+    optional in Harbor)."""
+
+    def __init__(self, task: str):
+        self.task = task
+        super().__init__(f"{task}: the task has no reference solution ({SOLVE_SCRIPT}), so "
+                         "the oracle check cannot run; add one to show the task is solvable")
+
+
 @dataclass(frozen=True)
 class FileSpec:
     """A file of a draft: its bytes and its permission bits."""
@@ -121,6 +131,10 @@ class Task:
     @property
     def solution_dir(self) -> Path:
         return self.root / SOLUTION_DIR
+
+    @property
+    def has_solution(self) -> bool:
+        return (self.root / SOLVE_SCRIPT).is_file()
 
     @property
     def definition(self) -> Path:

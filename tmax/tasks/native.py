@@ -1,4 +1,4 @@
-"""Read, validate and write tasks in the native layout."""
+"""Read, validate and write tasks in the native (Harbor) layout."""
 
 from __future__ import annotations
 
@@ -8,12 +8,21 @@ import shlex
 import shutil
 import tempfile
 import tomllib
+import typing
 from pathlib import Path
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from tmax.tasks.config import DOMAINS, TaskConfig
+from tmax.tasks.config import (
+    CURRENT_SCHEMA,
+    DOMAINS,
+    SCHEMA_VERSIONS,
+    STASH,
+    TaskConfig,
+    from_harbor_dict,
+    phase_network,
+)
 from tmax.tasks.confine import Escape, expand_source, link_problems
 from tmax.tasks.model import (
     DEFINITION_FILES,
@@ -57,34 +66,77 @@ def parse_task_toml(text: str, task_id: str, file: str = TASK_TOML) -> TaskConfi
     except tomllib.TOMLDecodeError as e:
         raise TaskError([Problem(task_id, file, f"not valid TOML: {e}",
                                  "fix the syntax at the position given")]) from None
+    return validate_config(raw, task_id, file)
+
+
+def validate_config(raw: dict, task_id: str, file: str = TASK_TOML) -> TaskConfig:
+    """A ``TaskConfig`` from a task.toml dict (a Harbor export's [metadata.tmax] put back);
+    ``TaskError`` naming the file, each bad field and the schema version otherwise."""
+    schema = declared_schema(raw)
+    try:
+        raw = from_harbor_dict(raw)
+    except ValueError as e:
+        raise TaskError([Problem(task_id, file, str(e), "fix or remove [metadata.tmax]",
+                                 f"metadata.{STASH}")]) from None
     try:
         return TaskConfig.model_validate(raw)
     except ValidationError as e:
-        raise TaskError([_problem_from_pydantic(task_id, file, err) for err in e.errors()]) from None
+        raise TaskError([_problem_from_pydantic(task_id, file, err, schema)
+                         for err in e.errors()]) from None
 
 
-def _problem_from_pydantic(task_id: str, file: str, err: dict) -> Problem:
+def declared_schema(raw: dict) -> str:
+    """The schema version a task.toml dict declares, for messages."""
+    declared = raw.get("schema_version", raw.get("version"))
+    return str(declared) if declared is not None else f"{CURRENT_SCHEMA}, none declared"
+
+
+def _problem_from_pydantic(task_id: str, file: str, err: dict,
+                           schema: str = CURRENT_SCHEMA) -> Problem:
     loc = tuple(str(x) for x in err["loc"])
     dotted = ".".join(loc)
     if err["type"] == "extra_forbidden":
-        known = sorted(_model_at(TaskConfig, loc[:-1]).model_fields)
-        return Problem(task_id, file, f"unknown key '{loc[-1]}'",
-                       f"remove it (known keys here: {', '.join(known)}; "
-                       "free-form data goes under [metadata.extra])", dotted)
+        model = _model_at(TaskConfig, loc[:-1])
+        known = sorted(model.model_fields)
+        section = f"in [{'.'.join(p for p in loc[:-1] if not p.isdigit())}]" if loc[:-1] \
+            else "at the top level"
+        return Problem(task_id, file,
+                       f"unknown key '{loc[-1]}' {section}: neither Harbor's task.toml "
+                       f"(schema {schema}) nor TMax defines it",
+                       f"remove or rename it (keys here: {', '.join(known)}; free-form data "
+                       "goes under [metadata])", dotted)
+    if err["type"] == "tmax_field":
+        return Problem(task_id, file, err["ctx"]["message"], "correct the value",
+                       err["ctx"]["field"])
     if loc and loc[-1] == "domain":
         return Problem(task_id, file, f"invalid domain {err.get('input')!r}",
                        f"use one of: {', '.join(DOMAINS)}", dotted)
-    return Problem(task_id, file, f"{err['msg']} (got {err.get('input')!r})",
-                   "correct the value", dotted)
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a whole table
+        return Problem(task_id, file, message, "correct the value", dotted)
+    return Problem(task_id, file, f"{message} (got {err.get('input')!r})", "correct the value",
+                   dotted)
 
 
 def _model_at(model: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel]:
+    """The model that holds the key at ``loc`` (list indexes skipped)."""
     for key in loc:
-        annotation = model.model_fields[key].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if key.isdigit() or key not in model.model_fields:
+            continue
+        inner = _inner_model(model.model_fields[key].annotation)
+        if inner is None:
             return model
-        model = annotation
+        model = inner
     return model
+
+
+def _inner_model(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _inner_model(arg)) is not None:
+            return found
+    return None
 
 
 def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
@@ -125,15 +177,83 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
             if config.metadata.domain is None:
                 problem(TASK_TOML, "no domain", f"set one of: {', '.join(DOMAINS)}",
                         "metadata.domain", "warning")
+            problems.extend(config_problems(task_id, config))
 
     problems.extend(link_problems(root, task_id))
-    _check_environment(root, task_id, problems)
+    _check_environment(root, task_id, problems, config)
     _check_verifier(root, task_id, problems)
     if not (root / SOLVE_SCRIPT).is_file():
-        problem(SOLVE_SCRIPT, "missing reference solution",
-                "add solution/solve.sh: the build-time check runs it and expects reward 1",
+        problem(SOLVE_SCRIPT, "the task has no reference solution (solution/solve.sh)",
+                "add one (it is optional in Harbor, but without it `tmax tasks check` and "
+                "the image build checks cannot show that the task is solvable)",
                 severity="warning")
     return problems, config
+
+
+_NOT_APPLIED = {
+    "environment.env": "the sandbox starts with the image's environment",
+    "environment.workdir": "commands start in the image's WORKDIR",
+    "environment.healthcheck": "no readiness check runs before the agent starts",
+    "environment.skills_dir": "no skills are copied for the agent",
+    "environment.mcp_servers": "TMax's agents get no MCP servers",
+    "environment.gpu_types": "any GPU the fleet has is used",
+    "environment.tpu": "TMax's fleet has no TPUs",
+    "agent.user": "the agent runs as the sandbox's root",
+    "verifier.user": "tests/test.sh runs as the sandbox's root",
+    "verifier.environment": "the verifier runs in the agent's sandbox",
+    "verifier.environment_mode": "the verifier runs in the agent's sandbox",
+    "verifier.collect": "no collect hooks run",
+    "artifacts": "no artifacts are collected",
+}
+"""Harbor keys TMax reads and keeps but does not act on yet, and what happens instead."""
+
+
+def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
+    """What a valid task.toml asks for that TMax does not do (warnings), or cannot run at all
+    (errors)."""
+    out: list[Problem] = []
+
+    def note(field: str, message: str, fix: str, severity: str = "warning") -> None:
+        out.append(Problem(task_id, TASK_TOML, message, fix, field, severity))
+
+    if config.harbor_schema not in SCHEMA_VERSIONS:
+        note("schema_version", f"schema version {config.harbor_schema!r} is not one Harbor "
+             f"published ({', '.join(SCHEMA_VERSIONS)}); read as {CURRENT_SCHEMA}",
+             f'declare schema_version = "{CURRENT_SCHEMA}"')
+    if config.steps:
+        note("steps", "multi-step tasks ([[steps]]) are not supported",
+             "split it into one task per step", "error")
+    if config.environment.os.lower() != "linux":
+        note("environment.os", f"os {config.environment.os!r}: TMax runs Linux sandboxes only",
+             "use a Linux image", "error")
+    for section in ("environment", "agent", "verifier"):
+        hosts = getattr(config, section).allowed_hosts
+        if hosts:
+            note(f"{section}.allowed_hosts",
+                 f"per-host network policy is not enforced yet: the sandbox gets the whole "
+                 f"network, not only {', '.join(hosts)}", "kept as written; nothing to do "
+                 "unless the task must not reach other hosts")
+    env = config.environment
+    verifier_net = phase_network(config.verifier.network_mode, config.verifier.allowed_hosts)
+    if verifier_net is not None and verifier_net != env.network:
+        note("verifier.network_mode", "a network policy of the verifier's own is not "
+             f"supported: tests/test.sh runs with the sandbox's network "
+             f"({'on' if env.network else 'off'})", "set the policy in [environment]")
+    given = {"network", "network_mode", "allow_internet", "allowed_hosts"} & \
+        env.model_fields_set
+    harbor_file = config.schema_version or config.version or config.task
+    if harbor_file and not given and config.agent.network_mode is None:
+        note("environment.network_mode", "no network policy given: Harbor's default is "
+             "network on (public), TMax's is off", 'say what the task needs: network_mode = '
+             '"no-network" or "public" in [environment]')
+    dumped = config.model_dump(exclude_unset=True)
+    for field, instead in _NOT_APPLIED.items():
+        section, _, key = field.rpartition(".")
+        value = (dumped.get(section, {}) if section else dumped).get(key)
+        if value not in (None, {}, [], ()):
+            note(field, f"{field} is kept but not acted on yet: {instead}",
+                 "nothing to do unless the task depends on it")
+    return out
 
 
 def _check_verifier(root: Path, task_id: str, problems: list[Problem]) -> None:
@@ -150,13 +270,28 @@ def _check_verifier(root: Path, task_id: str, problems: list[Problem]) -> None:
             "of numbers to /logs/verifier/reward.json), whatever the outcome"))
 
 
-def _check_environment(root: Path, task_id: str, problems: list[Problem]) -> None:
+def _check_environment(root: Path, task_id: str, problems: list[Problem],
+                       config: TaskConfig | None = None) -> None:
     env = root / ENV_DIR
     found = [n for n in DEFINITION_FILES if (env / n).is_file()]
+    image = config.environment.docker_image if config else None
     if not found:
+        if image:
+            problems.append(Problem(
+                task_id, ENV_DIR, f"no environment definition, only the prebuilt image "
+                f"environment.docker_image = {image!r}, which TMax does not pull",
+                f"add environment/Dockerfile (e.g. FROM {image}, or the Dockerfile the "
+                "image was built from)"))
+            return
         problems.append(Problem(task_id, ENV_DIR, "no environment definition",
                                 "add environment/Dockerfile or environment/container.def"))
         return
+    if image:
+        problems.append(Problem(task_id, TASK_TOML, f"environment.docker_image {image!r} is "
+                                f"not used: TMax builds environment/{found[0]}",
+                                "nothing to do unless the image differs from what "
+                                f"environment/{found[0]} builds", "environment.docker_image",
+                                "warning"))
     if len(found) > 1:
         problems.append(Problem(task_id, ENV_DIR, "both a Dockerfile and a container.def",
                                 "keep one of them"))
@@ -297,13 +432,28 @@ def read_native(path: Path) -> TaskDraft:
                      list(task.warnings))
 
 
-def write_task(draft: TaskDraft, dest_parent: str | Path, *, overwrite: bool = False) -> Task:
-    """Write ``draft`` as ``dest_parent/<task_id>`` in native layout, atomically.
+LAYOUTS = ("native", "harbor")
 
-    The task is written to a temporary sibling directory, validated there, then renamed
-    into place: an error at any point leaves no half-written task behind (and, with
+
+def write_task(draft: TaskDraft, dest_parent: str | Path, *, overwrite: bool = False,
+               layout: str = "native") -> Task:
+    """Write ``draft`` as ``dest_parent/<task_id>``, atomically.
+
+    ``layout``: ``native`` writes task.toml with every key the draft's config was given, as
+    given; ``harbor`` writes what Harbor itself reads (``TaskConfig.to_harbor_dict``: TMax's
+    own keys kept under [metadata.tmax], TMax's defaults made explicit). The files are the
+    same in both. The task is written to a temporary sibling directory, validated there, then
+    renamed into place: an error at any point leaves no half-written task behind (and, with
     ``overwrite``, the previous version untouched).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout == "harbor" and f"{ENV_DIR}/container.def" in draft.files:
+        raise TaskError([Problem(draft.task_id, f"{ENV_DIR}/container.def",
+                                 "an Apptainer definition: Harbor builds environment/Dockerfile",
+                                 "write the environment as a Dockerfile to export it for "
+                                 "Harbor, or keep it native")])
+    doc = draft.config.to_harbor_dict() if layout == "harbor" else draft.config.to_toml_dict()
     parent = Path(dest_parent)
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / draft.task_id
@@ -314,7 +464,7 @@ def write_task(draft: TaskDraft, dest_parent: str | Path, *, overwrite: bool = F
     try:
         os.chmod(tmp, 0o755)
         (tmp / INSTRUCTION).write_text(draft.instruction.rstrip() + "\n")
-        (tmp / TASK_TOML).write_text(tomli_w.dumps(draft.config.to_toml_dict()))
+        (tmp / TASK_TOML).write_text(tomli_w.dumps(doc))
         for rel, spec in draft.files.items():
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)

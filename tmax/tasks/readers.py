@@ -19,11 +19,10 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
 
-from tmax.tasks.config import DOMAINS, TaskConfig
+from tmax.tasks.config import DOMAINS, Metadata, TaskConfig
 from tmax.tasks.model import FileSpec, Problem, TaskDraft, TaskError
-from tmax.tasks.native import _problem_from_pydantic, is_task_dir, read_native
+from tmax.tasks.native import is_task_dir, read_native, validate_config
 
 PYTEST_LITE = "tests/tmax_pytest_lite.py"
 
@@ -66,10 +65,7 @@ def _domain_for(category: str) -> str | None:
 
 
 def _config(task_id: str, file: str, raw: dict) -> TaskConfig:
-    try:
-        return TaskConfig.model_validate(raw)
-    except ValidationError as e:
-        raise TaskError([_problem_from_pydantic(task_id, file, err) for err in e.errors()]) from None
+    return validate_config(raw, task_id, file)
 
 
 def _collect(root: Path, skip: set[str]) -> dict[str, FileSpec]:
@@ -84,14 +80,41 @@ def _collect(root: Path, skip: set[str]) -> dict[str, FileSpec]:
 
 # --------------------------------------------------------------------------- Terminal-Bench 1
 
-TB1_KEYS = {
+TB1_MAPPED = {
     "instruction", "descriptions", "author_name", "author_email", "difficulty", "category",
-    "tags", "parser_name", "max_agent_timeout_sec", "max_test_timeout_sec",
-    "run_tests_in_same_shell", "disable_asciinema", "estimated_duration_sec",
-    "expert_time_estimate_min", "junior_time_estimate_min", "test_scripts",
+    "tags", "max_agent_timeout_sec", "max_test_timeout_sec",
 }
+"""task.yaml keys the converter reads; every other key is kept in [metadata] as written."""
+
 TB1_SPECIAL = {"task.yaml", "run-tests.sh", "solution.sh", "solution.yaml", "tests",
                "docker-compose.yaml", "docker-compose.yml"}
+
+
+def _tb1_kept_keys(meta: dict) -> tuple[dict, list[str]]:
+    """task.yaml keys the converter does not map, for [metadata]: as written, except that a
+    name TMax types in [metadata] (``domain``, ``skills``...) gets a ``tb1_`` prefix, and a
+    key without a value (TOML has no null) is left out. Returns (kept, left out)."""
+    kept, dropped = {}, []
+    for key, value in meta.items():
+        if key == "descriptions" and isinstance(value, list) and len(value) > 1:
+            pass  # the variants beside the one used as the instruction
+        elif key in TB1_MAPPED:
+            continue
+        if _has_null(value):
+            dropped.append(key)
+            continue
+        kept[f"tb1_{key}" if key in Metadata.model_fields else str(key)] = value
+    return kept, dropped
+
+
+def _has_null(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, dict):
+        return any(_has_null(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_null(v) for v in value)
+    return False
 
 
 def read_tb1(path: Path) -> TaskDraft:
@@ -107,10 +130,6 @@ def read_tb1(path: Path) -> TaskDraft:
         raise fail(f"not valid YAML: {e}", "fix the syntax") from None
     if not isinstance(meta, dict):
         raise fail("expected a mapping at the top level", "see Terminal-Bench's task.yaml")
-    unknown = sorted(set(meta) - TB1_KEYS)
-    if unknown:
-        raise fail(f"unknown key(s) {', '.join(unknown)}",
-                   f"remove them (known: {', '.join(sorted(TB1_KEYS))})", unknown[0])
     instruction = meta.get("instruction")
     if not instruction and isinstance(meta.get("descriptions"), list):
         base = [d for d in meta["descriptions"] if isinstance(d, dict) and d.get("key") == "base"]
@@ -159,12 +178,20 @@ def read_tb1(path: Path) -> TaskDraft:
 
     category = str(meta.get("category", ""))
     difficulty = meta.get("difficulty", "medium")
+    kept, dropped = _tb1_kept_keys(meta)
     if difficulty not in ("easy", "medium", "hard"):
-        warnings.append(Problem(task_id, file, f"difficulty {difficulty!r} read as medium",
+        warnings.append(Problem(task_id, file, f"difficulty {difficulty!r} read as medium "
+                                "(kept as metadata.tb1_difficulty)",
                                 "set easy, medium or hard", "difficulty", "warning"))
+        if difficulty is not None:
+            kept["tb1_difficulty"] = difficulty
         difficulty = "medium"
+    for key in dropped:
+        warnings.append(Problem(task_id, file, f"{key!r} has no value; not kept", "",
+                                key, "warning"))
     raw = {
         "metadata": {
+            **kept,
             "author_name": str(meta.get("author_name", "")),
             "author_email": str(meta.get("author_email", "")),
             "difficulty": difficulty, "category": category, "domain": _domain_for(category),

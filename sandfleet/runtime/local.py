@@ -717,9 +717,9 @@ class LocalRuntime(CommandRuntime):
         its own that no agent process can see, signal or trace: new pid, mount, ipc, uts
         and user namespaces, the sandbox's network. Its root is the agent's final file
         system, except that the image's own ``PRISTINE`` directories and ``PRISTINE_ETC``
-        entries replace the agent's (unless ``agent_system``), the agent's /tests and
-        /logs are not shown, a copy of host folder ``tests`` is /tests, and /logs/verifier
-        is a fresh folder, both on a tmpfs of the verifier's own (bounded, in the sandbox's
+        entries are bound over the agent's (unless ``agent_system``), a copy of host folder
+        ``tests`` covers /tests, and a fresh folder covers /logs/verifier, both on a tmpfs
+        of the verifier's own (bounded, in the sandbox's
         memory cgroup); what it leaves in /logs/verifier is copied to host folder ``logs``
         at the end: the only place it writes that the caller reads. The agent is frozen
         while that view is built, so it cannot race it."""
@@ -766,25 +766,32 @@ class LocalRuntime(CommandRuntime):
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
+        fds = {info_r, info_w, block_r, block_w}
+
+        def close(fd: int) -> None:  # once: another thread may get the number next
+            if fd in fds:
+                fds.discard(fd)
+                os.close(fd)
 
         def on_start(proc: subprocess.Popen) -> None:
-            os.close(info_w)
-            os.close(block_r)
-            try:
-                deadline = time.monotonic() + self.start_timeout_s
-                child = self._userns_ready(info_r, block_w, base, deadline)
-                while child and not _command_started(child) \
-                        and proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.002)  # its mounts are in place once the command runs
-                started["child"] = child
-            finally:
-                os.close(info_r)
-                os.close(block_w)
-                Cgroups.freeze(freezer, False)
+            close(info_w)
+            close(block_r)
+            deadline = time.monotonic() + self.start_timeout_s
+            child = self._userns_ready(info_r, block_w, base, deadline)
+            while child and not _command_started(child) \
+                    and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)  # its mounts are in place once the command runs
+            started["child"] = child
+            Cgroups.freeze(freezer, False)
 
-        output, code, timed_out, seconds = run_capture(
-            argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
-            pass_fds=(info_w, block_r), on_start=on_start)
+        try:
+            output, code, timed_out, seconds = run_capture(
+                argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
+                pass_fds=(info_w, block_r), on_start=on_start)
+        finally:
+            Cgroups.freeze(freezer, False)  # (again, if it failed before: idempotent)
+            for fd in fds:
+                close(fd)
         self._check_alive(record.sandbox_id)
         if not started.get("child"):
             raise SandboxStartError(record.sandbox_id,

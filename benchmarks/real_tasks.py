@@ -133,8 +133,11 @@ def find_git_dir(repo: str, mirror_root: Path | None, clone_root: Path | None) -
     if clone_root:
         dest = clone_root / f"{owner}+{name}"
         log.info("cloning %s into %s", repo, dest)
-        subprocess.run(["git", "clone", "--bare", f"https://github.com/{repo}", str(dest)],
-                       check=True, timeout=3600)
+        proc = subprocess.run(["git", "clone", "--bare", f"https://github.com/{repo}",
+                               str(dest)], capture_output=True, text=True, timeout=3600,
+                              check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"{repo}: git clone failed: {proc.stderr.strip()[-300:]}")
         return dest
     raise SystemExit(f"{repo}: no git repository under {mirror_root} (fetch it first, or "
                      "pass --clone-root)")
@@ -173,9 +176,12 @@ def materialise_one(src: Source, git_dir: Path, dest: Path) -> int:
     return count
 
 
+def selected(sources: list[Source], only: list[str] | None) -> list[Source]:
+    return [s for s in sources if not only or any(fnmatch.fnmatch(s.id, g) for g in only)]
+
+
 def cmd_materialise(args) -> None:
-    sources = read_sources(args.sources)
-    for src in sources:
+    for src in selected(read_sources(args.sources), args.only):
         dest = args.dest / src.collection / src.task
         if dest.exists() and not args.force:
             print(f"have  {src.id}")
@@ -273,9 +279,10 @@ def build(native: str, store: Path, builder: str, timeout: float, tmax: str) -> 
 # --------------------------------------------------------------------------- classify
 
 NET = re.compile(r"Could not resolve host|Temporary failure in name resolution|"
+                 r"Temporary failure resolving|"
                  r"Name or service not known|Network is unreachable|Failed to connect|"
                  r"Could not connect|getaddrinfo|Connection refused|No address associated",
-                 re.I)
+                 re.IGNORECASE)
 
 
 def tail(path: Path, n: int = 4000) -> str:
@@ -342,9 +349,13 @@ def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
         return "nop == 1 (passes untouched)", reason[:200]
     if oracle != 1.0:
         oracle_part = log_text.split("## oracle", 1)[-1]
-        if NET.search(oracle_part):
-            return "oracle < 1: network needed (verifier or solution)", \
-                last_line(oracle_part, NET)
+        solution_part, _, verifier_part = oracle_part.partition("$ verify:")
+        if NET.search(verifier_part):
+            return "verifier needs network at grade time (oracle < 1)", \
+                last_line(verifier_part, NET)
+        if NET.search(solution_part):
+            return "oracle < 1: the solution needs the network", \
+                last_line(solution_part, NET)
         if re.search(r"command not found|: not found|No module named", oracle_part):
             return "oracle < 1: missing tool in image", \
                 last_line(oracle_part, re.compile(r"command not found|: not found|"
@@ -361,7 +372,8 @@ def classify(rec: dict, store: Path) -> None:
         what = "task.toml" if v["step"] == "validate" else "task.yaml"
         rec["cause"] = f"{v['step']}: {other[0]}" if other else \
             f"{v['step']}: {what} keys rejected (unknown key)"
-        rec["detail"], rec["error_keys"] = "; ".join(keys)[:600], keys
+        rec["detail"], rec["error_keys"] = "; ".join(other + [k for k in keys
+                                                            if k not in other])[:600], keys
         return
     b = rec.get("build")
     if b is None:
@@ -370,6 +382,9 @@ def classify(rec: dict, store: Path) -> None:
     if b["status"] not in ("built", "cached", "reused"):
         rec["cause"], rec["detail"] = build_cause(b, store)
         return
+    silent = [line.strip()[:160] for line in tail(store / b["log"], 200000).splitlines()
+              if re.match(r"E: |.*: (command )?not found$", line.strip())] if b.get("log") else []
+    rec["build_silent_errors"] = silent  # errors in a build that "succeeded" (issue 12, 4)
     checks = b.get("checks")
     if checks is None:
         rec["cause"], rec["detail"] = "built, not checked", ""
@@ -440,14 +455,14 @@ def measure_one(src: Source, args, results: Results) -> dict:
 
 
 def cmd_measure(args) -> None:
-    sources = [s for s in read_sources(args.sources)
-               if not args.only or any(fnmatch.fnmatch(s.id, g) for g in args.only)]
+    sources = selected(read_sources(args.sources), args.only)
     args.store.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    args.tmax_version = tmax_version()
+    args.tmax_version = args.label or tmax_version()
     results = Results(args.out)
     results.data.setdefault("runs", []).append({"started_at": now(), "tmax": args.tmax_version,
                                                 "store": str(args.store),
+                                                "pythonpath": os.environ.get("PYTHONPATH", ""),
                                                 "timeout_s": args.timeout,
                                                 "jobs": args.jobs})
     todo = [s for s in sources if args.force or s.id not in results.data["tasks"]]
@@ -499,6 +514,18 @@ def print_report(data: dict, sources: list[Source]) -> None:
                        for r in rs[:3])
         print(f"  {len(rs):>3} / {sum(r['self_contained'] for r in rs):>3}  {cause}\n"
               f"             e.g. {ex}")
+    silent = [r for r in recs if r.get("build_silent_errors")]
+    if silent:
+        print(f"\nbuilt, but the build log shows failed commands: {len(silent)} of "
+              f"{sum(r['outcome']['build'] for r in recs)} built images")
+        for r in silent:
+            print(f"  {r['id']}: {len(r['build_silent_errors'])} lines, e.g. "
+                  f"{r['build_silent_errors'][0][:90]}")
+    bases = Counter(r["detail"].strip() for r in recs if r["cause"] == "unmapped FROM base")
+    if bases:
+        print("\nunmapped FROM images:")
+        for image, n in bases.most_common():
+            print(f"  {n:>3}  {image}")
     keys = Counter(k for r in recs for k in r.get("error_keys", []))
     if keys:
         print("\nvalidate/convert errors, by how many tasks each blocks:")
@@ -513,6 +540,8 @@ def cmd_report(args) -> None:
     for rec in data["tasks"].values():
         classify(rec, store)
         rec["outcome"] = outcome(rec)
+    if args.save:
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
     print_report(data, read_sources(args.sources))
 
 
@@ -529,6 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--mirror-root", type=Path, help="bare snapshots <owner>+<name>/repo")
     m.add_argument("--clone-root", type=Path, help="git clones (missing ones are cloned)")
     m.add_argument("--force", action="store_true", help="rewrite tasks already there")
+    m.add_argument("--only", action="append", help="task id glob (collection/task); repeat")
     r = sub.add_parser("measure", help="validate, build and check every task")
     r.add_argument("--sources", type=Path, required=True)
     r.add_argument("--tasks", type=Path, required=True, help="the materialised set")
@@ -542,12 +572,15 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--only", action="append", help="task id glob (collection/task); repeat")
     r.add_argument("--no-build", action="store_true", help="validate only")
     r.add_argument("--force", action="store_true", help="measure tasks already in --out")
+    r.add_argument("--label", help="what tmax is measured (e.g. 'before: 2feaf7a'); "
+                   "default: this checkout's commit")
     r.add_argument("--tmax", default=str(Path(sys.executable).parent / "tmax"),
                    help="the tmax command [next to this Python]")
     s = sub.add_parser("report", help="print the tables of a results file")
     s.add_argument("--sources", type=Path, required=True)
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--store", type=Path, help="the store the run used [from the file]")
+    s.add_argument("--save", action="store_true", help="write the re-classified records back")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "materialise":

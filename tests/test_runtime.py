@@ -424,3 +424,49 @@ def test_the_entry_helper_reads_nothing_of_the_sandbox_after_entering(runtime, m
     for command in (["true"], ["no-such-command"], ["/no/such/path"], "exit 3", "kill -9 $$"):
         run(runtime, sid, command)
     assert run(runtime, sid, "cat /tmp/pwned 2>/dev/null; echo checked").output == "checked\n"
+
+
+@pytest.fixture(scope="module")
+def tools_sif(base_sif, tmp_path_factory) -> Path:
+    """The base image plus verifier tools in /.tmax/verifier (as an image build prepares
+    them): a `gradetool` on the tools' PATH and an env file."""
+    from sandfleet.runtime import sif
+
+    root = tmp_path_factory.mktemp("tools-image") / "root"
+    sif.extract(base_sif, root)
+    tools = root / ".tmax" / "verifier"
+    (tools / "bin").mkdir(parents=True)
+    (tools / "bin" / "gradetool").write_text("#!/bin/sh\necho graded-by-the-image-tool\n")
+    (tools / "bin" / "gradetool").chmod(0o755)
+    (tools / "env").write_text("PATH=/.tmax/verifier/bin:$PATH\nTOOL_CACHE=/.tmax/verifier/cache\n"
+                               "not a setting\n")
+    (tools / "cache").mkdir()
+    return sif.pack(root, root.parent / "tools.sif")
+
+
+@pytest.mark.sandbox
+def test_verifier_tools_are_hidden_from_the_agent_and_given_to_the_verifier(
+        runtime, tools_sif, tmp_path):
+    runtime.start("tools", SandboxSpec(image=tools_sif))
+    try:
+        agent = run(runtime, "tools", "ls -A /.tmax/verifier | wc -l; "
+                                      "touch /.tmax/verifier/x 2>&1 | grep -c Read-only; "
+                                      "umount /.tmax/verifier 2>/dev/null || echo cannot-unmount")
+        assert agent.output.split() == ["0", "1", "cannot-unmount"], agent.output
+        tests = tmp_path / "tests"
+        tests.mkdir()
+        (tests / "test.sh").write_text(
+            "gradetool; echo $TOOL_CACHE; echo cached > $TOOL_CACHE/entry && cat $TOOL_CACHE/entry\n"
+            "echo 1 > /logs/verifier/reward.txt\n")
+        result = runtime.verify("tools", ["/bin/bash", "/tests/test.sh"], tests=tests,
+                                logs=tmp_path / "logs", timeout=60)
+        assert result.output.split() == ["graded-by-the-image-tool", "/.tmax/verifier/cache",
+                                         "cached"], result.output
+        assert (tmp_path / "logs" / "reward.txt").read_text() == "1\n"
+        # what the verifier wrote there went to its own layer, never the image or the agent
+        assert run(runtime, "tools", "ls -A /.tmax/verifier | wc -l").output == "0\n"
+        again = runtime.verify("tools", ["/bin/sh", "-c", "ls $TOOL_CACHE"], tests=tests,
+                               logs=tmp_path / "logs2", timeout=60)
+        assert again.output == ""
+    finally:
+        runtime.stop("tools")

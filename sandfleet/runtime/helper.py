@@ -48,6 +48,9 @@ AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
 MOUNT_ATTR_IDMAP = 0x00100000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 OOM_SCORE_ADJ = 500
+VERIFIER_TOOLS = "/.tmax/verifier"
+"""Where an image keeps what its verifier needs (prepared at build time): hidden from the
+agent by an empty read-only mount, shown to the verifier (see the runtime's ``verify``)."""
 RESERVE_FILES, RESERVE_BYTES = 8, 64 << 10
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 NAMESPACES = (("user", 0x10000000), ("mnt", CLONE_NEWNS), ("pid", 0x20000000),
@@ -187,6 +190,9 @@ def seal(spec: dict) -> list[str]:
     os.chown(upper, spec["uid_base"], spec["uid_base"])
     run(["mount", "-t", "overlay", "overlay", "-o",
          f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
+    tools = os.path.join(root, VERIFIER_TOOLS.lstrip("/"))
+    if os.path.isdir(os.path.join(lower, VERIFIER_TOOLS.lstrip("/"))):  # only the verifier's
+        run(["mount", "-t", "tmpfs", "-o", "ro,size=4k,mode=0755", "tmpfs", tools])
     for fd in spec.get("close_fds", []):
         os.close(fd)
     # bwrap runs as the sandbox's host uid: its new user namespace then maps that uid as 0

@@ -96,6 +96,7 @@ from sandfleet.runtime.base import (
     write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
+from sandfleet.runtime.helper import VERIFIER_TOOLS
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,15 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # and the agent, which cannot see it, cannot fill it) with a copy of the tests folder $4
 # and an empty logs folder, both owned by $3; then the rest (bwrap, as the sandbox's uid);
 # then what it left in logs copied (links as links) to the host folder $5.
+# With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
+# upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
+# is never written).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
                'cp -a -- "$t" "$v/tests" && mkdir "$v/logs" && chown -R -- "$3" "$v" '
-               '|| exit 125; shift 5; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; '
-               'exit $code')
+               '|| exit 125; if [ "$6" != - ]; then mkdir "$v/tools" "$v/.up" "$v/.work" && '
+               'chown -- "$3" "$v/.up" && mount -t overlay overlay -o '
+               '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work" "$v/tools" || exit 125; fi; '
+               'shift 6; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
 VERIFIER_SPACE_MB = 256
 """Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes
 in /tests)."""
@@ -751,18 +757,22 @@ class LocalRuntime(CommandRuntime):
             raise
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1", **(env or {})}
+        for key, value in spec.env.items():  # the tools' settings, on top
+            env[key] = value.replace("$PATH", env.get(key, "")) if key == "PATH" else value
         bwrap = sandbox_bwrap(root=spec.root, network=True, hostname=record.spec["hostname"],
                               info_fd=info_w, block_fd=block_r, command=list(command),
-                              binds=spec, cwd=cwd or record.spec["workdir"],
-                              env={"PATH": DEFAULT_PATH, "HOME": "/root",
-                                   "PYTHONNOUSERSITE": "1", **(env or {})})
+                              binds=spec, cwd=cwd or record.spec["workdir"], env=env)
         base = record.uid_base
+        tools = "-"
+        if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
+            tools = f"{self.mnt / 'image'}{VERIFIER_TOOLS}"
         argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
                  "nsenter", f"--mount=/proc/{record.monitor[0]}/ns/mnt",
                  f"--net=/proc/{record.init[0]}/ns/net", "--",
                  "unshare", "-m", "--propagation", "private", "--",
                  "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
-                 f"{base}:{base}", str(tests), str(logs),
+                 f"{base}:{base}", str(tests), str(logs), tools,
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -790,7 +800,7 @@ class LocalRuntime(CommandRuntime):
                 pass_fds=(info_w, block_r), on_start=on_start)
         finally:
             Cgroups.freeze(freezer, False)  # (again, if it failed before: idempotent)
-            for fd in fds:
+            for fd in sorted(fds):  # (a copy: close() changes the set)
                 close(fd)
         self._check_alive(record.sandbox_id)
         if not started.get("child"):
@@ -818,7 +828,7 @@ class LocalRuntime(CommandRuntime):
         ns = f"/proc/{record.monitor[0]}/root"
         root, image = str(self.mnt / "root"), str(self.mnt / "image")
         fix = _ViewFixer(ns, record.uid_base, f"{self._dir(record.sandbox_id)}/disk/reserve")
-        spec = BwrapSpec(root=root)
+        spec = BwrapSpec(root=root, env={})
         if not agent_system:
             image_top = set(fix.names(image))
             for name in fix.names(root):  # files and links the image has not at / go
@@ -843,6 +853,9 @@ class LocalRuntime(CommandRuntime):
             fix.real_dir(f"{root}/{path}")                             # mounts cover them
         spec.binds += [(str(self.mnt / "verifier" / "tests"), "/tests"),
                        (str(self.mnt / "verifier" / "logs"), "/logs/verifier")]
+        if fix.is_dir(f"{image}{VERIFIER_TOOLS}"):  # the image's, never the agent's
+            spec.binds.append((str(self.mnt / "verifier" / "tools"), VERIFIER_TOOLS))
+            spec.env = _tools_env(fix.read(f"{image}{VERIFIER_TOOLS}/env"))
         return spec
 
     def stop(self, sandbox_id: str) -> None:
@@ -969,6 +982,18 @@ class _ViewFixer:
         except OSError:
             return []
 
+    def read(self, path: str, limit: int = 65536) -> str:
+        """A regular file's text (not through a link), "" if there is none."""
+        try:
+            fd = os.open(f"{self.ns}{path}", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return ""
+        try:
+            return os.read(fd, limit).decode("utf-8", "replace") \
+                if _stat.S_ISREG(os.fstat(fd).st_mode) else ""
+        finally:
+            os.close(fd)
+
     def is_dir(self, path: str) -> bool:
         st = self._lstat(path)
         return st is not None and _stat.S_ISDIR(st.st_mode)
@@ -1010,6 +1035,17 @@ class _ViewFixer:
                                                 | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
             os.lchown(f"{self.ns}{path}", self.uid, self.uid)
         return "bind"
+
+
+def _tools_env(text: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of an image's verifier-tools env file (``$PATH`` in a PATH value
+    stands for the verifier's PATH); other lines are ignored."""
+    env = {}
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key.isidentifier():
+            env[key] = value
+    return env
 
 
 def _pristine_etc(name: str) -> bool:

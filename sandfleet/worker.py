@@ -127,7 +127,7 @@ def tar_bounded(path: Path, name: str, limit: int) -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(path, arcname=name)
     if buf.tell() > limit:
-        raise BadRequest(f"{path} is over {limit >> 20} MiB as a tar stream")
+        raise BadRequest(f"{path.name} is over {limit >> 20} MiB as a tar stream")
     return buf.getvalue()
 
 
@@ -485,12 +485,7 @@ class Worker:
             with tempfile.TemporaryDirectory(dir=self._xfer_dir()) as tmp:
                 local = Path(tmp) / "out" / name
                 self.runtime.copy_out(req.lease_id, src, local)
-                buf = io.BytesIO()
-                with tarfile.open(fileobj=buf, mode="w") as tar:
-                    tar.add(local, arcname=name)
-                if buf.tell() > MAX_PAYLOAD_BYTES:
-                    raise BadRequest(f"get: {src} is over {MAX_PAYLOAD_BYTES >> 20} MiB")
-                return buf.getvalue()
+                return tar_bounded(local, name, MAX_PAYLOAD_BYTES)
 
         async with held.lock:
             held.running += 1

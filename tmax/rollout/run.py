@@ -10,6 +10,8 @@ trajectory keeps whatever the episode had done. Everything else the policy did i
 An unexpected exception (a bug) is logged with its traceback and recorded as
 ``infra_failure`` with cause ``internal_error``: masked in training, re-run in evaluation,
 counted in the infra-failure rate, so one bad episode never ends a long run.
+A verifier that cannot grade (no reward, or a 0 with the network it needed missing) is a
+``verifier_error``: a task problem, neither infra nor the agent's failure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -64,6 +67,16 @@ class EpisodeContext:
     trial: int
 
 
+def plan_errors() -> tuple[type[Exception], ...]:
+    """What planning a task's image raises when the task itself cannot be made into one:
+    ``BaseMappingError`` (a FROM image with no local base), ``BuildError`` and
+    ``ValueError`` (a definition or Dockerfile that cannot be read)."""
+    from tmax.images.definition import BaseMappingError
+    from tmax.images.rootfs import BuildError
+
+    return BaseMappingError, BuildError, ValueError
+
+
 class TaskImages:
     """Task -> SIF path in an image store (looked up once per task; never builds)."""
 
@@ -71,15 +84,35 @@ class TaskImages:
         from tmax.images import open_builds
 
         self.builds = open_builds(store, check=False)
-        self._found: dict[str, tuple[str, str]] = {}
+        self._found: dict[str, Any] = {}
+        self._warned: set[str] = set()
 
-    def resolve(self, task: Task) -> tuple[str, str]:
-        """``(sif_path, workdir)``; ``ImageMissing`` (an infra error) when not built."""
+    def entry(self, task: Task) -> Any:
+        """The store's entry (``ImageEntry``) of the task's current image. ``ImageMissing``
+        when it is not built, out of date or corrupt; one of ``plan_errors()`` when no image
+        can be planned from the task. Its ``checks`` say whether the build-time checks
+        passed; this does not look at them."""
         if task.task_id not in self._found:
             digest = self.builds.plan(task).digest
-            entry = self.builds.store.task_image(task.task_id, digest)
-            self._found[task.task_id] = (str(self.builds.store.path(entry.sif)), entry.workdir)
+            self._found[task.task_id] = self.builds.store.task_image(task.task_id, digest)
         return self._found[task.task_id]
+
+    def resolve(self, task: Task) -> tuple[str, str]:
+        """``(sif_path, workdir)``; ``ImageMissing`` (an infra error: masked in training)
+        when the image is not built or cannot be planned. An image whose build-time checks
+        failed is used, with a warning once per task (evaluation skips such tasks before
+        it starts: ``tmax.eval.runner.preflight``)."""
+        try:
+            entry = self.entry(task)
+        except plan_errors() as e:
+            raise ImageMissing(str(task.environment_dir),
+                               f"task {task.task_id}: no image can be planned: {e}") from None
+        checks = entry.checks
+        if checks is not None and not checks.ok and task.task_id not in self._warned:
+            self._warned.add(task.task_id)
+            log.warning("%s: the image's build-time checks failed (%s); its rewards may be "
+                        "wrong", task.task_id, checks.reason)
+        return str(self.builds.store.path(entry.sif)), entry.workdir
 
 
 async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
@@ -161,6 +194,10 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
     /etc are the image's as built, unless the task sets ``[verifier] agent_system``).
     test.sh runs as ``/bin/bash`` in the task's workdir with the PATH the sandbox had
     before the agent started, plus the task's verifier env.
+
+    No reward, a malformed one or a timeout is a ``verifier_error``. So is a reward of 0
+    when the output shows the verifier could not grade (``grade_problem``: it needed the
+    network, or found no test runner): the 0 is dropped, since the agent did not earn it.
     """
     verifier = task.config.verifier
     env = {"PATH": base_path, **verifier.env}
@@ -170,18 +207,85 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
                                          dest=Path(tmp) / "verifier", cwd=workdir, env=env,
                                          agent_system=verifier.agent_system)
         traj.verifier_output = result.output[-4000:]
+        reward, error = None, ""
         if result.timed_out:
-            traj.verifier_error = f"test.sh timed out after {verifier.timeout_sec:g} s"
+            error = f"test.sh timed out after {verifier.timeout_sec:g} s"
+        else:
+            try:
+                reward = read_reward(got, task.task_id)
+            except VerifierError as e:
+                error = e.reason + (f" (test.sh exited {result.exit_code})"
+                                    if result.exit_code else "")
+        problem = None if reward else grade_problem(result.output,
+                                                    network=task.config.environment.network)
+        if problem is not None:  # a 0 it wrote is not the agent's
+            traj.verifier_error = problem + (f"; {error}" if error else "")
             return
-        try:
-            traj.reward = read_reward(got, task.task_id)
-            metrics = got / "reward.json"
-            if metrics.is_file():
+        if reward is None:
+            traj.verifier_error = error
+            return
+        traj.reward = reward
+        metrics = got / "reward.json"
+        if metrics.is_file():
+            try:
                 data = json.loads(metrics.read_text())
+            except (OSError, ValueError):
+                data = None  # reward.txt gave the reward; reward.json is only metrics
+            if isinstance(data, dict):
                 traj.reward_metrics = {k: float(v) for k, v in data.items()
                                        if isinstance(v, (int, float))}
-        except VerifierError as e:
-            traj.verifier_error = e.reason
 
 
-__all__ = ["EpisodeContext", "ImageMissing", "LeaseShell", "TaskImages", "rollout"]
+NEEDS_NETWORK = "needs network at grade time"
+_OFFLINE_SIGNS = re.compile(
+    r"Could not resolve host:? '?(?P<curl>[^\s',]+)"     # curl, git
+    r"|Temporary failure resolving '(?P<apt>[^']+)'"     # apt
+    r"|Could not resolve '(?P<apt_old>[^']+)'"           # older apt
+    r"|unable to resolve host address '(?P<wget>[^']+)'"  # wget
+    r"|getaddrinfo (?:EAI_AGAIN|ENOTFOUND) (?P<node>[^\s:]+)"  # npm, node
+    r"|Temporary failure in name resolution"             # glibc: python, pip, uv, wget
+    r"|dns error"                                        # uv
+    r"|Network is unreachable",                          # any client, no route out
+    re.IGNORECASE)
+_RUNNER_MISSING = re.compile(r"\b(?:uvx|uv|pytest|pip3?|python3?): (?:command )?not found\b")
+
+
+def grade_problem(output: str, *, network: bool) -> str | None:
+    """Why a verifier that wrote no reward (or 0) could not grade, from its output; None
+    when nothing in it says so (the reward stands).
+
+    - ``needs network at grade time: <line>`` when the task has no network and a line shows
+      a name lookup of a non-local host failing, or no route out (the usual verifier
+      boilerplate fetches curl, uv and pytest first). A host without a dot, or localhost,
+      does not count: it may be a name the agent was meant to set up.
+    - ``verifier could not run: <line>`` when the shell found no uv, uvx, pytest, pip or
+      python to run the tests with.
+    """
+    runner = None
+    for line in output.splitlines():
+        if not network:
+            for m in _OFFLINE_SIGNS.finditer(line):
+                host = next((h for h in m.groups() if h), None)
+                if host is None or _remote(host):
+                    return f"{NEEDS_NETWORK}: {_evidence(line, m)}"
+        if runner is None and (m := _RUNNER_MISSING.search(line)):
+            runner = f"verifier could not run: {_evidence(line, m)}"
+    return runner
+
+
+def _remote(host: str) -> bool:
+    host = host.strip("'\".,;:[]()").lower()
+    return "." in host and host != "localhost" and not host.endswith(".localhost")
+
+
+def _evidence(line: str, match: re.Match) -> str:
+    """The line, or ~160 characters of it around ``match`` when it is long."""
+    if len(line.strip()) <= 160:
+        return " ".join(line.split())
+    start, end = max(0, match.start() - 80), match.end() + 40
+    return ("..." if start else "") + " ".join(line[start:end].split()) + \
+        ("..." if end < len(line) else "")
+
+
+__all__ = ["NEEDS_NETWORK", "EpisodeContext", "ImageMissing", "LeaseShell", "TaskImages",
+           "grade_problem", "plan_errors", "rollout"]

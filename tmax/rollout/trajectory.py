@@ -8,19 +8,26 @@ Outcome fields:
 
 - ``reward``: the verifier's reward in [0,1], or 0.0 when the episode ended for a policy
   reason that is not verified (``policy_failure``), or None when there is no reward
-  (``infra_failure`` or ``verifier_error``).
+  (``infra_failure`` or ``verifier_error``; a verifier that needed the network and wrote 0
+  has its 0 dropped).
 - ``policy_failure``: the policy's own reason the episode did not submit: ``step_limit``,
   ``time_budget``, ``format_errors``, ``context_limit``, ``policy_error``, ``oom``,
   ``timeout`` (the verifier's), or None.
 - ``infra_failure``: ``{"cause", "error", "message"}`` when the fleet (or the policy's
   endpoint) failed; such rollouts are re-run in evaluation and masked in training.
-- ``verifier_error``: the verifier ran but left no usable reward (missing/malformed file).
+- ``verifier_error``: the verifier ran but gave no usable reward: it wrote none or a
+  malformed one, timed out, or could not do its job (``needs network at grade time: <the
+  line that says so>``, ``verifier could not run: uvx: command not found``). A task
+  problem, not the agent's failure: ``scored`` is False, so evaluation leaves the episode
+  out of its scores (and counts it) and training gives it no advantage (masked like an
+  infra failure); it is not re-run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -75,9 +82,15 @@ class Trajectory:
         return self.infra_failure is None
 
     @property
+    def scored(self) -> bool:
+        """The reward measures the agent: no infrastructure failure and no verifier error.
+        Evaluation scores and training advantages use only these."""
+        return self.infra_failure is None and self.verifier_error is None
+
+    @property
     def score(self) -> float:
         """Reward for averaging: infra failures have none (callers drop them); a verifier
-        error scores 0 (and is counted separately by reports)."""
+        error gives 0 here, but evaluation and training leave it out (see ``scored``)."""
         if self.infra_failure is not None:
             raise ValueError(f"trajectory {self.id} ({self.task}) is an infra failure")
         return 0.0 if self.reward is None else self.reward
@@ -124,6 +137,12 @@ class Trajectory:
         if tokens:
             out.append((tokens, logps, mask))
         return out
+
+
+def verifier_error_cause(text: str) -> str:
+    """The cause of a ``verifier_error`` without its details: ``needs network at grade
+    time``, ``verifier could not run``, ``wrote no reward.txt or reward.json``, ..."""
+    return re.split(r": |; | \(", text, maxsplit=1)[0].strip() or "verifier error"
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

@@ -4,15 +4,19 @@
 while the trainer steps; each rollout is stamped with the policy version that sampled it.
 ``next_batch(n, version)`` returns ``n`` usable groups:
 
-- advantages are computed over a group's valid rollouts only (infra failures dropped); a
-  group with fewer than two valid rollouts, or whose valid rewards are all equal, carries
-  no gradient and is filtered; sampling goes on until ``n`` usable groups are ready
-  (active sampling);
+- advantages are computed over a group's scored rollouts only (``Trajectory.scored``):
+  infra failures and verifier errors (a verifier that could not grade, e.g. one that needed
+  the network) get no advantage and stay out of the loss, the same mask; a group with
+  fewer than two scored rollouts (reason ``too_few_valid``), or whose scored rewards are all
+  equal, carries no gradient and is filtered; sampling goes on until ``n`` usable groups
+  are ready (active sampling);
 - groups sampled by a policy older than ``version - async_steps`` are dropped as stale;
 - ``async_steps == 0`` is synchronous: nothing is sampled while the trainer steps.
 
 If ``abort_after_infra`` rollouts in a row fail on infrastructure, ``next_batch`` raises
-``RolloutsFailing`` with the causes instead of letting the run train on nothing.
+``RolloutsFailing`` with the causes instead of letting the run train on nothing. A verifier
+error is not an infrastructure failure (the fleet worked); it is logged once per task and
+cause.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from tmax.agent.config import AgentConfig
 from tmax.rl import GroupAdvantages, group_advantages
 from tmax.rollout.run import rollout
-from tmax.rollout.trajectory import Trajectory
+from tmax.rollout.trajectory import Trajectory, verifier_error_cause
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,7 @@ class GroupSampler:
         self.give_up_after_groups = give_up_after_groups
         self.filtered_streak, self.filtered_reasons = 0, Counter()
         self.stats = SamplerStats()
+        self._verifier_errors_seen: set[tuple[str, str]] = set()
         self.error: BaseException | None = None
         self._producer: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -156,9 +161,9 @@ class GroupSampler:
         t0 = time.monotonic()
         try:
             trajs = await asyncio.gather(*[self._one(task, i) for i in range(self.group_size)])
-            valid = [t.valid for t in trajs]
-            adv = group_advantages([t.score if t.valid else None for t in trajs], valid,
-                                   normalize_std=self.normalize_std)
+            scored = [t.scored for t in trajs]  # the loss mask: infra and verifier errors out
+            adv = group_advantages([t.score if ok else None for t, ok in zip(trajs, scored)],
+                                   scored, normalize_std=self.normalize_std)
             self.stats.rollouts.extend(trajs)
             for t in trajs:
                 if t.valid:
@@ -166,6 +171,8 @@ class GroupSampler:
                 else:
                     self.infra_streak += 1
                     self.infra_causes[t.infra_failure.get("cause", "infra")] += 1
+                if t.valid and t.verifier_error is not None:
+                    self._note_verifier_error(t)
             group = Group(task.task_id, trajs, adv, version, time.monotonic() - t0)
             self.stats.groups_done += 1
             if adv.kept:
@@ -180,6 +187,13 @@ class GroupSampler:
         finally:
             self.inflight -= 1
             self.changed.set()
+
+    def _note_verifier_error(self, t: Trajectory) -> None:
+        key = (t.task, verifier_error_cause(t.verifier_error or ""))
+        if key not in self._verifier_errors_seen:
+            self._verifier_errors_seen.add(key)
+            log.warning("%s: verifier error (%s); such rollouts are left out of the loss",
+                        t.task, t.verifier_error)
 
     # ---- consuming
 

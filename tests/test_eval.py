@@ -60,25 +60,30 @@ RECORDS = [
     rec("a", 1, 0.0, difficulty="easy", attempt=1, started_at=1010.0),
     rec("b", 0, 0.5),
     rec("b", 1, 1.0, timings={"queue": 3.0, "agent": 4.0, "verifier": 1.0, "total": 9.0}),
-    rec("c", 0, None, domain="dy", verifier_error="no reward file"),  # scores 0
+    rec("c", 0, None, domain="dy", verifier_error="wrote no reward.txt or reward.json"),
     rec("c", 1, 0.0, domain="dy", policy_failure="step_limit"),
 ]
 
 
 def test_summarize_against_hand_computed_values():
     s = summarize(RECORDS)
-    # rewards a: 1, 0; b: 0.5, 1; c: 0, 0. Per-trial means 1.5/3 = 0.5 and 1/3.
+    # scored rewards a: 1, 0; b: 0.5, 1; c: -, 0 (its verifier error is not scored).
+    # Task means 0.5, 0.75, 0 -> 5/12. Per-trial means (1 + 0.5)/2 = 0.75 and 1/3.
     assert s["mean_reward"] == pytest.approx(5 / 12)
-    # SE over K=2 trials: sample std of (1/2, 1/3) = (1/6)/sqrt(2), over sqrt(2) -> 1/12
-    assert s["reward_se"] == pytest.approx(1 / 12) and s["se_over"] == "trials"
-    assert s["pass_rate"] == pytest.approx(1 / 3) and s["pass_se"] == pytest.approx(0.0)
-    assert s["pass_at_k"] == pytest.approx({1: 1 / 3, 2: 2 / 3})
+    # SE over K=2 trials: sample std of (3/4, 1/3) = (5/12)/sqrt(2), over sqrt(2) -> 5/24
+    assert s["reward_se"] == pytest.approx(5 / 24) and s["se_over"] == "trials"
+    # passes per trial: (1 + 0)/2 and (0 + 1 + 0)/3 -> SE (1/6)/2 = 1/12; per task 1/3
+    assert s["pass_rate"] == pytest.approx(1 / 3) and s["pass_se"] == pytest.approx(1 / 12)
+    # pass@1 = (1/2 + 1/2 + 0)/3; pass@2 over a and b only (c has one scored trial)
+    assert s["pass_at_k"] == pytest.approx({1: 1 / 3, 2: 1.0})
     assert s["trials"] == 2 and s["n_tasks"] == 3 and s["episodes"] == 6
+    assert s["scored_episodes"] == 5
     assert s["attempts"] == 7 and s["infra_failures"] == 1
     assert s["infra_failure_rate"] == pytest.approx(1 / 7)
     assert s["infra_causes"] == {"sandbox_lost": 1}
     assert s["verifier_errors"] == 1 and s["policy_failures"] == {"step_limit": 1}
-    assert s["unscored"] == []
+    assert s["verifier_error_causes"] == {"wrote no reward.txt or reward.json": 1}
+    assert s["unscored"] == [] and s["skipped"] == []
     dx, dy = s["by_domain"]["dx"], s["by_domain"]["dy"]
     assert (dx["n_tasks"], dx["mean_reward"], dx["pass_rate"]) == (2, 0.625, 0.5)
     # dx per-trial means (1+0.5)/2 = 0.75 and (0+1)/2 = 0.5 -> SE (0.25/sqrt2)/sqrt2 = 0.125
@@ -93,8 +98,9 @@ def test_summarize_against_hand_computed_values():
     assert s["timings"]["start"] is None
     assert s["wall_s"] == pytest.approx(1010.0 + 4.0 - 1000.0)
     text = format_tables(s)
-    assert "0.417 ± 0.083" in text and "1/7 attempts" in text and "sandbox_lost 1" in text
+    assert "0.417 ± 0.208" in text and "1/7 attempts" in text and "sandbox_lost 1" in text
     assert "step_limit 1" in text and "DOMAIN" in text and "DIFFICULTY" in text
+    assert "verifier errors 1/6 episodes" in text
 
 
 def test_one_trial_uses_the_standard_error_over_tasks_and_dicts_work_too():
@@ -171,8 +177,9 @@ def test_eval_explains_bad_input(tmp_path):
     out = runner.invoke(eval_cmd, ["--tasks", str(EXAMPLES / "hello-*"), "--policy", "oracle",
                                    "--store", str(tmp_path / "empty-store"),
                                    "--out", str(tmp_path / "run")])
-    assert out.exit_code != 0 and "1 task image(s) missing" in out.output
-    assert "tmax images build" in out.output
+    assert out.exit_code != 0 and "no task can run" in out.output
+    assert "hello-world-file [image_missing]: task hello-world-file: no image" in out.output
+    assert "tmax images build" in out.output and "Traceback" not in out.output
 
 
 def test_a_state_dir_without_a_controller_is_a_clear_error(tmp_path):

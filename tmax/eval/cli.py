@@ -18,7 +18,10 @@ from tmax.images.cli import store_option
 
 
 def resolve_tasks(specs: tuple[str, ...]):
-    """The tasks of each ``--tasks`` value (a task dir, a folder of tasks, or a glob)."""
+    """The tasks of each ``--tasks`` value (a task dir, a folder of tasks, or a glob), and
+    the folders that do not load as tasks (``Skipped``, kind ``invalid_task``, id the
+    folder's name)."""
+    from tmax.eval.runner import Skipped
     from tmax.tasks.model import TaskError
     from tmax.tasks.native import find_tasks, load_task
 
@@ -33,20 +36,17 @@ def resolve_tasks(specs: tuple[str, ...]):
             raise click.ClickException(f"--tasks {spec}: no task folders there (a task "
                                        "folder holds instruction.md and task.toml)")
         paths.update((p.resolve(), None) for p in found)
-    tasks, errors = [], []
+    tasks, invalid = [], []
     for path in paths:
         try:
             tasks.append(load_task(path))
         except TaskError as e:
-            errors.append(f"{path}:\n{e}")
-    if errors:
-        raise click.ClickException("invalid tasks (see `tmax tasks validate`):\n"
-                                   + "\n".join(errors))
+            invalid.append(Skipped(path.name, "invalid_task", str(e), str(path)))
     ids = [t.task_id for t in tasks]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise click.ClickException(f"several task folders share the ids {', '.join(dupes)}")
-    return tasks
+    return tasks, invalid
 
 
 def _policy(spec: str, submit_marker: str):
@@ -94,20 +94,34 @@ def _write_json(path: Path, data) -> None:
               help="Override the agent config's command_timeout_s (seconds).")
 @click.option("--threshold", default=1.0, show_default=True,
               help="A trial passes when its reward is at least this.")
+@click.option("--strict", is_flag=True,
+              help="Refuse to run when any task is invalid or has no usable image "
+                   "(default: skip those tasks and list them with their reasons).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, agent_config,
-             out_dir, max_infra_retries, step_limit, command_timeout, threshold,
+             out_dir, max_infra_retries, step_limit, command_timeout, threshold, strict,
              no_progress) -> None:
     """Run a policy on tasks through a sandbox fleet; write every episode to
     OUT/results.jsonl, the statistics to OUT/summary.json, and print them. Infra-failed
-    episodes are re-run; running again with the same --out resumes."""
+    episodes are re-run; running again with the same --out resumes. Tasks that are invalid,
+    whose FROM image has no local base, whose image is not built or failed its build-time
+    checks are skipped and listed with their reasons (--strict refuses instead); episodes
+    whose verifier could not grade are counted apart, not scored."""
     from tmax.agent.config import AgentConfigError, load_agent_config
-    from tmax.eval.runner import EvalError, check_images, eval_meta, open_results, run_eval
+    from tmax.eval.runner import (
+        EvalError,
+        eval_meta,
+        open_results,
+        preflight,
+        read_skipped,
+        run_eval,
+        skipped_text,
+    )
     from tmax.eval.summary import format_tables, summarize
     from tmax.fleet import FleetUnavailable, open_fleet
     from tmax.rollout.run import TaskImages
 
-    tasks = resolve_tasks(task_specs)
+    tasks, invalid = resolve_tasks(task_specs)
     overrides = {k: v for k, v in (("step_limit", step_limit),
                                    ("command_timeout_s", command_timeout)) if v is not None}
     try:
@@ -117,24 +131,34 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
     policy = _policy(policy_spec, config.submit_marker)
     out = out_dir or Path(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     results = out / "results.jsonl"
+    images = TaskImages(store)
+    runnable, unusable = preflight(tasks, images)
+    skipped = [*invalid, *unusable]
+    listing = skipped_text(skipped, store)
+    if skipped and strict:
+        raise click.ClickException(f"{len(skipped)} of {len(tasks) + len(invalid)} tasks "
+                                   "cannot run (--strict: nothing was run):\n" + listing)
+    if not runnable:
+        raise click.ClickException("no task can run; all were skipped:\n" + listing)
+    if skipped:
+        click.echo(f"skipping {len(skipped)} of {len(tasks) + len(invalid)} tasks:\n"
+                   + listing, err=True)
     try:
-        images = TaskImages(store)
-        check_images(tasks, images)
         out.mkdir(parents=True, exist_ok=True)
-        open_results(results, eval_meta(tasks, policy, config, trials))
+        open_results(results, eval_meta(tasks, policy, config, trials, invalid))
     except EvalError as e:
         raise click.ClickException(str(e)) from None
     _write_json(out / "agent_config.json", config.model_dump(mode="json"))
 
     async def go():
-        cpus = max(t.config.environment.cpus for t in tasks)
-        memory = max(t.config.environment.memory_mb for t in tasks)
+        cpus = max(t.config.environment.cpus for t in runnable)
+        memory = max(t.config.environment.memory_mb for t in runnable)
         async with open_fleet(fleet_dir, concurrency=concurrency, sandbox_cpus=cpus,
                               sandbox_memory_mb=memory) as fleet:
             return await run_eval(tasks, policy, fleet, images, config, trials=trials,
                                   concurrency=concurrency, results_path=results,
                                   max_infra_retries=max_infra_retries,
-                                  progress=not no_progress)
+                                  progress=not no_progress, skipped=invalid, strict=strict)
 
     from sandfleet.protocol import run_event_loop
 
@@ -146,7 +170,7 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
         click.echo(f"\ninterrupted; the finished episodes are in {results}; run the same "
                    f"command with --out {out} to resume", err=True)
         sys.exit(130)
-    summary = summarize(records, threshold=threshold)
+    summary = summarize(records, threshold=threshold, skipped=read_skipped(results))
     _write_json(out / "summary.json", summary)
     click.echo(format_tables(summary))
     click.echo(f"\nresults {results}\nsummary {out / 'summary.json'}\n"
@@ -170,6 +194,7 @@ def report_cmd(results: Path, out_dir: Path | None, threshold: float, output: st
     """Print the tables of an evaluation's RESULTS (results.jsonl, or its run folder) and
     write its plots (reward by domain, pass@k, phase times) as PNGs."""
     from tmax.eval.report import write_plots
+    from tmax.eval.runner import read_skipped
     from tmax.eval.summary import format_tables, summarize
     from tmax.rollout.trajectory import read_jsonl
 
@@ -183,7 +208,7 @@ def report_cmd(results: Path, out_dir: Path | None, threshold: float, output: st
         raise click.ClickException(f"{results}: not a results file ({e})") from None
     if not records:
         raise click.ClickException(f"{results}: no records")
-    summary = summarize(records, threshold=threshold)
+    summary = summarize(records, threshold=threshold, skipped=read_skipped(results))
     plots = write_plots(summary, records, out_dir or results.parent)
     if output == "json":
         click.echo(json.dumps({"summary": summary, "plots": [str(p) for p in plots]},

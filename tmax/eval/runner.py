@@ -10,9 +10,16 @@
   (with a fresh retry budget, so a resume after a fleet outage tries again). A torn last
   line (a crash mid-write) is cut off before anything is appended.
 - The results file has a sidecar ``<results>.meta.json``: the policy name, the sha256 of
-  the resolved agent config, the trials and the task ids. Resuming with other values is an
-  ``EvalError`` (use another results path); the records themselves stay plain
-  trajectories, so every trajectory reader reads the file.
+  the resolved agent config, the trials and the task ids (skipped tasks included, so a
+  rerun after fixing them resumes). Resuming with other values is an ``EvalError`` (use
+  another results path); the records themselves stay plain trajectories, so every
+  trajectory reader reads the file.
+- Tasks that cannot run are skipped, not fatal (``preflight``): an image that cannot be
+  planned (``unmapped_base``, ``image_definition``), is not built (``image_missing``) or
+  failed its build-time checks (``checks_failed``); the caller adds tasks that did not load
+  (``invalid_task``). They go to the sidecar ``<results>.skipped.json`` (rewritten by each
+  run) with their reasons; ``strict=True`` refuses the evaluation instead. A verifier that
+  cannot grade is a ``verifier_error`` (a task problem), recorded and never re-run.
 """
 
 from __future__ import annotations
@@ -23,13 +30,13 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tmax.agent.config import AgentConfig
 from tmax.agent.policy import Policy
-from tmax.rollout.run import TaskImages, rollout
+from tmax.rollout.run import ImageMissing, TaskImages, plan_errors, rollout
 from tmax.rollout.trajectory import Trajectory, append_jsonl, read_jsonl
 from tmax.tasks.model import Task
 
@@ -40,12 +47,52 @@ RETRY_BACKOFF_S = (1.0, 5.0, 15.0, 30.0)
 
 
 class EvalError(Exception):
-    """An evaluation that cannot run as asked (a mismatched results file, missing images)."""
+    """An evaluation that cannot run as asked (a mismatched results file, no task that can
+    run, skipped tasks under ``strict``)."""
+
+
+SKIP_KINDS = ("invalid_task", "unmapped_base", "image_definition", "image_missing",
+              "checks_failed")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A task left out of an evaluation, and why (``kind`` is one of ``SKIP_KINDS``)."""
+
+    task: str
+    kind: str
+    reason: str
+    path: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Skipped:
+        return cls(**{k: str(data.get(k, "")) for k in ("task", "kind", "reason", "path")})
 
 
 def meta_path(results_path: str | Path) -> Path:
     p = Path(results_path)
     return p.with_name(p.name + ".meta.json")
+
+
+def skipped_path(results_path: str | Path) -> Path:
+    p = Path(results_path)
+    return p.with_name(p.name + ".skipped.json")
+
+
+def read_skipped(results_path: str | Path) -> list[Skipped]:
+    """The tasks the last run of the evaluation in ``results_path`` skipped."""
+    path = skipped_path(results_path)
+    if not path.is_file():
+        return []
+    return [Skipped.from_dict(d) for d in json.loads(path.read_text()).get("skipped", [])]
+
+
+def write_skipped(results_path: str | Path, skipped: Sequence[Skipped]) -> None:
+    _write_atomic(skipped_path(results_path),
+                  json.dumps({"skipped": [s.to_dict() for s in skipped]}, indent=2) + "\n")
 
 
 def config_hash(config: AgentConfig) -> str:
@@ -54,9 +101,10 @@ def config_hash(config: AgentConfig) -> str:
 
 
 def eval_meta(tasks: Sequence[Task], policy: Policy, config: AgentConfig,
-              trials: int) -> dict[str, Any]:
+              trials: int, skipped: Sequence[Skipped] = ()) -> dict[str, Any]:
+    ids = {t.task_id for t in tasks} | {s.task for s in skipped}
     return {"version": META_VERSION, "policy": policy.name, "agent_config": config_hash(config),
-            "trials": trials, "tasks": sorted(t.task_id for t in tasks)}
+            "trials": trials, "tasks": sorted(ids)}
 
 
 def open_results(results_path: str | Path, meta: dict[str, Any]) -> list[Trajectory]:
@@ -118,21 +166,53 @@ def _cut_torn_tail(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def check_images(tasks: Sequence[Task], images: TaskImages) -> None:
-    """``EvalError`` naming every task whose image is not built (or out of date)."""
-    from sandfleet.errors import ImageMissing
+def preflight(tasks: Sequence[Task], images: TaskImages) -> tuple[list[Task], list[Skipped]]:
+    """The tasks whose images can run, and the others with their reasons: an image that
+    cannot be planned, is not built (or is out of date, or corrupt), or failed its
+    build-time checks. Never raises for one task's problem."""
+    from tmax.images.definition import BaseMappingError
 
-    missing = []
+    runnable, skipped = [], []
     for task in tasks:
+        where = str(task.root)
         try:
-            images.resolve(task)
+            entry = images.entry(task)
         except ImageMissing as e:
-            missing.append(f"{task.task_id} ({e.reason})")
-    if missing:
-        raise EvalError(f"{len(missing)} task image(s) missing in {images.builds.store.root}: "
-                        + "; ".join(missing[:10]) + ("; ..." if len(missing) > 10 else "")
-                        + "; build them with `tmax images build TASKS --store "
-                        f"{images.builds.store.root}`")
+            skipped.append(Skipped(task.task_id, "image_missing", e.reason, where))
+            continue
+        except plan_errors() as e:
+            kind = "unmapped_base" if isinstance(e, BaseMappingError) else "image_definition"
+            skipped.append(Skipped(task.task_id, kind, str(e), where))
+            continue
+        except Exception as e:  # one task's image (a bug, maybe), not the whole evaluation
+            log.debug("%s: planning its image failed", task.task_id, exc_info=True)
+            skipped.append(Skipped(task.task_id, "image_definition",
+                                   f"{type(e).__name__}: {e}", where))
+            continue
+        if entry.checks is not None and not entry.checks.ok:
+            skipped.append(Skipped(task.task_id, "checks_failed",
+                                   f"build-time checks failed: {entry.checks.reason}"
+                                   + (f" (log {images.builds.store.path(entry.checks.log)})"
+                                      if entry.checks.log else ""), where))
+            continue
+        runnable.append(task)
+    return runnable, skipped
+
+
+def skipped_text(skipped: Sequence[Skipped], store: str | Path | None = None) -> str:
+    """One line per skipped task (the first line of its reason), and what to do."""
+    lines = [f"  {s.task} [{s.kind}]: {s.reason.strip().splitlines()[0] if s.reason else ''}"
+             for s in skipped]
+    kinds = {s.kind for s in skipped}
+    hints = []
+    if "invalid_task" in kinds:
+        hints.append("check tasks with `tmax tasks validate`")
+    if kinds & {"image_missing", "checks_failed"}:
+        hints.append("build images with `tmax images build TASKS"
+                     + (f" --store {store}`" if store else "`"))
+    if "unmapped_base" in kinds:
+        hints.append("map the FROM image to a local base (configs/base-images.yaml)")
+    return "\n".join(lines + ([f"  ({'; '.join(hints)})"] if hints else []))
 
 
 @dataclass
@@ -143,25 +223,33 @@ class _Progress:
     reward_sum: float = 0.0
     scored: int = 0
     infra: int = 0
+    verifier_errors: int = 0
 
     def add(self, t: Trajectory, *, done: bool) -> None:
-        if t.valid:
+        if t.scored:
             self.reward_sum += t.score
             self.scored += 1
+        elif t.valid:
+            self.verifier_errors += 1
         else:
             self.infra += 1
         if self.bar is not None:
             mean = self.reward_sum / self.scored if self.scored else float("nan")
-            self.bar.set_postfix(reward=f"{mean:.3f}", infra=self.infra, refresh=False)
+            self.bar.set_postfix(reward=f"{mean:.3f}", infra=self.infra,
+                                 verifier_err=self.verifier_errors, refresh=False)
             self.bar.update(1 if done else 0)
 
 
 async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: TaskImages,
                    agent_config: AgentConfig, *, trials: int, concurrency: int,
                    results_path: str | Path, max_infra_retries: int = 3,
-                   progress: bool = True) -> list[Trajectory]:
+                   progress: bool = True, skipped: Sequence[Skipped] = (),
+                   strict: bool = False) -> list[Trajectory]:
     """Run ``trials`` episodes of every task with ``policy`` on ``fleet`` (an
     ``AsyncFleetClient``), ``concurrency`` at a time; every attempt goes to ``results_path``.
+    Tasks that cannot run (``preflight``) are skipped and, with ``skipped`` (tasks the
+    caller could not load), written to ``<results>.skipped.json``; with ``strict`` any of
+    them is an ``EvalError`` before anything runs, and so is having no task that can run.
     Returns every record of the results file (earlier runs' included), in file order."""
     if trials < 1 or concurrency < 1 or max_infra_retries < 0:
         raise ValueError("trials and concurrency must be >= 1, max_infra_retries >= 0")
@@ -169,9 +257,21 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
     if len(set(ids)) != len(ids):
         raise EvalError(f"duplicate task ids: {sorted({i for i in ids if ids.count(i) > 1})}")
     results_path = Path(results_path)
-    meta = eval_meta(tasks, policy, agent_config, trials)
-    await asyncio.to_thread(check_images, tasks, images)
+    meta = eval_meta(tasks, policy, agent_config, trials, skipped)
+    asked = len(tasks) + len(skipped)
+    runnable, unusable = await asyncio.to_thread(preflight, tasks, images)
+    skipped = [*skipped, *unusable]
+    store = images.builds.store.root
+    if skipped and strict:
+        raise EvalError(f"{len(skipped)} of {asked} tasks cannot run (--strict: nothing was "
+                        "run):\n" + skipped_text(skipped, store))
+    if not runnable:
+        raise EvalError("no task can run; all were skipped:\n" + skipped_text(skipped, store))
     earlier = await asyncio.to_thread(open_results, results_path, meta)
+    await asyncio.to_thread(write_skipped, results_path, skipped)
+    for s in skipped:
+        log.info("skipping %s [%s]: %s", s.task, s.kind, s.reason)
+    tasks = runnable
 
     done = {(r.task, r.trial) for r in earlier if r.valid}
     next_attempt: dict[tuple[str, int], int] = {}
@@ -225,5 +325,6 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
     return [Trajectory.from_dict(r) for r in read_jsonl(results_path)]
 
 
-__all__ = ["EvalError", "check_images", "config_hash", "eval_meta", "meta_path",
-           "open_results", "run_eval"]
+__all__ = ["SKIP_KINDS", "EvalError", "Skipped", "config_hash", "eval_meta", "meta_path",
+           "open_results", "preflight", "read_skipped", "run_eval", "skipped_path",
+           "skipped_text", "write_skipped"]

@@ -1,8 +1,13 @@
 """Evaluation statistics: pure functions over trajectory records, checkable by hand.
 
 Which records count: every record is one attempt. Attempts that failed on infrastructure
-(``not valid``) only enter the infra-failure rate; the score of a (task, trial) is its latest
-valid attempt (highest ``attempt``). A verifier error scores 0 and is counted apart.
+(``not valid``) only enter the infra-failure rate; the episode of a (task, trial) is its
+latest valid attempt (highest ``attempt``). An episode whose verifier could not grade
+(``verifier_error``: no reward, a malformed one, a timeout, a verifier that needed the
+network) is a task problem, not the agent's failure: it is left out of every score (mean
+reward, pass rate, pass@k, the domain and difficulty rows) and counted by cause in
+``verifier_errors`` / ``verifier_error_causes``. Tasks the evaluation skipped (invalid, no
+usable image) are listed in ``skipped`` with their reasons and counted in ``skipped_kinds``.
 
 Means and standard errors. Every task weighs the same: ``mean_reward`` is the mean over
 tasks of each task's mean over its trials. Its standard error measures how much the score
@@ -16,7 +21,7 @@ the mean of the per-trial means. The same holds for ``pass_rate`` (a trial passe
 reward >= ``threshold``, 1.0 by default) and for the per-domain and per-difficulty rows.
 
 ``pass_at_k``: the unbiased estimator of Chen et al. (2021), averaged over the tasks that
-have at least k scored trials.
+have at least k scored trials (so a task whose every trial had a verifier error is in none).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tmax.rollout.trajectory import Trajectory
+from tmax.rollout.trajectory import Trajectory, verifier_error_cause
 
 PHASES = ("queue", "start", "agent", "verifier", "total")
 
@@ -102,12 +107,17 @@ def group_row(final: Mapping[tuple[str, int], Trajectory], threshold: float) -> 
 
 
 def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
-              threshold: float = 1.0) -> dict[str, Any]:
-    """Statistics of an evaluation's records (``Trajectory`` objects or their dicts)."""
+              threshold: float = 1.0, skipped: Iterable[Any] = ()) -> dict[str, Any]:
+    """Statistics of an evaluation's records (``Trajectory`` objects or their dicts);
+    ``skipped``: the tasks it skipped (``runner.Skipped`` objects or their dicts)."""
     attempts = [_as_trajectory(r) for r in records]
-    final = final_records(attempts)
+    episodes = final_records(attempts)
+    final = {k: r for k, r in episodes.items() if r.scored}
+    problems = sorted((k, r) for k, r in episodes.items() if not r.scored)
     pairs = {(r.task, r.trial) for r in attempts}
     infra = [r for r in attempts if not r.valid]
+    skips = sorted((s if isinstance(s, Mapping) else s.to_dict() for s in skipped),
+                   key=lambda s: (s["kind"], s["task"]))
 
     overall = group_row(final, threshold)
     by_task: dict[str, list[Trajectory]] = defaultdict(list)
@@ -126,7 +136,7 @@ def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
             groups[key(r) or "-"][pair] = r
         return {name: group_row(g, threshold) for name, g in sorted(groups.items())}
 
-    timings = {p: _mean(r.timings[p] for r in final.values() if p in r.timings)
+    timings = {p: _mean(r.timings[p] for r in episodes.values() if p in r.timings)
                for p in PHASES}
     ends = [r.started_at + r.timings.get("total", 0.0) for r in attempts]
     return {
@@ -137,17 +147,23 @@ def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
         "pass_at_k": pass_k,
         "by_domain": grouped(lambda r: r.domain),
         "by_difficulty": grouped(lambda r: r.difficulty),
-        "episodes": len(final),
+        "episodes": len(episodes),
+        "scored_episodes": len(final),
         "attempts": len(attempts),
-        "unscored": sorted(f"{t}#{k}" for t, k in pairs - final.keys()),
+        "unscored": sorted(f"{t}#{k}" for t, k in pairs - episodes.keys()),
         "infra_failures": len(infra),
         "infra_failure_rate": len(infra) / len(attempts) if attempts else 0.0,
         "infra_causes": dict(Counter((r.infra_failure or {}).get("cause", "infra")
                                      for r in infra)),
-        "verifier_errors": sum(r.verifier_error is not None for r in final.values()),
+        "verifier_errors": len(problems),
+        "verifier_error_causes": dict(Counter(verifier_error_cause(r.verifier_error or "")
+                                              for _, r in problems)),
+        "verifier_error_episodes": [f"{t}#{k}: {r.verifier_error}" for (t, k), r in problems],
+        "skipped": skips,
+        "skipped_kinds": dict(Counter(s["kind"] for s in skips)),
         "policy_failures": dict(Counter(r.policy_failure for r in final.values()
                                         if r.policy_failure)),
-        "mean_steps": _mean(r.steps for r in final.values()),
+        "mean_steps": _mean(r.steps for r in episodes.values()),
         "timings": timings,
         "wall_s": max(ends) - min(r.started_at for r in attempts) if attempts else 0.0,
     }
@@ -189,16 +205,25 @@ def format_tables(summary: Mapping[str, Any]) -> str:
          f"({100 * s['infra_failure_rate']:.1f}%)")
         + (": " + ", ".join(f"{c} {n}" for c, n in s["infra_causes"].items())
            if s["infra_causes"] else ""),
-        f"verifier errors {s['verifier_errors']}; policy failures: "
-        + (", ".join(f"{c} {n}" for c, n in sorted(s["policy_failures"].items())) or "none"),
+        f"verifier errors {s['verifier_errors']}/{s['episodes']} episodes (task problems, "
+        "not scored)" + (": " + ", ".join(f"{c} {n}" for c, n in
+                                          s["verifier_error_causes"].items())
+                         if s["verifier_errors"] else ""),
+        "policy failures " + (", ".join(f"{c} {n}" for c, n in
+                                        sorted(s["policy_failures"].items())) or "none"),
         "mean seconds " + "  ".join(f"{p} {_f(v, 2)}" for p, v in s["timings"].items()),
     ]
     if s["unscored"]:
         lines.append(f"UNSCORED (only infra failures): {', '.join(s['unscored'])}")
+    if s["skipped"]:
+        lines.append(f"SKIPPED {len(s['skipped'])} tasks: "
+                     + ", ".join(f"{k} {n}" for k, n in s["skipped_kinds"].items()))
+        lines += [f"  {k['task']} [{k['kind']}]: "
+                  + (k["reason"].strip().splitlines() or [""])[0] for k in s["skipped"]]
     lines += ["", *_table("DOMAIN", s["by_domain"]), "",
               *_table("DIFFICULTY", s["by_difficulty"])]
     return "\n".join(lines)
 
 
 __all__ = ["PHASES", "final_records", "format_tables", "group_row", "pass_at_k",
-           "score_stats", "summarize"]
+           "score_stats", "summarize", "verifier_error_cause"]

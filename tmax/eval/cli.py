@@ -131,7 +131,10 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
     policy = _policy(policy_spec, config.submit_marker)
     out = out_dir or Path(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     results = out / "results.jsonl"
-    images = TaskImages(store)
+    try:
+        images = TaskImages(store)
+    except (OSError, ValueError) as e:  # the store's folder, the base table
+        raise click.ClickException(f"image store {store}: {e}") from None
     runnable, unusable = preflight(tasks, images)
     skipped = [*invalid, *unusable]
     listing = skipped_text(skipped, store)

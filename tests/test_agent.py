@@ -196,11 +196,11 @@ def test_the_verifier_ignores_what_the_agent_did_to_path(example_fleet, images):
 
 
 @pytest.mark.sandbox
-def test_a_missing_reward_is_a_verifier_error_not_a_zero(example_fleet, images):
+def test_an_agent_that_breaks_logs_still_gets_the_verifiers_reward(example_fleet, images):
+    """/logs replaced by a file: the verifier's /logs/verifier is its own all the same (the
+    agent's file is set aside), so the verifier grades the untouched task: 0, no error."""
     traj = run(example_fleet, images, ScriptedPolicy(["rm -rf /logs && touch /logs"]))
-    assert traj.reward is None and traj.infra_failure is None
-    assert "reward" in traj.verifier_error or "/logs/verifier" in traj.verifier_error
-    assert traj.score == 0.0
+    assert traj.reward == 0.0 and traj.infra_failure is None and not traj.verifier_error
 
 
 @pytest.mark.sandbox

@@ -4,10 +4,12 @@ in a sandbox with no network."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.test_tasks import make_task
 from tmax.images.definition import Definition
 from tmax.images.verifier_tools import DEFAULT_UV, Step, commands, plan, with_tools
 
@@ -235,6 +237,7 @@ From: /s/base.sif
     export UV_CACHE_DIR=$V/cache UV_PYTHON_DOWNLOADS=never UV_TOOL_DIR=$V/tools \
 UV_TOOL_BIN_DIR=$V/bin UV_NO_PROGRESS=1
     rm -f $V/unmet
+    if [ -f $V/.build-ca.crt ]; then export SSL_CERT_FILE=$V/.build-ca.crt; fi
     tmax_failed() {
         [ "$1" = online ] || echo "$2" >> $V/unmet
         echo "verifier tools ($1): failed: $2" >&2
@@ -250,11 +253,46 @@ pytest'
     export UV_OFFLINE=1
     tmax_steps offline
     unset UV_OFFLINE
+    rm -f $V/.build-ca.crt
     printf '%s\\n' 'PATH=/.tmax/verifier/bin:$PATH' UV_CACHE_DIR=/.tmax/verifier/cache \
 UV_OFFLINE=1 UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=copy UV_TOOL_DIR=/.tmax/verifier/tools \
 UV_TOOL_BIN_DIR=/.tmax/verifier/bin UV_NO_PROGRESS=1 > $V/env
 """
     assert with_tools(base, plan(tmp_path / "none"), Path("/x")) is base
+
+
+def test_apptainer_builder_hook(tmp_path, monkeypatch):
+    """`apptainer build` gets the task's definition plus the preparation (a stand-in
+    apptainer records it); uv is staged beside the definition file."""
+    from tmax.images import verifier_tools
+    from tmax.images.builders import ApptainerBuilder
+    from tmax.images.definition import load_base_table, parse_definition, task_definition
+
+    fake = tmp_path / "apptainer"
+    fake.write_text('#!/bin/bash\ncat "${@: -1}" > "$RECORD"\ntouch "${@: -2:1}"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("RECORD", str(tmp_path / "def"))
+    staged = []
+
+    def stage_uv(version, cache_dir, log, timeout):
+        staged.append((version, cache_dir))
+        return cache_dir / "tree"
+
+    monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
+    task = make_task(tmp_path, **{"tests/test.sh": HARBOR})
+    table = Path(__file__).resolve().parents[1] / "configs" / "base-images.yaml"
+    tdef = task_definition(task / "environment", load_base_table(table), table)
+    out = tmp_path / "out" / "image.sif"
+    out.parent.mkdir()
+    tools = plan(task / "tests")
+    ApptainerBuilder(apptainer=str(fake), fakeroot=False).build_task(
+        tdef, task / "environment", Path("/s/b.sif"), out, tmp_path / "log", 60, verifier=tools)
+    definition = parse_definition((tmp_path / "def").read_text())
+    (where,) = {cache for _, cache in staged}
+    assert staged == [("0.9.7", where)] and where.parent == out.parent  # beside the def file
+    assert definition.sections["post"] == "    mkdir -p /app\n    cd /app\n" + "\n".join(
+        f"    {line}" for line in tools.script().splitlines()) + "\n"
+    assert definition.files == [(str(where / "tree" / ".tmax"), "/")]
 
 
 def test_pip_preparation_and_python_checks_in_the_script(tmp_path):
@@ -269,3 +307,83 @@ def test_pip_preparation_and_python_checks_in_the_script(tmp_path):
     assert only_pip.grade_env() == [
         "PATH=/.tmax/verifier/bin:/.tmax/verifier/site/bin:$PATH", "PIP_NO_INDEX=1",
         "PIP_DISABLE_PIP_VERSION_CHECK=1", "PIP_BREAK_SYSTEM_PACKAGES=1"]
+
+
+# --------------------------------------------------------------------------- the digest
+
+
+def test_the_image_digest_covers_what_is_prepared(image_store, tmp_path):
+    """A test.sh change that changes what the image holds rebuilds it; other changes to
+    tests/ (and a verifier that needs nothing) leave the digest as it was."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.tasks import load_task
+
+    builds = ImageBuilds(image_store, LocalBuilder(tmp_path / "cache"))
+    src = make_task(tmp_path, "t")
+    plain = builds.plan(load_task(src)).digest
+    (src / "tests" / "test.sh").write_text(HARBOR)
+    first = builds.plan(load_task(src))
+    assert first.digest != plain and first.verifier.uv == "0.9.7"
+    (src / "tests" / "test_outputs.py").write_text("def test_x(): pass\n")
+    (src / "tests" / "test.sh").write_text(HARBOR.replace("# Install uv", "# uv, pinned"))
+    assert builds.plan(load_task(src)).digest == first.digest
+    (src / "tests" / "test.sh").write_text(HARBOR.replace("pytest==8.4.1", "pytest==8.3.3"))
+    assert builds.plan(load_task(src)).digest not in (first.digest, plain)
+    (src / "tests" / "test.sh").write_text(HARBOR.replace("uv/0.9.7/", "uv/0.8.14/"))
+    assert builds.plan(load_task(src)).digest not in (first.digest, plain)
+
+
+# --------------------------------------------------------------------------- a real build
+
+TEST_OUTPUTS = "def test_answer():\n    assert open('/app/answer.txt').read().strip() == '42'\n"
+PIP_TESTS = ("#!/bin/bash\npip install pytest==8.4.1 pytest-timeout==2.3.1\n"
+             "python3 -m pytest -p timeout --timeout 60 $TEST_DIR/test_outputs.py -rA\n")
+
+
+@pytest.mark.sandbox
+def test_unmodified_boilerplates_grade_without_a_network(image_store, tmp_path):
+    """One image, three real boilerplates in its tests/: Harbor's uvx test.sh (the build's
+    checks: nop 0, oracle 1, in a sandbox with no network), Terminal-Bench 1's `uv venv` +
+    `uv pip install` run-tests.sh, and a `pip install pytest` script. The agent sees none
+    of the tools."""
+    from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.runtime.local import LocalRuntime
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+    from tmax.tasks import load_task
+
+    cache = Path.home() / ".cache" / "tmax"  # uv's wheel is fetched once per machine
+    src = make_task(tmp_path / "tasks", "offline", **{
+        "tests/test.sh": HARBOR, "tests/test_outputs.py": TEST_OUTPUTS,
+        "tests/run-tests.sh": TB1_RUN_TESTS.replace("uv pip install rdflib==7.1.4\n", ""),
+        "tests/pip-tests.sh": PIP_TESTS})
+    task = load_task(src)
+    assert not task.config.environment.network
+    builds = ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    result = builds.build(task)
+    checks_log = image_store.path(f"logs/offline-{result.digest}.checks.log")
+    assert result.status == "built", result.error
+    assert result.checks["ok"], checks_log.read_text()
+    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0)
+    assert "1 passed" in checks_log.read_text()  # pytest ran, from the image's uv cache
+    build_log = image_store.path(result.log).read_text()
+    assert "failed: tests/" not in build_log, build_log[-3000:]
+
+    sif = image_store.path(image_store.read().tasks["offline"].sif)
+    runtime = LocalRuntime(tmp_path / "state", tmp_path / "rt-cache")
+    runtime.start("offline", SandboxSpec(image=sif, workdir="/app"))
+    try:
+        agent = runtime.exec("offline", "echo 42 > /app/answer.txt; command -v uv uvx pytest; "
+                             "ls -A /.tmax/verifier; python3 -c 'import pytest' 2>&1 | tail -1",
+                             timeout=60)
+        assert agent.output == "ModuleNotFoundError: No module named 'pytest'\n"
+        tests = shutil.copytree(src / "tests", tmp_path / "tests")
+        for script in ("run-tests.sh", "pip-tests.sh"):
+            graded = runtime.verify(
+                "offline", ["/bin/bash", "-c", f"TEST_DIR=/tests bash /tests/{script}"],
+                tests=tests, logs=tmp_path / script, timeout=300, cwd="/app")
+            assert graded.exit_code == 0 and "1 passed" in graded.output, graded.output
+    finally:
+        runtime.stop("offline")

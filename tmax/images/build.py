@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandfleet.runtime.sif import SifError
+from tmax.images import verifier_tools
 from tmax.images.builders import Builder
 from tmax.images.definition import (
     BaseMappingError,
@@ -50,6 +51,8 @@ class Plan:
     base: str
     base_digest: str
     digest: str
+    verifier: verifier_tools.VerifierTools
+    """What its verifier scripts need prepared in the image (empty: nothing)."""
 
 
 def now() -> str:
@@ -81,9 +84,11 @@ class ImageBuilds:
     def plan(self, task: Task) -> Plan:
         tdef = task_definition(task.environment_dir, self.table, self.table_path)
         base_digest = self.base_digest(tdef.base)
+        verifier = verifier_tools.plan(task.tests_dir)
         digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
-                           tdef.workdir, tree_digest(task.environment_dir))
-        return Plan(task, tdef, tdef.base, base_digest, digest)
+                           tdef.workdir, tree_digest(task.environment_dir),
+                           *([verifier.digest_text()] if verifier else []))
+        return Plan(task, tdef, tdef.base, base_digest, digest, verifier)
 
     # ------------------------------------------------------------------ bases
 
@@ -196,7 +201,8 @@ class ImageBuilds:
         try:
             self.builder.build_task(plan.definition, plan.task.environment_dir,
                                     self.store.path(base.sif), tmp / "image.sif", logfile,
-                                    timeout=plan.task.config.environment.build_timeout_sec)
+                                    timeout=plan.task.config.environment.build_timeout_sec,
+                                    **({"verifier": plan.verifier} if plan.verifier else {}))
             rel = f"sif/{plan.digest}.sif"
             size, sha = self.store.publish(tmp / "image.sif", rel)
         finally:

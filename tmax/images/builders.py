@@ -20,6 +20,7 @@ from typing import Protocol
 from filelock import FileLock
 
 from sandfleet.runtime import sif
+from tmax.images import verifier_tools
 from tmax.images.definition import Definition, TaskDefinition, parse_definition
 from tmax.images.rootfs import (
     BuildError,
@@ -41,8 +42,10 @@ class Builder(Protocol):
         """Build a base image from images/<base>.def text (MIRROR not yet filled in)."""
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
-                   log: Path, timeout: float) -> None:
-        """Build a task image from its definition and its base's SIF."""
+                   log: Path, timeout: float,
+                   verifier: verifier_tools.VerifierTools | None = None) -> None:
+        """Build a task image from its definition and its base's SIF, then prepare the
+        ``verifier`` tools in it (tmax.images.verifier_tools)."""
 
 
 def _mirror_for(definition_text: str, mirror: str | None) -> str:
@@ -96,10 +99,15 @@ class ApptainerBuilder:
             run_logged(argv, log, timeout, "apptainer build (base)")
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
-                   log: Path, timeout: float) -> None:
+                   log: Path, timeout: float,
+                   verifier: verifier_tools.VerifierTools | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
             deffile = Path(tmp) / "task.def"
-            deffile.write_text(_task_definition_over(base_sif, task, env_dir).render())
+            definition = _task_definition_over(base_sif, task, env_dir)
+            if verifier:  # uv by %files, the preparation at the end of %post
+                staged = verifier_tools.stage_uv(verifier.uv, Path(tmp), log, timeout)
+                definition = verifier_tools.with_tools(definition, verifier, staged)
+            deffile.write_text(definition.render())
             argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
                                         fakeroot=self.fakeroot)
             run_logged(argv, log, timeout, "apptainer build")
@@ -147,7 +155,8 @@ class LocalBuilder:
         return root
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
-                   log: Path, timeout: float, network: bool = True) -> None:
+                   log: Path, timeout: float, network: bool = True,
+                   verifier: verifier_tools.VerifierTools | None = None) -> None:
         rootfs = self._scratch_root()
         rootfs.mkdir()
         try:
@@ -158,9 +167,13 @@ class LocalBuilder:
             if post.strip():
                 run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", post], network=network,
                                        env={}), log, timeout, "%post")
+            definition = _task_definition_over(base_sif, task, env_dir)
+            if verifier:  # after the task's own steps, as ApptainerBuilder's %post ends
+                staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
+                                                       timeout)
+                definition = verifier_tools.with_tools(definition, verifier, staged)
             finish_rootfs(rootfs, task.definition)
-            pack(rootfs, out, log, _task_definition_over(base_sif, task, env_dir).render(),
-                 timeout)
+            pack(rootfs, out, log, definition.render(), timeout)
         finally:
             remove_tree(rootfs.parent)
 

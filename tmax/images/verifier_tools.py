@@ -40,12 +40,14 @@ other than ``TEST_DIR`` (read as /tests, Terminal-Bench 1's convention).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -146,6 +148,7 @@ class VerifierTools:
             ("export UV_CACHE_DIR=$V/cache UV_PYTHON_DOWNLOADS=never UV_TOOL_DIR=$V/tools "
              "UV_TOOL_BIN_DIR=$V/bin UV_NO_PROGRESS=1"),
             "rm -f $V/unmet",
+            "if [ -f $V/.build-ca.crt ]; then export SSL_CERT_FILE=$V/.build-ca.crt; fi",
             "tmax_failed() {",
             '    [ "$1" = online ] || echo "$2" >> $V/unmet',
             '    echo "verifier tools ($1): failed: $2" >&2',
@@ -173,6 +176,7 @@ class VerifierTools:
             ]
         if not keep_uv:
             lines.append("rm -rf $V/cache $V/bin/uv $V/bin/uvx")
+        lines.append("rm -f $V/.build-ca.crt")
         lines.append(f"printf '%s\\n' {' '.join(shlex.quote(e) for e in self.grade_env())} "
                      "> $V/env")
         return "\n".join(lines) + "\n"
@@ -714,7 +718,7 @@ def stage_uv(version: str, cache_dir: Path, log: Path, timeout: float) -> Path:
     home = Path(cache_dir) / "verifier-tools" / f"uv-{version}-{arch}"
     tree = home / "tree"
     if (home / "done").exists():
-        return tree
+        return _with_build_ca(tree)
     home.mkdir(parents=True, exist_ok=True)
     with FileLock(str(home) + ".lock"):
         if (home / "done").exists():
@@ -734,6 +738,27 @@ def stage_uv(version: str, cache_dir: Path, log: Path, timeout: float) -> Path:
             shutil.rmtree(tree, ignore_errors=True)
             (Path(tmp) / "tree").rename(tree)
         (home / "done").write_text(json.dumps({"uv": version, "wheel": wheel.name}) + "\n")
+    return _with_build_ca(tree)
+
+
+def build_ca() -> Path | None:
+    """The certificates this machine trusts ($SSL_CERT_FILE, else Debian's bundle): the
+    build step's uv gets them, as this process's pip has them (a build machine may reach
+    the registries only through a proxy whose authority the image does not know)."""
+    for candidate in (os.environ.get("SSL_CERT_FILE", ""), "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def _with_build_ca(tree: Path) -> Path:
+    """``tree`` with this machine's certificates at /.tmax/verifier/.build-ca.crt (the
+    build step uses them, then removes them from the image)."""
+    ca, dest = build_ca(), tree / ROOT.lstrip("/") / ".build-ca.crt"
+    if ca is not None:
+        tmp = dest.with_name(f".build-ca.{os.getpid()}.{threading.get_ident()}")
+        shutil.copyfile(ca, tmp)
+        os.replace(tmp, dest)
     return tree
 
 
@@ -753,13 +778,14 @@ def with_tools(definition: Definition, tools: VerifierTools, staged: Path) -> De
 
 
 def prepare_rootfs(rootfs: Path, tools: VerifierTools, cache_dir: Path, log: Path,
-                   timeout: float) -> None:
+                   timeout: float) -> Path:
     """The local builder's hook: uv into the root filesystem, then ``tools.script()`` in it
-    (a chroot with the network), as `apptainer build` runs ``with_tools``'s %post."""
+    (a chroot with the network), as `apptainer build` runs ``with_tools``'s %post. Returns
+    where uv was staged (for the definition the image records)."""
     from tmax.images.rootfs import chroot_argv, copy_tree, run_logged
 
-    if not tools:
-        return
-    copy_tree(stage_uv(tools.uv, cache_dir, log, timeout), rootfs)
+    staged = stage_uv(tools.uv, cache_dir, log, timeout)
+    copy_tree(staged, rootfs)
     run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", tools.script()], network=True, env={}),
                log, timeout, "verifier tools")
+    return staged

@@ -470,3 +470,14 @@ def test_verifier_tools_are_hidden_from_the_agent_and_given_to_the_verifier(
         assert again.output == ""
     finally:
         runtime.stop("tools")
+
+
+@pytest.mark.sandbox
+def test_a_sandbox_with_the_network_runs_commands_and_copies(runtime, make, tmp_path):
+    """``network`` shares the host's network namespace: entering must not try to enter it
+    again from the sandbox's user namespace (refused by the kernel)."""
+    sid = make(network=True)
+    assert run(runtime, sid, "echo up").output == "up\n"
+    (tmp_path / "f.txt").write_text("x\n")
+    runtime.copy_in(sid, tmp_path / "f.txt", "/tmp/f.txt")
+    assert run(runtime, sid, "cat /tmp/f.txt").output == "x\n"

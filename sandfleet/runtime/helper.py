@@ -215,6 +215,11 @@ def drop_capabilities(keep: tuple[int, ...] = CONTAINER_CAPS, last: int = 40) ->
     _check(_libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), data), "capset")
 
 
+def _ns_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 def no_nested_userns() -> None:
     """No user namespaces below the current one (the limit is per user namespace; raising
     it again needs sys_resource there, which the sandbox does not keep)."""
@@ -236,13 +241,16 @@ def enter(spec: dict) -> int:
         f.write(str(OOM_SCORE_ADJ))                   # sandbox cannot go back below 0)
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
+    # A namespace the sandbox shares with the host (the network, with ``network``) is one
+    # we are in already: entering it again from the sandbox's user namespace is refused.
     fds = [(os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC), flag)
-           for name, flag in NAMESPACES]
+           for name, flag in NAMESPACES
+           if _ns_id(f"/proc/{init}/ns/{name}") != _ns_id(f"/proc/self/ns/{name}")]
     root = os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    for i, (fd, flag) in enumerate(fds):
+    for fd, flag in fds:
         _check(_libc.setns(fd, flag), f"setns {flag:#x}")
         os.close(fd)
-        if i == 0:  # in the sandbox's user namespace, still in the host's mounts
+        if flag == CLONE_NEWUSER:  # in the sandbox's user namespace, still in the host's mounts
             no_nested_userns()
     os.setgroups([])
     os.setresgid(0, 0, 0)

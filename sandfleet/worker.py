@@ -436,6 +436,19 @@ class Worker:
                           oom=result.oom, duration_s=result.duration_s)
         return reply.model_dump(), result.output.encode("utf-8", "replace")
 
+    async def _pinned(self, held: Held, work):
+        """``work()`` in the executor as the lease's one operation at a time, pinning it
+        (no expiry while it runs); an infrastructure error as ``_lost_or`` explains it."""
+        async with held.lock:
+            held.running += 1
+            try:
+                return await self._call(work)
+            except InfraError as e:
+                raise await self._lost_or(held, e) from None
+            finally:
+                held.running -= 1
+                held.touch()
+
     def _mark_lost(self, held: Held, reason: str) -> None:
         if self.leases.get(held.lease_id) is held:
             held.lost = self.lost[held.lease_id] = reason
@@ -464,15 +477,7 @@ class Worker:
                 src = unpack_checked(payload, req.name, Path(tmp))
                 self.runtime.copy_in(req.lease_id, src, dest)
 
-        async with held.lock:
-            held.running += 1
-            try:
-                await self._call(work)
-            except InfraError as e:
-                raise await self._lost_or(held, e) from None
-            finally:
-                held.running -= 1
-                held.touch()
+        await self._pinned(held, work)
         return {"path": dest, "bytes": len(payload)}
 
     async def _get(self, req: Get):
@@ -487,15 +492,7 @@ class Worker:
                 self.runtime.copy_out(req.lease_id, src, local)
                 return tar_bounded(local, name, MAX_PAYLOAD_BYTES)
 
-        async with held.lock:
-            held.running += 1
-            try:
-                data = await self._call(work)
-            except InfraError as e:
-                raise await self._lost_or(held, e) from None
-            finally:
-                held.running -= 1
-                held.touch()
+        data = await self._pinned(held, work)
         return {"path": src, "bytes": len(data)}, data
 
     async def _verify(self, req: Verify, payload: bytes):
@@ -514,15 +511,7 @@ class Worker:
                                              env=dict(req.env), agent_system=req.agent_system)
                 return result, tar_bounded(logs, "verifier", MAX_PAYLOAD_BYTES)
 
-        async with held.lock:
-            held.running += 1
-            try:
-                result, data = await self._call(work)
-            except InfraError as e:
-                raise await self._lost_or(held, e) from None
-            finally:
-                held.running -= 1
-                held.touch()
+        result, data = await self._pinned(held, work)
         reply = VerifyReply(exit_code=result.exit_code, timed_out=result.timed_out,
                             oom=result.oom, duration_s=result.duration_s,
                             output=result.output[-65536:])

@@ -14,19 +14,14 @@ import pytest
 from sandfleet.errors import ImageMissing
 from sandfleet.runtime.sif import SifError, read_partition
 from tests.test_tasks import EXAMPLES, make_task, run_cli
+from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.build import ImageBuilds
 from tmax.images.builders import (
     ApptainerBuilder,
     LocalBuilder,
     apptainer_build_argv,
 )
-from tmax.images.definition import (
-    BaseMappingError,
-    load_base_table,
-    map_base,
-    parse_definition,
-    task_definition,
-)
+from tmax.images.definition import parse_definition, task_definition
 from tmax.images.rootfs import BuildError, apt_mirror
 from tmax.tasks import load_task
 
@@ -57,7 +52,7 @@ def test_dockerfile_becomes_definition_with_mapped_base(tmp_path):
         "environment/Dockerfile": "FROM python:3.11-slim\nENV GREETING=hi MODE=test\n"
                                   "WORKDIR /app\nCOPY data.txt /app/\nRUN echo built > /app/b\n",
         "environment/data.txt": "x\n"})
-    tdef = task_definition(task / "environment", load_base_table(TABLE), TABLE)
+    tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
     assert tdef.base == "debian-slim" and tdef.workdir == "/app"
     d = tdef.definition
     assert d.files == [("data.txt", "/app/")]
@@ -72,20 +67,20 @@ def test_dockerfile_becomes_definition_with_mapped_base(tmp_path):
     ("jupyter/scipy-notebook", "debian-datasci"),
 ])
 def test_base_table_maps_registry_images(image, base):
-    assert map_base(image, load_base_table(TABLE), TABLE) == base
+    assert BaseTable.load(TABLE).resolve(image) == base
 
 
 def test_unmapped_image_is_a_clear_error(tmp_path):
     task = make_task(tmp_path, **{"environment/Dockerfile": "FROM alpine:3.19\n"})
     with pytest.raises(BaseMappingError, match="alpine:3.19.*base-images.yaml"):
-        task_definition(task / "environment", load_base_table(TABLE), TABLE)
+        task_definition(task / "environment", BaseTable.load(TABLE).resolve)
 
 
 def test_base_table_rejects_unknown_keys(tmp_path):
     bad = tmp_path / "t.yaml"
     bad.write_text("mappings:\n  - {image: 'x:*', base: y, colour: red}\n")
     with pytest.raises(ValueError, match="mappings\\[0\\]"):
-        load_base_table(bad)
+        BaseTable.load(bad)
 
 
 def test_apt_mirror_from_deb822_and_list(tmp_path):
@@ -125,7 +120,7 @@ def test_apptainer_builder_runs_the_commands(tmp_path, monkeypatch):
     task = make_task(tmp_path, **{"environment/Dockerfile":
                                   "FROM python:3.11-slim\nCOPY data.txt /app/data.txt\n",
                                   "environment/data.txt": "x"})
-    tdef = task_definition(task / "environment", load_base_table(TABLE), TABLE)
+    tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
     builder = ApptainerBuilder(apptainer=str(fake), fakeroot=False)
     out = tmp_path / "out" / "image.sif"
     out.parent.mkdir()
@@ -483,10 +478,10 @@ def test_definitions_parse_correctly_from_many_threads():
 
     from tmax.tasks import find_tasks
 
-    table = load_base_table(TABLE)
+    table = BaseTable.load(TABLE).resolve
     envs = [p / "environment" for p in find_tasks(EXAMPLES)] * 4
-    expected = {e: task_definition(e, table, TABLE).definition.files for e in envs}
+    expected = {e: task_definition(e, table).definition.files for e in envs}
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda e: (e, task_definition(e, table, TABLE).definition.files),
+        got = list(pool.map(lambda e: (e, task_definition(e, table).definition.files),
                             envs))
     assert all(files == expected[e] for e, files in got)

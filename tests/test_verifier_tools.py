@@ -265,8 +265,9 @@ def test_apptainer_builder_hook(tmp_path, monkeypatch):
     """`apptainer build` gets the task's definition plus the preparation (a stand-in
     apptainer records it); uv is staged beside the definition file."""
     from tmax.images import verifier_tools
+    from tmax.images.bases import BaseTable
     from tmax.images.builders import ApptainerBuilder
-    from tmax.images.definition import load_base_table, parse_definition, task_definition
+    from tmax.images.definition import parse_definition, task_definition
 
     fake = tmp_path / "apptainer"
     fake.write_text('#!/bin/bash\ncat "${@: -1}" > "$RECORD"\ntouch "${@: -2:1}"\n')
@@ -281,7 +282,7 @@ def test_apptainer_builder_hook(tmp_path, monkeypatch):
     monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
     task = make_task(tmp_path, **{"tests/test.sh": HARBOR})
     table = Path(__file__).resolve().parents[1] / "configs" / "base-images.yaml"
-    tdef = task_definition(task / "environment", load_base_table(table), table)
+    tdef = task_definition(task / "environment", BaseTable.load(table).resolve)
     out = tmp_path / "out" / "image.sif"
     out.parent.mkdir()
     tools = plan(task / "tests")

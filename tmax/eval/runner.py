@@ -170,7 +170,7 @@ def preflight(tasks: Sequence[Task], images: TaskImages) -> tuple[list[Task], li
     """The tasks whose images can run, and the others with their reasons: an image that
     cannot be planned, is not built (or is out of date, or corrupt), or failed its
     build-time checks. Never raises for one task's problem."""
-    from tmax.images.definition import BaseMappingError
+    from tmax.images.bases import BaseMappingError
 
     runnable, skipped = [], []
     for task in tasks:

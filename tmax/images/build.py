@@ -14,13 +14,9 @@ from pathlib import Path
 
 from sandfleet.runtime.sif import SifError
 from tmax.images import verifier_tools
+from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.builders import Builder
-from tmax.images.definition import (
-    BaseMappingError,
-    TaskDefinition,
-    load_base_table,
-    task_definition,
-)
+from tmax.images.definition import TaskDefinition, task_definition
 from tmax.images.rootfs import BuildError, remove_tree
 from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
 from tmax.tasks import Task
@@ -67,7 +63,7 @@ class ImageBuilds:
                  base_table: Path = REPO / "configs" / "base-images.yaml",
                  checker: Callable[[Task, Path, str, Path], Checks] | None = None):
         self.store, self.builder, self.images_dir = store, builder, images_dir
-        self.table_path, self.table = base_table, load_base_table(base_table)
+        self.bases = BaseTable.load(base_table)
         self.checker = checker
 
     # ------------------------------------------------------------------ planning
@@ -82,7 +78,7 @@ class ImageBuilds:
         return digest_of(BUILD_FORMAT, "base", base, self.base_text(base))
 
     def plan(self, task: Task) -> Plan:
-        tdef = task_definition(task.environment_dir, self.table, self.table_path)
+        tdef = task_definition(task.environment_dir, self.bases.resolve)
         base_digest = self.base_digest(tdef.base)
         verifier = verifier_tools.plan(task.tests_dir)
         digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),

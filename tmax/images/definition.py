@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import io
 import os
 import shlex
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
 
 _SPYTHON_LOCK = threading.Lock()
 
@@ -62,41 +60,15 @@ def parse_definition(text: str) -> Definition:
 
 @dataclass(frozen=True)
 class TaskDefinition:
-    """What a task's environment/ says to build, with its registry base resolved."""
+    """What a task's environment/ says to build, with its registry base resolved
+    (``resolve``: image reference -> local base name, tmax.images.bases)."""
 
     definition: Definition
     base: str
     workdir: str
 
 
-class BaseMappingError(Exception):
-    def __init__(self, image: str, table: Path):
-        self.image, self.table = image, table
-        super().__init__(f"no local base for image {image!r}: add a mapping to {table}")
-
-
-def load_base_table(path: Path) -> list[tuple[str, str]]:
-    raw = yaml.safe_load(path.read_text()) or {}
-    if set(raw) - {"mappings"}:
-        raise ValueError(f"{path}: unknown keys {sorted(set(raw) - {'mappings'})}")
-    out = []
-    for i, m in enumerate(raw.get("mappings", [])):
-        if not isinstance(m, dict) or set(m) != {"image", "base"}:
-            raise ValueError(f"{path}: mappings[{i}] needs exactly 'image' and 'base'")
-        out.append((str(m["image"]), str(m["base"])))
-    return out
-
-
-def map_base(image: str, table: list[tuple[str, str]], table_path: Path) -> str:
-    ref = image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest"
-    for pattern, base in table:
-        if fnmatch.fnmatchcase(ref, pattern):
-            return base
-    raise BaseMappingError(image, table_path)
-
-
-def task_definition(env_dir: Path, table: list[tuple[str, str]], table_path: Path
-                    ) -> TaskDefinition:
+def task_definition(env_dir: Path, resolve: Callable[[str], str]) -> TaskDefinition:
     """The task's Apptainer definition (a Dockerfile goes through spython) and its base."""
     if (env_dir / "Dockerfile").is_file():
         from spython.logger import bot
@@ -129,5 +101,5 @@ def task_definition(env_dir: Path, table: list[tuple[str, str]], table_path: Pat
     bootstrap = definition.header.get("bootstrap", "").lower()
     if bootstrap not in ("docker", "localimage", "library", "oras", "shub"):
         raise ValueError(f"{env_dir}: unsupported Bootstrap {bootstrap!r} (use docker)")
-    base = map_base(definition.header.get("from", ""), table, table_path)
+    base = resolve(definition.header.get("from", ""))
     return TaskDefinition(definition, base, os.path.normpath(workdir))

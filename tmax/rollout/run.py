@@ -71,7 +71,7 @@ def plan_errors() -> tuple[type[Exception], ...]:
     """What planning a task's image raises when the task itself cannot be made into one:
     ``BaseMappingError`` (a FROM image with no local base), ``BuildError`` and
     ``ValueError`` (a definition or Dockerfile that cannot be read)."""
-    from tmax.images.definition import BaseMappingError
+    from tmax.images.bases import BaseMappingError
     from tmax.images.rootfs import BuildError
 
     return BaseMappingError, BuildError, ValueError

@@ -22,24 +22,33 @@ from filelock import FileLock
 from sandfleet.runtime import sif
 from tmax.images import verifier_tools
 from tmax.images.definition import Definition, TaskDefinition, parse_definition
+from tmax.images.dockerbuild import (
+    STAGING,
+    stage_files,
+    stage_script,
+    step_error,
+)
 from tmax.images.rootfs import (
     BuildError,
     apt_mirror,
-    chroot_argv,
     copy_tree,
     debootstrap_base,
     finish_rootfs,
     remove_tree,
+    run_in_rootfs,
     run_logged,
 )
 from tmax.tasks.confine import Escape, expand_source
+from tmax.tasks.dockerfile import Copy, Stage
 
 
 class Builder(Protocol):
     name: str
 
-    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
-        """Build a base image from images/<base>.def text (MIRROR not yet filled in)."""
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float,
+                   parent: Path | None = None) -> None:
+        """Build a base image from images/<base>.def text (MIRROR not yet filled in);
+        ``parent``: the SIF of the base a ``Bootstrap: localimage`` definition starts from."""
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float,
@@ -62,6 +71,75 @@ def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -
             f"    {shlex.quote(str(env_dir / src.lstrip('/')))} {shlex.quote(dest)}"
             for src, dest in task.definition.files)
     return Definition({"bootstrap": "localimage", "from": str(base_sif)}, sections)
+
+
+def _stage_base(task: TaskDefinition, stage: Stage, base_sif: Path) -> Path:
+    base = {s.index: b for s, b in task.stages}[stage.index]
+    if base != task.base:
+        raise BuildError(f"Dockerfile line {stage.line}",
+                         f"stage {stage.name or stage.index} starts from base {base!r}, the "
+                         f"final stage from {task.base!r}: stages on different bases are not "
+                         "supported yet")
+    return base_sif
+
+
+def external_image(ref: str, cache_dir: Path, log: Path, timeout: float) -> Path:
+    """A folder standing in for the root of registry image ``ref`` (COPY --from=image):
+    ghcr.io/astral-sh/uv:<version> (uv and uvx, from PyPI's wheel of that version)."""
+    name, _, tag = ref.partition("@")[0].rpartition(":") if ":" in ref.rsplit("/", 1)[-1] \
+        else (ref, "", "latest")
+    if name in ("ghcr.io/astral-sh/uv", "astral/uv"):
+        version = verifier_tools.DEFAULT_UV if tag == "latest" else tag
+        if not all(p.isdigit() for p in version.split(".")) or version.count(".") != 2:
+            raise BuildError(f"COPY --from={ref}", f"tag {tag!r}: only uv's x.y.z tags (or "
+                             "latest) are supported")
+        tree = verifier_tools.stage_uv(version, cache_dir, log, timeout)
+        root = tree.parent / "image"
+        if not (root / "uvx").exists():
+            root.mkdir(exist_ok=True)
+            for tool in ("uv", "uvx"):
+                shutil.copy2(tree / verifier_tools.ROOT.lstrip("/") / "bin" / tool, root / tool)
+        return root
+    raise BuildError(f"COPY --from={ref}", "copying out of a registry image is supported for "
+                     "ghcr.io/astral-sh/uv only: vendor the files into the build context or "
+                     "install them with RUN")
+
+
+def _note(log: Path, task: TaskDefinition) -> None:
+    if task.notes:
+        with open(log, "a") as f:
+            f.write("".join(f"note: {n}\n" for n in task.notes))
+
+
+def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None) -> str:
+    """The Apptainer definition of a Dockerfile task: one stage per needed Dockerfile stage
+    (``Stage: s<n>``), each bootstrapped from the base, its staged files (``staged``/s<n>,
+    laid out as the image's /.tmax-build) by %files, COPY --from a stage by ``%files from``,
+    its script as %post; the final stage's ENV as %environment."""
+    parts = []
+    for stage, _ in task.stages:
+        sections: dict[str, str] = {}
+        froms: dict[int, list[str]] = {}
+        for step in stage.steps:
+            if isinstance(step, Copy) and step.from_stage is not None:
+                for k, src in enumerate(step.sources):
+                    dest = f"{STAGING}/s{stage.index}/c{step.line}/f{k}/" + \
+                        (PurePosixPath(src).name or "root")
+                    froms.setdefault(step.from_stage, []).append(
+                        f"    {shlex.quote(src)} {shlex.quote(dest)}")
+        for index, lines in froms.items():
+            sections[f"files from s{index}"] = "\n".join(lines)
+        if staged is not None:
+            sections["files"] = f"    {shlex.quote(str(staged / f's{stage.index}' / STAGING.lstrip('/')))} /"
+        sections["post"] = "\n".join(f"    {line}" if line else ""
+                                      for line in stage_script(stage).splitlines())
+        if stage is task.stages[-1][0]:
+            sections.update({k: v for k, v in task.definition.sections.items()
+                             if k == "environment"})
+        header = {"bootstrap": "localimage", "from": str(_stage_base(task, stage, base_sif)),
+                  "stage": f"s{stage.index}"}
+        parts.append(Definition(header, sections).render())
+    return "\n".join(parts)
 
 
 # --------------------------------------------------------------------------- apptainer
@@ -88,9 +166,14 @@ class ApptainerBuilder:
         self.apptainer, self.mirror = apptainer, mirror
         self.fakeroot = os.geteuid() != 0 if fakeroot is None else fakeroot
 
-    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float,
+                   parent: Path | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
             deffile = Path(tmp) / "base.def"
+            if parent is not None:  # From: <base name> -> the parent's SIF
+                definition = parse_definition(definition_text)
+                definition.header["from"] = str(parent)
+                definition_text = definition.render()
             deffile.write_text(definition_text)
             argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
                                         fakeroot=self.fakeroot,
@@ -103,14 +186,40 @@ class ApptainerBuilder:
                    verifier: verifier_tools.VerifierTools | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
             deffile = Path(tmp) / "task.def"
-            definition = _task_definition_over(base_sif, task, env_dir)
-            if verifier:  # uv by %files, the preparation at the end of %post
-                staged = verifier_tools.stage_uv(verifier.uv, Path(tmp), log, timeout)
-                definition = verifier_tools.with_tools(definition, verifier, staged)
-            deffile.write_text(definition.render())
+            if task.stages:
+                _note(log, task)
+                text = self._dockerfile_text(task, env_dir, base_sif, Path(tmp), log, timeout,
+                                             verifier)
+            else:
+                definition = _task_definition_over(base_sif, task, env_dir)
+                if verifier:  # uv by %files, the preparation at the end of %post
+                    staged = verifier_tools.stage_uv(verifier.uv, Path(tmp), log, timeout)
+                    definition = verifier_tools.with_tools(definition, verifier, staged)
+                text = definition.render()
+            deffile.write_text(text)
             argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
                                         fakeroot=self.fakeroot)
-            run_logged(argv, log, timeout, "apptainer build")
+            try:
+                run_logged(argv, log, timeout, "apptainer build")
+            except BuildError as e:
+                raise step_error(log, e) from None
+
+    def _dockerfile_text(self, task: TaskDefinition, env_dir: Path, base_sif: Path, tmp: Path,
+                         log: Path, timeout: float,
+                         verifier: verifier_tools.VerifierTools | None) -> str:
+        for stage, _ in task.stages:
+            stage_files(stage, env_dir, tmp / f"s{stage.index}" / STAGING.lstrip("/") /
+                        f"s{stage.index}",
+                        image_root=lambda ref: external_image(ref, tmp, log, timeout))
+        text = dockerfile_over(task, base_sif, tmp)
+        if not verifier:
+            return text
+        # the verifier tools' preparation goes at the end of the final stage
+        head, _, last = text.rpartition("Bootstrap: localimage")
+        final = parse_definition("Bootstrap: localimage" + last)
+        staged = verifier_tools.stage_uv(verifier.uv, tmp, log, timeout)
+        final = verifier_tools.with_tools(final, verifier, staged)
+        return head + final.render()
 
 
 # --------------------------------------------------------------------------- local
@@ -125,12 +234,23 @@ class LocalBuilder:
     def __init__(self, cache_dir: Path, mirror: str | None = None):
         self.cache_dir, self.mirror = Path(cache_dir), mirror
 
-    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float) -> None:
-        mirror = _mirror_for(definition_text, self.mirror)
-        definition = parse_definition(definition_text.replace("{{ MIRROR }}", mirror))
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float,
+                   parent: Path | None = None) -> None:
         rootfs = self._scratch_root()
         try:
-            debootstrap_base(definition, rootfs, mirror, log, timeout)
+            if parent is None:
+                mirror = _mirror_for(definition_text, self.mirror)
+                definition = parse_definition(definition_text.replace("{{ MIRROR }}", mirror))
+                debootstrap_base(definition, rootfs, mirror, log, timeout)
+            else:  # Bootstrap: localimage over another base: its %post, with the network
+                definition = parse_definition(definition_text)
+                rootfs.mkdir()
+                copy_tree(self.base_rootfs(parent), rootfs)
+                post = definition.sections.get("post", "")
+                if post.strip():
+                    run_in_rootfs(rootfs, ["/bin/sh", "-ec", post], log, timeout, "%post",
+                                  network=True)
+                finish_rootfs(rootfs, definition)
             pack(rootfs, out, log, definition.render(), timeout)
         finally:
             remove_tree(rootfs.parent)
@@ -157,6 +277,10 @@ class LocalBuilder:
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
                    verifier: verifier_tools.VerifierTools | None = None) -> None:
+        if task.stages:
+            _note(log, task)
+            return self._build_dockerfile(task, env_dir, base_sif, out, log, timeout, network,
+                                          verifier)
         rootfs = self._scratch_root()
         rootfs.mkdir()
         try:
@@ -165,8 +289,8 @@ class LocalBuilder:
                 copy_into_rootfs(env_dir, src, rootfs, dest)
             post = task.definition.sections.get("post", "")
             if post.strip():
-                run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", post], network=network,
-                                       env={}), log, timeout, "%post")
+                run_in_rootfs(rootfs, ["/bin/sh", "-ec", post], log, timeout, "%post",
+                              network=network)
             definition = _task_definition_over(base_sif, task, env_dir)
             if verifier:  # after the task's own steps, as ApptainerBuilder's %post ends
                 staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
@@ -176,6 +300,41 @@ class LocalBuilder:
             pack(rootfs, out, log, definition.render(), timeout)
         finally:
             remove_tree(rootfs.parent)
+
+    def _build_dockerfile(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
+                          log: Path, timeout: float, network: bool,
+                          verifier: verifier_tools.VerifierTools | None) -> None:
+        """Each needed stage in its own root filesystem, in order: its files staged, its
+        script run; the final one packed (see tmax.images.dockerbuild)."""
+        roots: dict[int, Path] = {}
+        try:
+            for stage, _ in task.stages:
+                rootfs = self._scratch_root()
+                rootfs.mkdir()
+                roots[stage.index] = rootfs
+                copy_tree(self.base_rootfs(_stage_base(task, stage, base_sif)), rootfs)
+                stage_files(stage, env_dir, rootfs / STAGING.lstrip("/") / f"s{stage.index}",
+                            image_root=lambda ref: external_image(ref, self.cache_dir, log,
+                                                                  timeout),
+                            stage_root=roots.__getitem__)
+                try:
+                    run_in_rootfs(rootfs, ["/bin/sh", "-c", stage_script(stage)], log, timeout,
+                                  f"Dockerfile stage {stage.name or stage.index}",
+                                  network=network)
+                except BuildError as e:
+                    raise step_error(log, e) from None
+            rootfs = roots[task.stages[-1][0].index]
+            definition = Definition({"bootstrap": "localimage", "from": str(base_sif)},
+                                    dict(task.definition.sections))
+            if verifier:
+                staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
+                                                       timeout)
+                definition = verifier_tools.with_tools(definition, verifier, staged)
+            finish_rootfs(rootfs, task.definition)
+            pack(rootfs, out, log, definition.render(), timeout)
+        finally:
+            for rootfs in roots.values():
+                remove_tree(rootfs.parent)
 
 
 def pack(rootfs: Path, out: Path, log: Path, definition: str, timeout: float) -> None:

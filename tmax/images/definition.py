@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import shlex
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_SPYTHON_LOCK = threading.Lock()
+from tmax.images.dockerbuild import STAGING, environment_section, stage_script
+from tmax.tasks.dockerfile import Stage
+from tmax.tasks.dockerfile import parse as parse_dockerfile
 
 
 @dataclass
@@ -61,45 +59,57 @@ def parse_definition(text: str) -> Definition:
 @dataclass(frozen=True)
 class TaskDefinition:
     """What a task's environment/ says to build, with its registry base resolved
-    (``resolve``: image reference -> local base name, tmax.images.bases)."""
+    (``resolve``: image reference -> local base name, tmax.images.bases).
+
+    A Dockerfile becomes ``definition`` = its final stage as a build script (%post, see
+    tmax.images.dockerbuild) with the staged files (%files) and ENV (%environment);
+    ``stages`` are the stages it needs, with their bases (earlier ones: COPY --from)."""
 
     definition: Definition
     base: str
     workdir: str
+    stages: tuple[tuple[Stage, str], ...] = ()
+    notes: tuple[str, ...] = ()
 
 
-def task_definition(env_dir: Path, resolve: Callable[[str], str]) -> TaskDefinition:
-    """The task's Apptainer definition (a Dockerfile goes through spython) and its base."""
+def task_definition(env_dir: Path, resolve: Callable[[str], str],
+                    base_workdir: Callable[[str], str] = lambda base: "/") -> TaskDefinition:
+    """The task's Apptainer definition and its base (``base_workdir``: a base's WORKDIR,
+    where a Dockerfile's relative paths start)."""
     if (env_dir / "Dockerfile").is_file():
-        from spython.logger import bot
-        from spython.main.parse.parsers import DockerParser
-
-        # Parsed by absolute path, never by changing directory: builds run in threads, and
-        # a chdir is process-wide (it once made one task read another's Dockerfile). The
-        # lock covers spython's global logger level and the stdout swap.
-        with _SPYTHON_LOCK:
-            quiet, bot.level = bot.level, -3  # its warnings about COPY paths are not for users
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    recipe = DockerParser(str(env_dir.resolve() / "Dockerfile")).recipe
-            finally:
-                bot.level = quiet
-        (stage,) = recipe.values() if len(recipe) == 1 else (list(recipe.values())[-1],)
-        sections = {}
-        if stage.files:
-            sections["files"] = "\n".join(f"    {shlex.quote(s)} {shlex.quote(d)}"
-                                          for s, d in stage.files)
-        if stage.install:
-            sections["post"] = "\n".join(f"    {line}" for line in stage.install)
-        if stage.environ:
-            sections["environment"] = "\n".join(f"    export {e}" for e in stage.environ)
-        definition = Definition({"bootstrap": "docker", "from": stage.fromHeader}, sections)
-        workdir = stage.workdir or "/"
-    else:
-        definition = parse_definition((env_dir / "container.def").read_text())
-        workdir = "/root"
+        return dockerfile_definition((env_dir / "Dockerfile").read_text(errors="replace"),
+                                     resolve, base_workdir)
+    definition = parse_definition((env_dir / "container.def").read_text())
     bootstrap = definition.header.get("bootstrap", "").lower()
     if bootstrap not in ("docker", "localimage", "library", "oras", "shub"):
         raise ValueError(f"{env_dir}: unsupported Bootstrap {bootstrap!r} (use docker)")
     base = resolve(definition.header.get("from", ""))
-    return TaskDefinition(definition, base, os.path.normpath(workdir))
+    return TaskDefinition(definition, base, "/root")
+
+
+def dockerfile_definition(text: str, resolve: Callable[[str], str],
+                          base_workdir: Callable[[str], str] = lambda base: "/"
+                          ) -> TaskDefinition:
+    """A Dockerfile as a TaskDefinition (``DockerfileError`` for what cannot be built)."""
+    bases: dict[str, str] = {}
+
+    def workdir_of(image: str) -> str:
+        bases[image] = resolve(image)
+        return base_workdir(bases[image])
+
+    parsed = parse_dockerfile(text, workdir_of)
+    needed = parsed.needed()
+    final = parsed.final
+    sections = {"files": f"    {STAGING.lstrip('/')} {STAGING}", "post": _indent(stage_script(final))}
+    if final.env:
+        sections["environment"] = environment_section(final)
+    definition = Definition({"bootstrap": "docker", "from": final.image}, sections)
+    notes = [n for stage in needed for n in stage.notes]
+    if final.user:
+        notes.append(f"USER {final.user} at the end ignored: sandboxes start a root shell")
+    return TaskDefinition(definition, bases[final.image], final.workdir,
+                          tuple((s, bases[s.image]) for s in needed), tuple(notes))
+
+
+def _indent(script: str) -> str:
+    return "\n".join(f"    {line}" if line else "" for line in script.splitlines())

@@ -7,12 +7,19 @@ shared only when asked (bases need it for apt; task layers get it like `docker b
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import select
 import shutil
+import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tmax.images.definition import Definition
+if TYPE_CHECKING:
+    from tmax.images.definition import Definition
 
 SINGULARITY_ENV = ".singularity.d/env/90-environment.sh"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -27,7 +34,9 @@ class BuildError(Exception):
 
 
 def apt_mirror(suite: str = "bookworm", apt_dir: Path = Path("/etc/apt")) -> str:
-    """The Debian mirror this machine's apt uses for ``suite`` (deb822 or one-line sources)."""
+    """The Debian mirror this machine's apt uses for ``suite`` (deb822 or one-line sources);
+    a suite that is not listed falls back to the mirror of a listed Debian release (the
+    same archive serves all of them: a machine on bookworm builds trixie bases)."""
     candidates: list[tuple[str, list[str]]] = []
     sources = [apt_dir / "sources.list"] + sorted((apt_dir / "sources.list.d").glob("*"))
     for path in sources:
@@ -52,22 +61,31 @@ def apt_mirror(suite: str = "bookworm", apt_dir: Path = Path("/etc/apt")) -> str
     for uri, suites in candidates:
         if suite in suites:
             return uri.rstrip("/")
-    raise BuildError("apt mirror", f"no deb source for suite {suite!r} in {apt_dir}: "
-                     "configure apt, or pass --mirror")
+    releases = {"buster", "bullseye", "bookworm", "trixie", "forky", "sid", "oldstable",
+                "stable", "testing", "unstable"}  # the archive's own (not -security, vendors')
+    for uri, suites in candidates:  # one Debian archive serves every release
+        if releases & set(suites):
+            return uri.rstrip("/")
+    raise BuildError("apt mirror", f"no deb source for suite {suite!r} (nor for any other "
+                     f"Debian release) in {apt_dir}: configure apt, or pass --mirror")
 
 
-def run_logged(argv: list[str], log: Path, timeout: float, what: str) -> None:
+def run_logged(argv: list[str], log: Path, timeout: float, what: str, *,
+               pass_fds: tuple[int, ...] = (),
+               started: Callable[[subprocess.Popen], None] | None = None) -> None:
+    """Run ``argv`` with its output appended to ``log``; ``BuildError`` (with the log's
+    tail) when it fails or runs past ``timeout``. ``started`` runs once it has started."""
     with open(log, "a") as out:
         out.write(f"$ {' '.join(argv)}\n")
         out.flush()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                pass_fds=pass_fds)
         try:
+            if started is not None:
+                started(proc)
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            import os
-            import signal
-
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise BuildError(what, f"timed out after {timeout:g}s", log) from None
@@ -77,17 +95,75 @@ def run_logged(argv: list[str], log: Path, timeout: float, what: str) -> None:
 
 
 def chroot_argv(rootfs: Path, command: list[str], *, network: bool, env: dict[str, str],
-                cwd: str = "/") -> list[str]:
+                cwd: str = "/", info_fd: int | None = None, block_fd: int | None = None
+                ) -> list[str]:
+    """bwrap with ``rootfs`` as its root, read-write. With ``info_fd``/``block_fd`` (see
+    ``run_in_rootfs``) it gets a user namespace of its own whose map the caller writes."""
     argv = ["bwrap", "--bind", str(rootfs), "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp", "--unshare-all", "--die-with-parent", "--new-session",
+            "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session",
             "--hostname", "build", "--clearenv"]
-    if network:
-        argv[argv.index("--unshare-all") + 1:argv.index("--unshare-all") + 1] = ["--share-net"]
-        if Path("/etc/resolv.conf").exists():
-            argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+    if info_fd is not None and block_fd is not None:
+        argv += ["--unshare-user", "--uid", "0", "--gid", "0", "--userns-block-fd",
+                 str(block_fd), "--info-fd", str(info_fd)]
+    else:
+        argv += ["--unshare-user-try"]
+    argv += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+    if not network:
+        argv += ["--unshare-net"]
+    elif Path("/etc/resolv.conf").exists():
+        argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
     for key, value in {"PATH": DEFAULT_PATH, "HOME": "/root", **env}.items():
         argv += ["--setenv", key, value]
     return argv + ["--chdir", cwd, "--"] + command
+
+
+ID_MAP = "0 0 65536\n"
+"""Build steps' user namespace: uids and gids 0-65535 as themselves, so a step can add
+users, chown to them and drop to them (apt's _apt sandbox, useradd, USER), and what it
+writes has the owners the image records; root inside has capabilities over its own
+namespaces only."""
+
+
+def run_in_rootfs(rootfs: Path, command: list[str], log: Path, timeout: float, what: str, *,
+                  network: bool, env: dict[str, str] | None = None, cwd: str = "/") -> None:
+    """Run a build step in ``rootfs`` (see ``chroot_argv``), its output in ``log``; as root
+    in a user namespace mapped by ``ID_MAP`` when this process is root (else bwrap's own)."""
+    if os.geteuid() != 0:
+        run_logged(chroot_argv(rootfs, command, network=network, env=env or {}, cwd=cwd),
+                   log, timeout, what)
+        return
+    info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
+    argv = chroot_argv(rootfs, command, network=network, env=env or {}, cwd=cwd,
+                       info_fd=info_w, block_fd=block_r)
+
+    def map_ids(proc: subprocess.Popen) -> None:
+        os.close(info_w)
+        os.close(block_r)
+        data = b""
+        while True:
+            ready, _, _ = select.select([info_r], [], [], 60)
+            chunk = os.read(info_r, 4096) if ready else b""
+            if not chunk:
+                return  # bwrap failed early: its message is in the log
+            data += chunk
+            try:
+                child = json.loads(data)["child-pid"]
+                break
+            except ValueError:
+                continue
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{child}/{name}").write_text(ID_MAP)
+        os.write(block_w, b"1")
+
+    try:
+        run_logged(argv, log, timeout, what, pass_fds=(info_w, block_r), started=map_ids)
+    finally:
+        for fd in (info_r, info_w, block_r, block_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def environment_of(definition: Definition) -> dict[str, str]:
@@ -138,8 +214,7 @@ def debootstrap_base(definition: Definition, dest: Path, mirror: str, log: Path,
     run_logged(argv + [suite, str(dest), mirror], log, timeout, "debootstrap")
     post = definition.sections.get("post", "")
     if post.strip():
-        run_logged(chroot_argv(dest, ["/bin/sh", "-ec", post], network=True, env={}), log,
-                   timeout, "%post")
+        run_in_rootfs(dest, ["/bin/sh", "-ec", post], log, timeout, "%post", network=True)
     finish_rootfs(dest, definition)
     return dest
 

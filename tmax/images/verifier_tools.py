@@ -782,10 +782,10 @@ def prepare_rootfs(rootfs: Path, tools: VerifierTools, cache_dir: Path, log: Pat
     """The local builder's hook: uv into the root filesystem, then ``tools.script()`` in it
     (a chroot with the network), as `apptainer build` runs ``with_tools``'s %post. Returns
     where uv was staged (for the definition the image records)."""
-    from tmax.images.rootfs import chroot_argv, copy_tree, run_logged
+    from tmax.images.rootfs import copy_tree, run_in_rootfs
 
     staged = stage_uv(tools.uv, cache_dir, log, timeout)
     copy_tree(staged, rootfs)
-    run_logged(chroot_argv(rootfs, ["/bin/sh", "-ec", tools.script()], network=True, env={}),
-               log, timeout, "verifier tools")
+    run_in_rootfs(rootfs, ["/bin/sh", "-ec", tools.script()], log, timeout, "verifier tools",
+                  network=True)
     return staged

@@ -1,0 +1,268 @@
+"""Dockerfiles read and built as Docker does: the parser (tmax.tasks.dockerfile), the build
+script (tmax.images.dockerbuild), and one real build whose image shows Docker's order."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_images import cat_sif, list_sif
+from tests.test_tasks import make_task
+from tmax.images.build import ImageBuilds
+from tmax.images.builders import LocalBuilder
+from tmax.images.dockerbuild import stage_script, step_error
+from tmax.images.rootfs import BuildError
+from tmax.tasks import load_task
+from tmax.tasks.dockerfile import (
+    DEFAULT_PATH,
+    Copy,
+    DockerfileError,
+    Run,
+    Workdir,
+    instructions,
+    parse,
+)
+
+# --------------------------------------------------------------------------- lexing
+
+
+def test_continuations_comments_and_the_escape_directive():
+    text = ("# escape=`\n# a comment\nFROM debian:bookworm\nRUN echo a `\n# dropped\n"
+            "    && echo b\n\nRUN echo \\\n")
+    got = [(i.line, i.keyword, i.args) for i in instructions(text)]
+    assert got == [(3, "FROM", "debian:bookworm"), (4, "RUN", "echo a     && echo b"),
+                   (8, "RUN", "echo \\")]  # with ` as escape, a backslash is a character
+
+
+def test_heredocs_attach_their_bodies():
+    text = "FROM d\nRUN <<EOF\nset -e\necho hi\nEOF\nCOPY <<-END /etc/x\n\tindented\n\tEND\n"
+    ins = instructions(text)
+    assert [i.heredocs for i in ins[1:]] == [(("EOF", "set -e\necho hi\n"),),
+                                             (("END", "indented\n"),)]
+    with pytest.raises(DockerfileError, match="line 2: heredoc EOF is never closed"):
+        instructions("FROM d\nRUN <<EOF\necho\n")
+
+
+# --------------------------------------------------------------------------- variables
+
+
+def test_env_substitution_as_docker_does_it():
+    df = parse("FROM d\nENV A=1\nENV B=${A}x C=\"$A y\" D='$A' E=\\$A\n"
+               "ENV F=${UNSET:-def} G=${A:+alt} H=${UNSET:+alt} I=${A:-no}\n"
+               "ENV LEGACY two words $A\nENV PATH=/opt/bin:$PATH\n")
+    env = df.final.env
+    assert (env["A"], env["B"], env["C"], env["D"], env["E"]) == ("1", "1x", "1 y", "$A", "$A")
+    assert (env["F"], env["G"], env["H"], env["I"]) == ("def", "alt", "", "1")
+    assert env["LEGACY"] == "two words 1"
+    assert env["PATH"] == f"/opt/bin:{DEFAULT_PATH}"
+
+
+def test_args_global_in_from_and_per_stage():
+    df = parse("ARG VERSION=3.12\nARG FLAVOR\nFROM python:${VERSION}-slim AS one\n"
+               "ARG VERSION\nARG LOCAL=x${VERSION}\nENV E=$LOCAL\nRUN echo $LOCAL\n"
+               "FROM debian:${FLAVOR:-bookworm}\nRUN echo $VERSION\n")
+    one, two = df.stages
+    assert (one.image, one.name, two.image) == ("python:3.12-slim", "one", "debian:bookworm")
+    run = one.steps[0]
+    assert isinstance(run, Run) and dict(run.env)["LOCAL"] == "x3.12" and \
+        dict(run.env)["VERSION"] == "3.12"
+    assert one.env["E"] == "x3.12" and "LOCAL" not in one.env  # ARGs are not the image's
+    assert "VERSION" not in dict(two.steps[0].env)  # not declared in this stage
+    assert "TARGETARCH" not in dict(run.env)  # automatic ARGs only where declared
+    assert dict(parse("FROM d\nARG TARGETARCH\nRUN x\n").final.steps[0].env)["TARGETARCH"]
+
+
+def test_env_wins_over_arg_and_each_step_sees_its_own_values():
+    df = parse("FROM d\nARG X=arg\nRUN one\nENV X=env\nRUN two\nENV X=later\n")
+    first, second = df.final.steps
+    assert dict(first.env)["X"] == "arg" and dict(second.env)["X"] == "env"
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def test_steps_keep_docker_order_paths_and_forms():
+    df = parse("FROM --platform=linux/amd64 d@sha256:abc\nWORKDIR app\nCOPY a.txt b/ ./\n"
+               "COPY [\"c d.txt\", \"rel\"]\nADD --chown=1:2 --chmod=600 e.tar /opt/\n"
+               "WORKDIR sub\nRUN [\"python3\", \"-c\", \"print(1)\"]\n"
+               "SHELL [\"/bin/bash\", \"-o\", \"pipefail\", \"-c\"]\nRUN --mount=type=cache,"
+               "target=/x --network=none echo $HOME | cat\nUSER agent\nRUN id\nUSER root\n"
+               "CMD [\"bash\"]\n")
+    stage = df.final
+    kinds = [type(s).__name__ for s in stage.steps]
+    assert kinds == ["Workdir", "Copy", "Copy", "Copy", "Workdir", "Run", "Run", "Run"]
+    w, c1, c2, add, w2, exec_run, shell_run, user_run = stage.steps
+    assert isinstance(w, Workdir) and w.path == "/app" and w2.path == "/app/sub"
+    assert (c1.sources, c1.dest, c1.into_dir) == (("a.txt", "b/"), "/app/", True)
+    assert (c2.sources, c2.dest, c2.into_dir) == (("c d.txt",), "/app/rel", False)
+    assert (add.add, add.chown, add.chmod, add.dest) == (True, "1:2", "600", "/opt/")
+    assert exec_run.argv == ("python3", "-c", "print(1)")
+    assert shell_run.argv == ("/bin/bash", "-o", "pipefail", "-c", "echo $HOME | cat")
+    assert shell_run.network is False and shell_run.workdir == "/app/sub"
+    assert user_run.user == "agent" and stage.user == ""
+    assert stage.image == "d@sha256:abc"
+    assert any("--platform=linux/amd64 ignored" in n for n in stage.notes)
+    assert any("CMD ignored" in n for n in stage.notes)
+
+
+def test_heredoc_run_and_copy():
+    df = parse("FROM d\nRUN <<EOF\necho one\necho two\nEOF\nRUN cat > /f <<X\nbody\nX\n"
+               "COPY <<EOF /etc/motd\nhello\nEOF\n")
+    script_run, redirect_run, copy = df.final.steps
+    assert script_run.argv == ("/bin/sh", "-c", "echo one\necho two\n")
+    assert redirect_run.argv == ("/bin/sh", "-c", "cat > /f <<X\nbody\nX")
+    assert isinstance(copy, Copy) and copy.inline == (("EOF", "hello\n"),) and \
+        copy.sources == () and copy.dest == "/etc/motd"
+
+
+def test_multi_stage_needs_only_what_the_final_stage_copies():
+    df = parse("FROM a AS unused\nRUN x\nFROM b AS build\nRUN y\nFROM c\n"
+               "COPY --from=build /out /app\nCOPY --from=ghcr.io/astral-sh/uv:0.8.14 /uv /bin/\n")
+    assert [s.image for s in df.needed()] == ["b", "c"]
+    from_stage, from_image = df.final.steps
+    assert from_stage.from_stage == 1 and from_image.from_image == "ghcr.io/astral-sh/uv:0.8.14"
+    assert df.copy_sources() == []  # neither reads the build context
+
+
+@pytest.mark.parametrize("text, message", [
+    ("RUN x\n", "line 1: RUN before the first FROM"),
+    ("FROM scratch\n", "line 1: FROM scratch is not supported"),
+    ("FROM a AS b\nFROM b\n", "line 2: FROM b (an earlier stage) is not supported"),
+    ("FROM a\nFROBNICATE x\n", "line 2: unknown instruction FROBNICATE"),
+    ("FROM a\nADD https://github.com/x/y.git /src\n", "line 2: ADD of a git repository"),
+    ("FROM a\nCOPY --parents a /b\n", "line 2: COPY --parents is not supported"),
+    ("FROM a\nCOPY onlyone\n", "line 2: COPY needs a source and a destination"),
+    ("FROM a\nENV A=\"open\n", "line 2: unterminated \" quote"),
+    ("# just a comment\n", "no FROM line"),
+])
+def test_what_cannot_be_built_is_a_clear_error(text, message):
+    with pytest.raises(DockerfileError, match=re.escape(message)):
+        parse(text)
+
+
+def test_script_runs_each_step_and_names_the_failing_line(tmp_path):
+    """The build script on this machine's own shell: a failing command in the middle of an
+    && chain stops the build at its line (the old joined ``sh -e`` script went on)."""
+    df = parse("FROM d\nRUN echo first > out\nRUN false && echo never\nRUN echo after >> out\n")
+    script = stage_script(df.final).replace("cd / &&", f"cd {tmp_path} &&")
+    script = script.replace("rm -rf /.tmax-build", "")
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        code = subprocess.run(["sh", "-c", script], stdout=f, stderr=subprocess.STDOUT,
+                              check=False, timeout=30).returncode
+    assert code == 1 and (tmp_path / "out").read_text() == "first\n"
+    error = step_error(log, BuildError("build", "exit 1", log))
+    assert error.what == "Dockerfile line 3: RUN false && echo never"
+    assert error.reason.startswith("exit 1")
+
+
+# --------------------------------------------------------------------------- a real build
+
+FAITHFUL = """\
+FROM debian:bookworm-slim
+ARG GREETING=hello
+ENV TOOL_HOME=/opt/tool APP=/app
+WORKDIR $APP
+COPY first.txt data.txt
+RUN cp data.txt snapshot.txt && echo "$GREETING from $TOOL_HOME" > env.txt
+COPY second.txt data.txt
+RUN false && echo "never" ; echo "the status of the last command counts" > chain.txt
+RUN useradd -m agent && mkdir -p /srv/shared && chown agent /srv/shared
+USER agent
+RUN id -un > /srv/shared/whoami && touch /srv/shared/by-agent
+USER root
+COPY --chown=agent:agent --chmod=640 tree/ /srv/tree/
+ADD bundle.tar /opt/bundle/
+SHELL ["/bin/bash", "-c"]
+RUN [[ -n "$BASH_VERSION" ]] && echo bash > shell.txt
+RUN <<EOF
+echo "from a heredoc" > heredoc.txt
+EOF
+CMD ["sleep", "infinity"]
+"""
+
+
+def _build(tmp_path: Path, image_store, dockerfile: str, files: dict[str, str]):
+    task = make_task(tmp_path, **{"environment/Dockerfile": dockerfile,
+                                  **{f"environment/{k}": v for k, v in files.items()}})
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"))
+    result = builds.build(load_task(task), check=False)
+    return result, image_store
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_a_real_build_follows_docker_order(tmp_path, image_store):
+    import tarfile
+
+    bundle = tmp_path / "bundle-src"
+    (bundle / "inner").mkdir(parents=True)
+    (bundle / "inner" / "file").write_text("packed\n")
+    env = tmp_path / "demo" / "environment"
+    env.mkdir(parents=True)
+    with tarfile.open(env / "bundle.tar", "w") as t:
+        t.add(bundle / "inner", arcname="inner")
+    result, store = _build(tmp_path, image_store, FAITHFUL, {
+        "first.txt": "first\n", "second.txt": "second\n", "tree/a/b.txt": "deep\n"})
+    assert result.status == "built", result.error
+    sif = store.path(store.read().tasks["demo"].sif)
+
+    def cat(path: str) -> str:
+        out = tmp_path / f"cat-{path.replace('/', '_')}"
+        out.mkdir()
+        return cat_sif(sif, path, out)
+
+    assert cat("/app/snapshot.txt") == "first\n"  # RUN saw the first COPY, not the second
+    assert cat("/app/data.txt") == "second\n"
+    assert cat("/app/env.txt") == "hello from /opt/tool\n"
+    assert cat("/app/chain.txt").startswith("the status")
+    assert cat("/srv/shared/whoami") == "agent\n"
+    assert cat("/app/shell.txt") == "bash\n" and cat("/app/heredoc.txt") == "from a heredoc\n"
+    assert cat("/opt/bundle/inner/file") == "packed\n"  # ADD unpacked the archive
+    listing = subprocess.run(["unsquashfs", "-lln", "-o", str(_offset(sif)), str(sif)],
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+    owners = {line.split()[-1]: (line.split()[0], line.split()[1]) for line in
+              listing.splitlines() if line.startswith(("-", "d"))}
+    assert owners["squashfs-root/srv/shared/by-agent"][1] == "1000/1000"  # USER agent wrote it
+    assert owners["squashfs-root/srv/tree/a/b.txt"] == ("-rw-r-----", "1000/1000")
+    assert owners["squashfs-root/app/data.txt"][1] == "0/0"
+    assert ".tmax-build" not in list_sif(sif)  # the staging folder is gone
+    env_file = cat("/.singularity.d/env/90-environment.sh")
+    assert "TOOL_HOME=/opt/tool" in env_file and "GREETING" not in env_file
+    assert "note: line 20: CMD ignored" in store.path(result.log).read_text()
+
+
+def _offset(sif: Path) -> int:
+    from sandfleet.runtime.sif import read_partition
+
+    return read_partition(sif).offset
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_a_failing_step_fails_the_build_with_its_line(tmp_path, image_store):
+    result, _ = _build(tmp_path, image_store,
+                       "FROM debian:bookworm-slim\nRUN echo ok\nRUN ls /nonexistent && echo x\n"
+                       "RUN echo unreached\n", {})
+    assert result.status == "failed"
+    assert "Dockerfile line 3: RUN ls /nonexistent && echo x" in result.error
+    assert "No such file or directory" in result.error  # the step's own output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_multi_stage_and_apt_in_the_local_builder(tmp_path, image_store):
+    """apt works in the build chroot (its _apt sandbox needs setgroups), and the final stage
+    gets only what it copies from the build stage."""
+    result, store = _build(tmp_path, image_store, (
+        "FROM debian:bookworm-slim AS build\nRUN apt-get update -qq && apt-get install -y -qq "
+        "--no-install-recommends dos2unix && mkdir /out && printf 'a\\r\\n' | dos2unix > "
+        "/out/converted && dos2unix --version | head -1 > /out/version\n"
+        "FROM debian:bookworm-slim\nCOPY --from=build /out/ /app/\n"), {})
+    assert result.status == "built", result.error
+    sif = store.path(store.read().tasks["demo"].sif)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(sif, "/app/converted", out) == "a\n"
+    assert "usr/bin/dos2unix" not in list_sif(sif)  # the build stage's packages stay there

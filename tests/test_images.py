@@ -462,16 +462,16 @@ def test_a_builder_crash_fails_that_task_only(image_store, tmp_path):
 
 
 def test_definitions_parse_correctly_from_many_threads():
-    """spython is driven by absolute paths: concurrent builds never read another task's
-    Dockerfile (a process-wide chdir once made them)."""
+    """Concurrent builds never read another task's Dockerfile (a process-wide chdir once
+    made them)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tmax.tasks import find_tasks
 
     table = BaseTable.load(TABLE).resolve
     envs = [p / "environment" for p in find_tasks(EXAMPLES)] * 4
-    expected = {e: task_definition(e, table).definition.files for e in envs}
+    expected = {e: task_definition(e, table).definition.render() for e in envs}
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda e: (e, task_definition(e, table).definition.files),
+        got = list(pool.map(lambda e: (e, task_definition(e, table).definition.render()),
                             envs))
     assert all(files == expected[e] for e, files in got)

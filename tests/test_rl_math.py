@@ -422,3 +422,23 @@ def test_batch_metrics():
     # valid rewards 1, 0, 0, 1, 1, 1 -> 4/6
     assert m["reward_mean"] == pytest.approx(4 / 6)
     assert m["rollouts"] == 8 and m["groups"] == 2
+
+
+def test_step_metrics_leave_verifier_errors_out_of_the_reward():
+    """Rewards 1 and 0 scored, one verifier error (reward None), one infra failure: the mean
+    is (1 + 0) / 2, not (1 + 0 + 0) / 3; 1 of 3 valid rollouts had a verifier error."""
+    from tmax.rollout.trajectory import Trajectory
+    from tmax.train.loop import step_metrics
+    from tmax.train.rollouts import SamplerStats
+
+    trajs = [Trajectory("t", "p", reward=1.0), Trajectory("t", "p", reward=0.0),
+             Trajectory("t", "p", verifier_error="needs network at grade time"),
+             Trajectory("t", "p", infra_failure={"cause": "sandbox lost"})]
+    stats = SamplerStats(groups_done=1, rollouts=trajs)
+    group = type("G", (), {"trajectories": trajs, "version": 0, "advantages": group_advantages(
+        [1.0, 0.0, None, None], [True, True, False, False])})()
+    m = step_metrics(stats, [group], step=1)
+    assert m["reward_mean"] == pytest.approx(0.5)
+    assert m["verifier_error_rate"] == pytest.approx(1 / 3)
+    assert m["infra_failure_rate"] == pytest.approx(0.25)
+    assert m["batch_reward_mean"] == pytest.approx(0.5)

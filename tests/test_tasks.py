@@ -75,7 +75,8 @@ def test_minimal_task_loads(tmp_path):
     ({"environment/Dockerfile": None}, "environment", "", "no environment definition"),
     ({"environment/Dockerfile": "FROM python:3.11-slim\nCOPY data.csv /app/\n"},
      "environment/Dockerfile", "line 2", "not found"),
-    ({"environment/Dockerfile": "RUN echo hi\n"}, "environment/Dockerfile", "", "no FROM"),
+    ({"environment/Dockerfile": "RUN echo hi\n"}, "environment/Dockerfile", "line 1",
+     "RUN before the first FROM"),
 ])
 def test_malformed_task_names_file_and_field(tmp_path, override, file, field, words):
     path = make_task(tmp_path, **override)
@@ -143,6 +144,22 @@ def test_tb1_reader_maps_fields_and_files():
     assert b"wc -w < /app/text.txt" in draft.files["solution/solve.sh"].data
     assert draft.files["tests/test.sh"].mode == 0o755
     assert b"bash /tests/run-tests.sh" in draft.files["tests/test.sh"].data
+
+
+def test_tb1_build_context_is_the_task_folder(tmp_path):
+    """A TB1 Dockerfile may COPY from tests/ (its build context is the whole folder): what it
+    copies stays in environment/ as well as in tests/; what it does not copy stays out."""
+    import shutil
+
+    task = tmp_path / "word-count"
+    shutil.copytree(DATA / "tb1" / "word-count", task)
+    (task / "tests" / "gen.py").write_text("print('data')\n")
+    with open(task / "Dockerfile", "a") as f:
+        f.write("COPY tests/gen.py /app/gen.py\n")
+    draft = read_any(task)
+    assert "environment/tests/gen.py" in draft.files and "tests/gen.py" in draft.files
+    assert "environment/solution.sh" not in draft.files
+    assert "environment/run-tests.sh" not in draft.files
 
 
 def test_tb1_without_run_tests_uses_pytest_lite():

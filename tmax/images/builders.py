@@ -1,8 +1,9 @@
 """Image builders, one small class each: ``apptainer`` (clusters) and ``local`` (no Apptainer).
 
 Both turn the same inputs into the same kind of file: a base from images/<base>.def, and a
-task image from the task's definition (a Dockerfile converted with spython) on top of its
-base. The local builder's SIF is a real one (squashfs primary system partition, definition
+task image on top of its base, from the task's Apptainer definition or its Dockerfile (built
+as Docker builds it: one script per stage that both builders run, see
+tmax.images.dockerbuild). The local builder's SIF is a real one (squashfs primary system partition, definition
 object), so it runs under Apptainer on a cluster unchanged.
 """
 

@@ -19,7 +19,6 @@ sandbox, and the host reads nothing back through a link the sandbox made.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shlex
 import shutil
@@ -32,8 +31,10 @@ from typing import Literal, Protocol
 
 from sandfleet.runtime.bwrap import BwrapSpec, host_root
 from tmax.tasks.confine import expand_source
+from tmax.tasks.dockerfile import Copy, Run, Workdir
+from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.model import MissingSolution, Problem, Task, TaskError
-from tmax.tasks.native import copy_operands, dockerfile_instructions, validate_task
+from tmax.tasks.native import validate_task
 from tmax.tasks.reward import VerifierError, read_reward
 
 WRITABLE = ("/app", "/tmp", "/logs", "/tests", "/solution", "/root", "/home", "/opt", "/srv")
@@ -194,32 +195,27 @@ class HostSandbox:
 
 
 def _apply_dockerfile(box: HostSandbox, task: Task) -> None:
+    """The final stage's steps, in order (tmax.tasks.dockerfile); COPY --from and ADD of
+    URLs are skipped (the host check has no other stages, nor the network)."""
     ctx = task.environment_dir
-    workdir = "/"
-    for line, word, args in dockerfile_instructions(task.definition.read_text()):
-        if word == "WORKDIR":
-            workdir = str(PurePosixPath(workdir) / args)
-            box.mkdir(workdir)
-        elif word == "ENV":
-            box.spec.env.update(_parse_env(args))
-        elif word in ("COPY", "ADD") and (operands := copy_operands(args)):
-            sources, dest = operands
-            dest = dest if dest.startswith("/") else f"{workdir}/{dest}"
-            for src in sources:
+    stage = parse_dockerfile(task.definition.read_text()).final
+    base_env = dict(box.spec.env)
+    for step in stage.steps:
+        if isinstance(step, Workdir):
+            box.mkdir(step.path)
+        elif isinstance(step, Copy) and step.from_stage is None and not step.from_image:
+            for src in step.sources:
                 for match in [] if "://" in src else expand_source(ctx, src):
-                    box.copy_in(match, dest)
-        elif word == "RUN":
-            command = " ".join(json.loads(args)) if args.startswith("[") else args
-            if box.run(command, task.config.environment.build_timeout_sec, workdir) != 0:
-                raise RuntimeError(f"Dockerfile line {line}: RUN failed: {command[:80]}")
-    box.spec.cwd = workdir
-
-
-def _parse_env(args: str) -> dict[str, str]:
-    parts = shlex.split(args)
-    if parts and "=" not in parts[0]:  # legacy "ENV KEY value"
-        return {parts[0]: " ".join(parts[1:])}
-    return dict(p.split("=", 1) for p in parts)
+                    box.copy_in(match, step.dest)
+        elif isinstance(step, Run):
+            command = step.argv[-1] if step.argv[:-1] in (("/bin/sh", "-c"), ("sh", "-c")) \
+                else shlex.join(step.argv)
+            box.spec.env = {**base_env, **dict(step.env)}
+            if box.run(command, task.config.environment.build_timeout_sec, step.workdir) != 0:
+                raise RuntimeError(f"Dockerfile line {step.line}: RUN failed: "
+                                   f"{step.text[:80]}")
+    box.spec.env = {**base_env, **stage.env}
+    box.spec.cwd = stage.workdir
 
 
 def _apply_definition(box: HostSandbox, task: Task) -> None:

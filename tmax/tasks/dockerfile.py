@@ -117,9 +117,10 @@ class Dockerfile:
                          if isinstance(s, Copy) and s.from_stage is not None}
         return [s for s in self.stages if s.index in want]
 
-    def copy_sources(self) -> list[tuple[int, str]]:
-        """(line, source) of every COPY/ADD that reads the build context."""
-        return [(s.line, src) for stage in self.stages for s in stage.steps
+    def copy_sources(self) -> list[tuple[int, str, str]]:
+        """(line, COPY or ADD, source) of every COPY/ADD that reads the build context."""
+        return [(s.line, "ADD" if s.add else "COPY", src) for stage in self.stages
+                for s in stage.steps
                 if isinstance(s, Copy) and s.from_stage is None and not s.from_image
                 for src in s.sources]
 

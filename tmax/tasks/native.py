@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -24,6 +23,8 @@ from tmax.tasks.config import (
     phase_network,
 )
 from tmax.tasks.confine import Escape, expand_source, link_problems
+from tmax.tasks.dockerfile import DockerfileError
+from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.model import (
     DEFINITION_FILES,
     ENV_DIR,
@@ -306,45 +307,6 @@ def _check_environment(root: Path, task_id: str, problems: list[Problem],
         problems.extend(_check_definition(env / "container.def", task_id))
 
 
-def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
-    """(line number, INSTRUCTION, arguments) for each instruction, continuations joined."""
-    out: list[tuple[int, str, str]] = []
-    buf, start = "", 0
-    for n, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        if not buf and (not stripped or stripped.startswith("#")):
-            continue
-        if not buf:
-            start = n
-        if stripped.endswith("\\"):
-            buf += stripped[:-1] + " "
-            continue
-        buf += stripped
-        word, _, rest = buf.partition(" ")
-        out.append((start, word.upper(), rest.strip()))
-        buf = ""
-    if buf:
-        word, _, rest = buf.partition(" ")
-        out.append((start, word.upper(), rest.strip()))
-    return out
-
-
-def copy_operands(args: str) -> tuple[list[str], str] | None:
-    """(sources, destination) of a COPY/ADD's arguments, shell or JSON form, flags dropped;
-    None when it copies from another build stage or image (``--from``)."""
-    if args.startswith("["):
-        try:
-            parts = [str(p) for p in json.loads(args)]
-        except (json.JSONDecodeError, TypeError):
-            parts = shlex.split(args)
-    else:
-        parts = shlex.split(args)
-    if any(p.startswith("--from=") for p in parts):
-        return None
-    parts = [p for p in parts if not p.startswith("--")]
-    return (parts[:-1], parts[-1]) if parts else ([], "")
-
-
 def _source_problem(task_id: str, file: str, field: str, word: str, env: Path,
                     src: str) -> Problem | None:
     if "://" in src:
@@ -364,16 +326,16 @@ def _source_problem(task_id: str, file: str, field: str, word: str, env: Path,
 
 def _check_dockerfile(path: Path, task_id: str) -> list[Problem]:
     file = f"{ENV_DIR}/Dockerfile"
+    try:
+        parsed = parse_dockerfile(path.read_text(errors="replace"))
+    except DockerfileError as e:
+        return [Problem(task_id, file, e.message, "see the Dockerfile reference; TMax builds "
+                        "what Docker builds (README: Task images)",
+                        f"line {e.line}" if e.line else "")]
     problems: list[Problem] = []
-    instructions = dockerfile_instructions(path.read_text(errors="replace"))
-    if not instructions or instructions[0][1] not in ("FROM", "ARG"):
-        problems.append(Problem(task_id, file, "the Dockerfile has no FROM line first",
-                                "start it with FROM <base image>"))
-    for line, word, args in instructions:
-        operands = copy_operands(args) if word in ("COPY", "ADD") else None
-        for src in operands[0] if operands else []:
-            if problem := _source_problem(task_id, file, f"line {line}", word, path.parent, src):
-                problems.append(problem)
+    for line, word, src in parsed.copy_sources():
+        if problem := _source_problem(task_id, file, f"line {line}", word, path.parent, src):
+            problems.append(problem)
     return problems
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -21,6 +22,8 @@ from pathlib import Path
 import yaml
 
 from tmax.tasks.config import DOMAINS, Metadata, TaskConfig
+from tmax.tasks.dockerfile import DockerfileError
+from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.model import FileSpec, Problem, TaskDraft, TaskError
 from tmax.tasks.native import is_task_dir, read_native, validate_config
 
@@ -90,6 +93,26 @@ TB1_SPECIAL = {"task.yaml", "run-tests.sh", "solution.sh", "solution.yaml", "tes
                "docker-compose.yaml", "docker-compose.yml"}
 
 
+def _tb1_context_reaches(path: Path) -> set[str]:
+    """The converter's own names (tests/, run-tests.sh, ...) that the Dockerfile's COPY/ADD
+    sources reach: TB1 builds with the whole task folder as its context, so those stay in
+    environment/ too (the tests still reach the verifier through tests/)."""
+    try:
+        sources = [src for _, _, src in
+                   parse_dockerfile((path / "Dockerfile").read_text(errors="replace"))
+                   .copy_sources()]
+    except (DockerfileError, OSError):
+        return set()  # reported by validation
+    reached: set[str] = set()
+    for src in sources:
+        first = os.path.normpath(src.lstrip("/")).split("/")[0]
+        if first in (".", "") or any(c in first for c in "*?["):
+            reached |= TB1_SPECIAL  # the whole folder, or a glob over its top level
+        elif first in TB1_SPECIAL:
+            reached.add(first)
+    return reached & {p.name for p in path.iterdir()}
+
+
 def _tb1_kept_keys(meta: dict) -> tuple[dict, list[str]]:
     """task.yaml keys the converter does not map, for [metadata]: as written, except that a
     name TMax types in [metadata] (``domain``, ``skills``...) gets a ``tb1_`` prefix, and a
@@ -146,7 +169,8 @@ def read_tb1(path: Path) -> TaskDraft:
                 raise fail(f"{len(services)} services: multi-container tasks are not supported",
                            "fold the services into one image", "services", compose)
 
-    files = {f"environment/{k}": v for k, v in _collect(path, TB1_SPECIAL).items()}
+    files = {f"environment/{k}": v
+             for k, v in _collect(path, TB1_SPECIAL - _tb1_context_reaches(path)).items()}
     if (path / "tests").is_dir():
         files.update({f"tests/{k}": v for k, v in _collect(path / "tests", set()).items()})
     if "tests/test.sh" in files:

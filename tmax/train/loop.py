@@ -227,9 +227,11 @@ def step_metrics(stats, groups, step: int) -> dict[str, float]:
 
     rollouts = stats.rollouts
     valid = [t for t in rollouts if t.valid]
+    scored = [t for t in valid if t.scored]  # a verifier error measures nothing: left out
     out = {"rollouts": len(rollouts),
-           "reward_mean": (sum(t.score for t in valid) / len(valid)) if valid else float("nan"),
+           "reward_mean": (sum(t.score for t in scored) / len(scored)) if scored else float("nan"),
            "infra_failure_rate": (1 - len(valid) / len(rollouts)) if rollouts else 0.0,
+           "verifier_error_rate": (1 - len(scored) / len(valid)) if valid else 0.0,
            "groups_done": stats.groups_done,
            "groups_filtered": sum(stats.groups_filtered.values()),
            "groups_stale": stats.groups_stale,
@@ -237,7 +239,7 @@ def step_metrics(stats, groups, step: int) -> dict[str, float]:
                                    if stats.groups_done else 0.0)}
     trained = [t for g in groups for t in g.trajectories]
     out.update({f"batch_{k}": v for k, v in batch_metrics(
-        [t.score if t.valid else None for t in trained], [t.valid for t in trained],
+        [t.score if t.scored else None for t in trained], [t.scored for t in trained],
         [g.advantages for g in groups]).items() if isinstance(v, (int, float))})
     out["staleness_mean"] = sum(step - g.version for g in groups) / len(groups)
     for phase in ("queue", "start", "agent", "verifier"):

@@ -309,11 +309,15 @@ def build_cause(b: dict, store: Path) -> tuple[str, str]:
         return "unmapped FROM base", m.group(1)
     if "timed out after" in err:
         return "build timeout (task build_timeout_sec)", err.splitlines()[0][:200]
-    if err.startswith("%files") or "COPY" in err[:80]:
+    step = re.match(r"Dockerfile line \d+: (\w+)", err)
+    if err.startswith("%files") or (step and step.group(1) in ("COPY", "ADD")) or \
+            (not step and "COPY" in err[:80]):
         return "COPY/%files source", err.splitlines()[0][:200]
+    if err.startswith("Dockerfile line") and not step:
+        return "Dockerfile not supported", err.splitlines()[0][:200]
     log_text = tail(store / b["log"]) if b.get("log") else ""
     text = err + "\n" + log_text
-    if err.startswith("%post") or "exit " in err[:40]:
+    if err.startswith(("%post", "Dockerfile line")) or "exit " in err[:40]:
         if "setgroups" in text or "Method http has died" in text:
             return "build step failed: apt sandbox (setgroups)", last_line(text, "setgroups")
         if NET.search(text):

@@ -266,3 +266,25 @@ def test_multi_stage_and_apt_in_the_local_builder(tmp_path, image_store):
     out.mkdir()
     assert cat_sif(sif, "/app/converted", out) == "a\n"
     assert "usr/bin/dos2unix" not in list_sif(sif)  # the build stage's packages stay there
+
+
+def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
+    """What `apptainer build` gets for two stages: each bootstrapped from the base with its
+    own Stage name, the final one copying from the first by ``%files from s0`` into the
+    staging folder its script copies from, the final ENV as %environment."""
+    from tmax.images.builders import dockerfile_over
+    from tmax.images.definition import dockerfile_definition
+
+    task = dockerfile_definition(
+        "FROM debian:bookworm AS build\nRUN make /out/tool\n"
+        "FROM debian:bookworm\nENV MODE=prod\nCOPY --from=build /out/tool /usr/local/bin/\n",
+        lambda image: "debian-slim")
+    text = dockerfile_over(task, Path("/store/bases/b.sif"), tmp_path)
+    first, final = text.split("Bootstrap: localimage")[1:]
+    assert first.startswith("\nFrom: /store/bases/b.sif\nStage: s0\n")
+    assert final.startswith("\nFrom: /store/bases/b.sif\nStage: s1\n")
+    assert "%files from s0\n    /out/tool /.tmax-build/s1/c5/f0/tool\n" in final
+    assert f"%files\n    {tmp_path}/s1/.tmax-build /\n" in final
+    assert "tmax_copy /.tmax-build/s1/c5 /usr/local/bin/ 1" in final
+    assert "%environment\n    export PATH=" in final and "export MODE=prod" in final
+    assert "%environment" not in first and "make /out/tool" in first

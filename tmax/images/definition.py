@@ -56,6 +56,19 @@ def parse_definition(text: str) -> Definition:
     return d
 
 
+WORKDIR_LABEL = "org.tmax.workdir"
+"""A base's %labels entry naming its WORKDIR (the Terminal-Bench bases start in /app)."""
+
+
+def labelled_workdir(definition_text: str) -> str | None:
+    """The WORKDIR a base definition declares in %labels (``org.tmax.workdir /app``)."""
+    for line in parse_definition(definition_text).sections.get("labels", "").splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key == WORKDIR_LABEL and value.strip():
+            return value.strip()
+    return None
+
+
 @dataclass(frozen=True)
 class TaskDefinition:
     """What a task's environment/ says to build, with its registry base resolved

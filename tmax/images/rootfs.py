@@ -89,6 +89,10 @@ def run_logged(argv: list[str], log: Path, timeout: float, what: str, *,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise BuildError(what, f"timed out after {timeout:g}s", log) from None
+        except BaseException:  # ``started`` failed, or we were interrupted: none left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         raise BuildError(what, f"exit {code}:\n" + "\n".join(tail), log)
@@ -134,12 +138,19 @@ def run_in_rootfs(rootfs: Path, command: list[str], log: Path, timeout: float, w
         return
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
+    open_fds = {info_r, info_w, block_r, block_w}
+
+    def close(fd: int) -> None:  # each exactly once: builds run in threads, and a number
+        if fd in open_fds:       # closed twice may by then be another thread's file
+            open_fds.discard(fd)
+            os.close(fd)
+
     argv = chroot_argv(rootfs, command, network=network, env=env or {}, cwd=cwd,
                        info_fd=info_w, block_fd=block_r)
 
     def map_ids(proc: subprocess.Popen) -> None:
-        os.close(info_w)
-        os.close(block_r)
+        close(info_w)
+        close(block_r)
         data = b""
         while True:
             ready, _, _ = select.select([info_r], [], [], 60)
@@ -159,11 +170,8 @@ def run_in_rootfs(rootfs: Path, command: list[str], log: Path, timeout: float, w
     try:
         run_logged(argv, log, timeout, what, pass_fds=(info_w, block_r), started=map_ids)
     finally:
-        for fd in (info_r, info_w, block_r, block_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in sorted(open_fds):
+            close(fd)
 
 
 def environment_of(definition: Definition) -> dict[str, str]:

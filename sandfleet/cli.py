@@ -196,21 +196,13 @@ def up_cmd(ctx: click.Context, config_path: Path | None, provider: str | None,
 def _offline_cleanup(state_dir: Path) -> list[str]:
     """Without a live controller: cancel the fleet's jobs (from its journal, and for Slurm
     this user's jobs named after this fleet), remove controller.json. The actions taken."""
-    from sandfleet.controller import JOURNAL, Journal
+    from sandfleet.controller.journal import JOURNAL, FleetDown, load, replay, rewrite
     from sandfleet.providers import SlurmProvider, make_provider
 
     done = []
     config = resolve_config(None, None, state_dir)
     provider = make_provider(config, state_dir)
-    jobs = {}
-    for ev in Journal.load(state_dir / JOURNAL):
-        if ev["e"] == "job":
-            jobs[ev["job_id"]] = ev
-        elif ev["e"] in ("job_end",):
-            jobs.pop(ev["job_id"], None)
-        elif ev["e"] == "down":
-            jobs.clear()
-    ids = set(jobs)
+    ids = set(replay(load(state_dir / JOURNAL)).jobs)
     if isinstance(provider, SlurmProvider):
         ids |= set(provider.own_jobs())
     states = provider.poll(sorted(ids)) or {}
@@ -222,7 +214,7 @@ def _offline_cleanup(state_dir: Path) -> list[str]:
         (state_dir / "controller.json").unlink()
         done.append("removed controller.json")
     if (state_dir / JOURNAL).exists():
-        Journal.rewrite(state_dir / JOURNAL, [{"e": "down"}])
+        rewrite(state_dir / JOURNAL, [FleetDown()])
     return done
 
 

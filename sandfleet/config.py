@@ -7,6 +7,7 @@ workers read it from there, so a worker needs only the state dir and its name.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -168,3 +169,17 @@ def load_config(path: str | os.PathLike | None = None) -> FleetConfig:
         return FleetConfig.model_validate(data or {})
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+CONFIG_FILE = "fleet.json"
+"""The resolved config a controller saves in its state dir (workers read it there)."""
+
+
+def fleet_config_of(state_dir: str | os.PathLike) -> FleetConfig:
+    """The resolved config a controller saved in ``state_dir``."""
+    return FleetConfig.model_validate_json((Path(state_dir) / CONFIG_FILE).read_text())
+
+
+def fleet_key(state_dir: str | os.PathLike) -> str:
+    """A short stable name of the fleet of ``state_dir`` (work dirs, Slurm job names)."""
+    return hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:10]

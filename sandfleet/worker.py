@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -49,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sandfleet.config import FleetConfig
+from sandfleet.config import FleetConfig, fleet_config_of, fleet_key
 from sandfleet.errors import InfraError, SandboxLost
 from sandfleet.protocol import (
     MAX_PAYLOAD_BYTES,
@@ -104,10 +103,6 @@ class Held:
     def activity(self) -> LeaseActivity:
         return LeaseActivity(idle_s=round(time.monotonic() - self.last_activity, 3),
                              pinned=self.running > 0)
-
-
-def fleet_key(state_dir: Path) -> str:
-    return hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:10]
 
 
 def address_towards(host: str) -> str:
@@ -588,8 +583,6 @@ def reap_dead_workers(root: Path, config: FleetConfig, *, keep: str = "",
 
 def run_worker(state_dir: Path, name: str, config: FleetConfig | None = None) -> None:
     """``sandfleet worker``: run until shutdown, SIGTERM, or the controller's grace ends."""
-    from sandfleet.controller import fleet_config_of
-
     config = config or fleet_config_of(state_dir)
 
     async def main() -> None:

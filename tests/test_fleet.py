@@ -159,15 +159,16 @@ def test_journal_recovery_skips_a_torn_line_and_compacts(tmp_path):
     (state / JOURNAL).write_text(text)
     for _ in range(2):  # recover, then recover again from the compacted journal
         controller = Controller(state, FleetConfig())
-        controller._recover()
-        assert set(controller.leases) == {"L1"}
-        assert controller.leases["L1"].state == "held"
-        assert controller.by_request["a-L1"] == "L1"
-        assert controller.ended["L2"]["cause"] == "released"
-        assert controller.ended["L3"]["cause"] == "node_lost"  # its worker is unknown
-        node = controller.nodes["w4-x"]
+        controller.recover()
+        reg = controller.reg
+        assert set(reg.leases) == {"L1"}
+        assert reg.leases["L1"].state == "held"
+        assert reg.by_request["a-L1"] == "L1"
+        assert reg.ended["L2"]["cause"] == "released"
+        assert reg.ended["L3"]["cause"] == "node_lost"  # its worker is unknown
+        node = reg.nodes["w4-x"]
         assert (node.used_cpus, node.leases, node.bucket) == (2, {"L1"}, 6)
-        assert list(controller.jobs) == ["11"] and controller.next_index == 5
+        assert list(reg.jobs) == ["11"] and reg.next_index == 5
         lines = (state / JOURNAL).read_text().splitlines()
         assert all(json.loads(line) for line in lines)  # the torn line is gone
 

@@ -62,3 +62,74 @@ def test_tmax_train_env_reports_torch_and_lazy_gpu_extras():
 
     assert report["torch"] == torch.__version__
     assert report["cuda_available"] == torch.cuda.is_available()
+
+
+def sandfleet_import_graph() -> dict[str, set[str]]:
+    """Module -> the sandfleet modules it imports (anywhere in it, function bodies too).
+    ``from a import b`` names module ``a.b`` when that is a module; importing ``a.b.c``
+    from outside package ``a.b`` also runs ``a.b``'s ``__init__``, so that counts too."""
+    root = REPO / "sandfleet"
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                            for a in node.names]
+        for target in targets:
+            if not target.startswith("sandfleet"):
+                continue
+            while target not in modules:  # an attribute of a module
+                target = target.rpartition(".")[0]
+            edges = [target]
+            parent = target.rpartition(".")[0]
+            while parent and not (name == parent or name.startswith(parent + ".")):
+                edges.append(parent)
+                parent = parent.rpartition(".")[0]
+            graph[name] |= {e for e in edges if e != name}
+    return graph
+
+
+def test_sandfleet_has_no_import_cycle():
+    graph = sandfleet_import_graph()
+    assert "sandfleet.controller.core" in graph and "sandfleet.providers.slurm" in graph
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):]
+                                                                 + [module]))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_controller_providers_and_worker_import_in_one_direction():
+    graph = sandfleet_import_graph()
+    below = {m: {t for t in graph if t == m or t.startswith(m + ".")}
+             for m in ("sandfleet.controller", "sandfleet.providers", "sandfleet.worker")}
+    imports = {m: set().union(*(graph[t] for t in below[m])) for m in below}
+    assert not imports["sandfleet.providers"] & (below["sandfleet.controller"]
+                                                 | below["sandfleet.worker"])
+    assert not imports["sandfleet.worker"] & (below["sandfleet.controller"]
+                                              | below["sandfleet.providers"])
+    assert not imports["sandfleet.controller"] & below["sandfleet.worker"]
+    scaler = graph["sandfleet.controller.scaler"]
+    assert "sandfleet.providers.base" in scaler and "sandfleet.controller.core" not in scaler

@@ -288,12 +288,16 @@ def test_apptainer_builder_hook(tmp_path, monkeypatch):
     tools = plan(task / "tests")
     ApptainerBuilder(apptainer=str(fake), fakeroot=False).build_task(
         tdef, task / "environment", Path("/s/b.sif"), out, tmp_path / "log", 60, verifier=tools)
-    definition = parse_definition((tmp_path / "def").read_text())
     (where,) = {cache for _, cache in staged}
     assert staged == [("0.9.7", where)] and where.parent == out.parent  # beside the def file
-    assert definition.sections["post"] == "    mkdir -p /app\n    cd /app\n" + "\n".join(
-        f"    {line}" for line in tools.script().splitlines()) + "\n"
-    assert definition.files == [(str(where / "tree" / ".tmax"), "/")]
+    text = (tmp_path / "def").read_text()
+    final = parse_definition("Bootstrap:" + text.rsplit("Bootstrap:", 1)[1])
+    post = final.sections["post"]
+    steps = post.index("rm -rf /.tmax-build")  # the task's own steps end here, then the tools
+    assert "mkdir -p /app" in post[:steps]
+    assert post[steps:].rstrip().endswith("\n".join(
+        f"    {line}" for line in tools.script().splitlines()).rstrip())
+    assert final.files[-1] == (str(where / "tree" / ".tmax"), "/")
 
 
 def test_pip_preparation_and_python_checks_in_the_script(tmp_path):

@@ -424,3 +424,12 @@ def test_scaler_does_nothing_while_the_controller_stops():
     provider = FakeProvider()
     run(ticks(Scaler(view, provider)))
     assert provider.submitted == [] and view.calls == []
+
+
+def test_the_controller_offers_every_member_of_the_fleet_view(tmp_path):
+    from sandfleet.controller import Controller, FleetView
+
+    members = {n for n in vars(FleetView) if not n.startswith("_")}
+    assert {"nodes", "leases", "jobs", "node_lost", "add_job", "release_node"} <= members
+    controller = Controller(tmp_path, FleetConfig())
+    assert [m for m in sorted(members) if not hasattr(controller, m)] == []

@@ -28,8 +28,8 @@ from sandfleet.controller import monitor, placement
 from sandfleet.controller.journal import (
     JOURNAL,
     FleetDown,
-    Journal,
     JobEnded,
+    Journal,
     LeaseEnded,
     NodeEnded,
     load,

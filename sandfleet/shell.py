@@ -1,99 +1,14 @@
-"""The persistent shell of a sandbox: one long-lived bash per lease.
+"""The persistent shell of a sandbox: one long-lived bash per lease (see docs/shell.md).
 
-``ShellSession(runtime, sandbox_id).run(command, timeout)`` runs ``command`` in the same
-bash every time, so the working directory, variables (exported or not, ``declare``\\ d
-included), shell functions, options and background jobs carry over from one command to the
-next. One command runs at a time (a lock; a second ``run`` waits).
-
-Two ways to drive it. ``run`` is synchronous and a thread per shell reads its output. An
-asyncio owner (the worker) passes ``loop=`` and calls ``await arun(command, timeout,
-executor)`` from that loop: the output is read by reader callbacks on the loop, a short
-command is sent from the loop and its end awaited there, and only what blocks (starting or
-restarting bash, a timeout's abort) runs in the executor. A command's round trip then costs
-no thread switch in the worker (``benchmarks/sandfleet_bench.py exec``).
-
-Protocol. ``start`` runs ``setsid bash --noprofile --norc`` in the sandbox (plain bash where
-the image has no ``setsid``) through ``runtime.popen``, with stdin and stdout as pipes and
-stderr merged into stdout, turns on ``set -m`` (every job gets its own process group) and
-defines two helper functions. A command goes in as one line (shown on three)::
-
-    __tmax_c='<command>'; __tmax_pre
-    . /dev/stdin <<<"$__tmax_p$__tmax_c" >&$__tmax_o 2>&1 {__tmax_o}>&-
-    { __tmax_s=$? __tmax_in=; __tmax_end $__tmax_s <nonce>; } 2>/dev/null
-
-so bash *sources* the command in its main context (not a subshell, not a function: ``cd``,
-``export``, ``declare`` and function definitions persist), with stdin ``/dev/null`` (``cat``
-or ``read`` get end of file), stdout and stderr merged into the session's pipe, and then
-prints ``__TMAX_<nonce>__ <status>\\n`` on a descriptor the command cannot see. The nonce
-is fresh random for every command, so nothing a command prints, not even text copied from
-an earlier command, can end it early; the marker is cut from the output. The marker line
-has a single newline, at its end, so bash writes it in one ``write`` (atomic on a pipe): a
-background job writing at the same time cannot split it. The reader drains the pipe at all
-times (a background job that writes while no command runs never blocks); what
-arrives between commands opens the next command's output.
-
-Output: stdout and stderr interleaved as written, decoded as UTF-8 with replacement, capped
-at ``max_output_bytes`` with the head and the tail kept and the number of bytes cut noted
-(``OutputBuffer``). Error messages name the source ``/dev/stdin: line N:``.
-
-Timeout: what dies and what survives. On its deadline a command gets an abort, in rounds
-``ABORT_ROUND_S`` apart: bash is frozen (SIGSTOP), every process the command started gets
-SIGKILL, and once they are dead bash gets ``SIGRTMIN+7`` and is thawed. Bash runs its trap
-as soon as the foreground job is reaped: it returns from the command (or the function it is
-in) and arms a DEBUG trap that returns before any further command, so nothing after the
-killed job runs, however deep in functions and loops it was. "Started by the command"
-means, comparing with a snapshot of the sandbox's processes taken just before the command
-was sent:
-
-- every process in a process group that did not exist before: the command's foreground
-  pipeline and every job it put in the background with ``&``, and whatever it started with
-  ``setsid``/``nohup ... &``/``(cmd &)``; their children wherever they were re-parented;
-- every new process in bash's own group (command substitutions, subshells under ``set +m``).
-
-Everything that existed before survives: servers and other background jobs of *earlier*
-commands, and the children they start meanwhile (they stay in the old group); so do
-processes that other ``runtime.exec`` calls run in the sandbox at the same time (their
-group leader lives outside the sandbox), and the sandbox's init. The result is
-``timed_out=True``, exit code 124, with the output so far (bash may add a line such as
-``/dev/stdin: line 1: 42 Killed  sleep 100``). The shell stays as it was: cwd, variables and
-older jobs are intact (a DEBUG trap the command set is removed). If bash has not come back
-``abort_grace_s`` after the deadline (a ``fg`` of an older job, a command that replaced the
-trap), bash is killed and restarted (below), and the output says so.
-
-Shell restarts. When bash ends, by ``exit N``, by ``exec`` of another program that then
-ends, by ``set -e`` and a failing command, or by being killed (OOM, a stuck abort), the
-result is that command's: exit code N (128+signal for a signal; 124 after a timeout) and
-its output, followed by a note ``[the shell exited ...; a new shell was started: ...]``. A new
-bash starts in the same sandbox at once, with the session's initial cwd and environment:
-variables, functions and ``cd`` are reset, files and processes in the sandbox are not
-(background jobs of the old shell keep running; their output is drained and dropped). If
-the sandbox itself is gone, ``run`` raises ``SandboxLost`` instead, and so does every later
-``run``. ``exec >file`` and other ``exec`` redirections of descriptors 0, 1 and 2 last until
-the end of the command that made them; other descriptors persist.
-
-How processes are found and killed. The host reads the sandbox's own ``/proc`` (pids of its
-pid namespace) through ``/proc/<bash>/root/proc``, opened when the session's first shell
-starts and kept for the shells after it (so a command that unmounts, covers or fakes its
-``/proc`` changes nothing; start the session before anything else runs in the sandbox),
-and signals through pid file descriptors opened from that procfs: a pid cannot be reused
-between the check and the kill, and nothing outside the sandbox's pid namespace can be
-reached. Bash itself is signalled through a pidfd. The shell therefore needs a sandbox with
-its own pid namespace on this host (both runtimes give one) and the right to read its
-``/proc/<pid>/root`` (root, or the user owning the sandbox's user namespace).
-
-``oom`` is True when the runtime counts an OOM kill in the sandbox while the command ran
-(the local runtime with a memory cgroup); elsewhere it is always False.
-
-``close`` kills bash and everything in its session (every job it started that did not
-leave it, older background jobs included) and is idempotent; a ``run`` waiting or running
-then raises ``SandboxLost``.
-
-Limits: commands cannot contain NUL bytes; a command over 64 KiB is passed through a
-temporary file, so it needs a writable ``$TMPDIR`` (or ``/tmp``); commands are read through
-``/dev/stdin``, so a command that unmounts the sandbox's ``/proc`` leaves its shell unable
-to run anything. Aliases are not expanded (bash is not interactive). A command that
-changes the helpers' variables (``__tmax_*``) or the ``RTMIN+7`` trap breaks only its own
-shell, which is then restarted; a DEBUG trap of its own is removed by a timeout.
+``await AsyncShellSession(runtime, sandbox_id).run(command, timeout)`` runs ``command`` in
+the same bash every time: cwd, variables, functions, options and background jobs carry over.
+One command runs at a time. Its output (stdout and stderr interleaved, capped head and tail)
+ends at a fresh random marker; on its deadline everything the command started is killed and
+the shell stays usable; a shell that ends is restarted with a note in the output; a gone
+sandbox raises ``SandboxLost``. The session lives on one event loop: the pipe and bash's pidfd
+are read by callbacks there, and what blocks (starting bash, an abort, a reap) runs in an
+executor. ``ShellSession`` is the same session for synchronous callers, on an event loop of
+its own in a thread that ``close`` ends.
 """
 
 from __future__ import annotations
@@ -102,20 +17,21 @@ import asyncio
 import concurrent.futures
 import errno
 import fcntl
+import functools
 import itertools
 import logging
 import os
 import secrets
-import selectors
 import shlex
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import NamedTuple, Self
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple, Self, TypeVar
 
 from sandfleet.errors import SandboxLost, SandboxStartError
+from sandfleet.protocol import new_event_loop
 from sandfleet.runtime.base import (
     MAX_OUTPUT_BYTES,
     TIMEOUT_EXIT_CODE,
@@ -204,7 +120,7 @@ Snapshot = dict[int, tuple[int, int]]
 def spawned_since(before: Snapshot, bash_pid: int, bash_pgid: int
                   ) -> Callable[[int, ProcStat], bool]:
     """Which processes a command started, given the snapshot taken just before it was sent
-    (see the module doc): new processes in new groups or in bash's own group."""
+    (see docs/shell.md): new processes in new groups or in bash's own group."""
     old_groups = {pgid for _, pgid in before.values()}
 
     def started(pid: int, st: ProcStat) -> bool:
@@ -365,16 +281,29 @@ class _Scanner:
         return buf.text(), status
 
 
-class _Bash:
-    """One bash process in the sandbox, its pipes, and the thread that drains its output."""
 
-    def __init__(self, runtime: Runtime, sandbox_id: str, cwd: str | None,
-                 env: dict[str, str] | None, limit: int,
-                 loop: asyncio.AbstractEventLoop | None = None):
-        self.proc = runtime.popen(sandbox_id, ["/bin/sh", "-c", START_SH], cwd=cwd, env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
-        self.out_fd, self.in_fd = self.proc.stdout.fileno(), self.proc.stdin.fileno()
+
+T = TypeVar("T")
+Blocking = Callable[..., Awaitable[Any]]
+"""``blocking(fn, *args)``: ``fn(*args)`` in the session's executor, awaited."""
+
+
+def _wake(future: asyncio.Future, value: Any = None) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class _Bash:
+    """One bash process in the sandbox and its pipes, read by callbacks on an event loop.
+
+    Every method runs on that loop, except those marked *blocking* (they may wait or sleep),
+    which the session runs in its executor: they touch only the pidfd, the procfs handle and
+    the host-side leader, never the output.
+    """
+
+    def __init__(self, proc: subprocess.Popen, limit: int, loop: asyncio.AbstractEventLoop):
+        self.proc, self.loop = proc, loop
+        self.out_fd, self.in_fd = proc.stdout.fileno(), proc.stdin.fileno()
         try:
             fcntl.fcntl(self.out_fd, F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups on big output
         except OSError:
@@ -382,33 +311,34 @@ class _Bash:
         os.set_blocking(self.out_fd, False)
         os.set_blocking(self.in_fd, False)
         self.scanner = _Scanner(limit)
-        self.cond = threading.Condition()
-        self.waker: Callable[[], None] | None = None  # an async run's, see set_waker
-        self.loop = loop  # reads on this loop instead of a thread of its own
-        self.attached = False
+        self.waiter: asyncio.Future | None = None  # wait()'s, woken by the readers
         self.exited = self.eof = self.stopping = self.discard = False
         self.pidfd: int | None = None
         self.procs: SandboxProcs | None = None
         self.pid = self.pgid = self.sid = 0  # bash's, in the sandbox's pid namespace
-        self.thread: threading.Thread | None = None
+        self.watched: list[int] = []  # descriptors with a reader on the loop
+        self._watch(self.out_fd, self._out_ready)
 
-    def handshake(self, deadline: float, procs: SandboxProcs | None) -> SandboxProcs:
+    async def handshake(self, deadline: float, procs: SandboxProcs | None,
+                        blocking: Blocking) -> SandboxProcs:
         """Feed bash its helpers and read its pid back; find it on the host, open its pidfd
-        and (unless given one to check bash against) the sandbox's procfs, and start the
-        reader thread; the procfs handle. OSError if it fails."""
+        and (unless given one to check bash against) the sandbox's procfs, and watch the
+        pidfd; the procfs handle. OSError if it fails."""
         nonce = secrets.token_hex(8)
         self.scanner.expect(nonce)
-        if not self.send((INIT_BASH + f"__tmax_end $$ {nonce}\n").encode(), deadline):
+        if not await self.send((INIT_BASH + f"__tmax_end $$ {nonce}\n").encode(), deadline):
             raise OSError(f"bash did not read its input: {self.scanner.take()[0][-1500:]!r}")
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.out_fd, selectors.EVENT_READ)
-            while self.scanner.done is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left) or not self._read_some():
-                    raise OSError(f"bash did not start: {self.scanner.take()[0][-1500:]!r}")
+        if await self.wait(deadline) != "marker":
+            raise OSError(f"bash did not start: {self.scanner.take()[0][-1500:]!r}")
         said, ns_pid = self.scanner.take()
         if said.strip():
             log.info("shell start-up said: %s", said.strip()[-500:])
+        procs = await blocking(self._find, ns_pid, procs)
+        self._watch(self.pidfd, self._pid_ready)
+        return procs
+
+    def _find(self, ns_pid: int, procs: SandboxProcs | None) -> SandboxProcs:
+        """Blocking (walks the host's /proc): bash on the host, its pidfd and procfs."""
         host_pid = find_host_pid(self.proc.pid, ns_pid)
         if host_pid is None:
             raise OSError(f"bash (pid {ns_pid} inside) is not below host pid {self.proc.pid} "
@@ -423,32 +353,11 @@ class _Bash:
         if st is None:
             raise OSError("bash died during start-up")
         self.pid, self.pgid, self.sid = ns_pid, st.pgid, st.sid
-        if self.loop is not None:
-            self._on_loop(self._attach)
-        else:
-            self.thread = threading.Thread(target=self._read_loop, daemon=True,
-                                           name=f"shell-{host_pid}")
-            self.thread.start()
         return procs
-
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop: now if this is its thread, else soon (a closed loop
-        runs nothing: ``fn`` runs here)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
-            fn()
-            return
-        try:
-            self.loop.call_soon_threadsafe(fn)
-        except RuntimeError:  # closed
-            fn()
 
     # ---- pipes
 
-    def send(self, data: bytes, deadline: float) -> bool:
+    async def send(self, data: bytes, deadline: float) -> bool:
         """Write ``data`` to bash by ``deadline``; False if bash is gone or too slow."""
         try:
             view = memoryview(data)[os.write(self.in_fd, data):]  # most often all of it
@@ -456,29 +365,36 @@ class _Bash:
             view = memoryview(data)
         except OSError:
             return False
-        if not view:
-            return True
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.in_fd, selectors.EVENT_WRITE)
-            while view:
-                left = deadline - time.monotonic()
-                if left <= 0:
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not await self._writable(min(left, 0.5)):
+                if self.proc.poll() is not None:
                     return False
-                if not sel.select(min(left, 0.5)):
-                    if self.proc.poll() is not None:
-                        return False
-                    continue
-                try:
-                    view = view[os.write(self.in_fd, view[:65536]):]
-                except BlockingIOError:
-                    pass
-                except OSError:  # EPIPE: bash is gone
-                    return False
+                continue
+            try:
+                view = view[os.write(self.in_fd, view[:65536]):]
+            except BlockingIOError:
+                pass
+            except OSError:  # EPIPE: bash is gone
+                return False
         return True
 
-    def _read_some(self, chunks: int = 1 << 30) -> bool:
-        """Move up to ``chunks`` reads of what the pipe holds into the scanner (the caller
-        holds ``cond`` once the reader runs); False at end of file."""
+    async def _writable(self, seconds: float) -> bool:
+        """Whether bash's stdin takes more within ``seconds``."""
+        ready = self.loop.create_future()
+        self.loop.add_writer(self.in_fd, _wake, ready, True)
+        timer = self.loop.call_later(seconds, _wake, ready, False)
+        try:
+            return await ready
+        finally:
+            timer.cancel()
+            self.loop.remove_writer(self.in_fd)
+
+    def _read_some(self, chunks: int) -> bool:
+        """Move up to ``chunks`` reads of what the pipe holds into the scanner; False at end
+        of file."""
         for _ in range(chunks):
             try:
                 chunk = os.read(self.out_fd, READ_CHUNK)
@@ -490,113 +406,83 @@ class _Bash:
                 self.scanner.feed(chunk)
         return True
 
-    def _read_loop(self) -> None:
-        try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.out_fd, selectors.EVENT_READ, "out")
-                sel.register(self.pidfd, selectors.EVENT_READ, "pid")
-                while not (self.stopping or self.eof):
-                    for key, _ in sel.select(1.0):
-                        with self.cond:  # one read at a time: a job that writes without
-                            if key.data == "out":  # end must not starve wait()
-                                self.eof = not self._read_some(1)
-                            else:
-                                self._read_some(64)  # bash's last words are in the pipe
-                                self.exited = True
-                                sel.unregister(key.fileobj)
-                            if self.eof or self.exited or self.scanner.done is not None:
-                                self._notify()
-        except Exception:
-            log.exception("shell reader failed")
-            with self.cond:
-                self.eof = True
-                self._notify()
-        finally:
-            self.proc.stdout.close()  # the pidfd is stop()'s: others signal through it
+    def _watch(self, fd: int, callback: Callable[[], None]) -> None:
+        self.loop.add_reader(fd, callback)
+        self.watched.append(fd)
 
-    # ---- reading on an event loop (instead of the thread)
-
-    def _attach(self) -> None:
-        """On the loop: watch the pipe and bash's pidfd there."""
-        if self.stopping:
-            return
-        self.loop.add_reader(self.out_fd, self._out_ready)
-        self.loop.add_reader(self.pidfd, self._pid_ready)
-        self.attached = True
+    def _unwatch(self, fd: int) -> None:
+        if fd in self.watched:
+            self.loop.remove_reader(fd)
+            self.watched.remove(fd)
 
     def _out_ready(self) -> None:
-        with self.cond:
-            self.eof = not self._read_some(1)
-            if self.eof:
-                self.loop.remove_reader(self.out_fd)
-            if self.eof or self.exited or self.scanner.done is not None:
-                self._notify()
-
-    def _pid_ready(self) -> None:
-        with self.cond:
-            self._read_some(64)  # bash's last words are in the pipe
-            self.exited = True
-            self.loop.remove_reader(self.pidfd)
+        """One read per wake-up: a job that writes without end cannot starve ``wait``."""
+        self.eof = not self._read_some(1)
+        if self.eof:
+            self._unwatch(self.out_fd)
+        if self.eof or self.exited or self.scanner.done is not None:
             self._notify()
 
-    def _detach(self) -> None:
-        """On the loop: stop watching, then close the pipe and the pidfd (closing them while
-        watched could leave a later descriptor of the same number watched)."""
-        if self.attached:
-            self.loop.remove_reader(self.out_fd)
-            self.loop.remove_reader(self.pidfd)
-            self.attached = False
+    def _pid_ready(self) -> None:
+        self._read_some(64)  # bash's last words are in the pipe
+        self.exited = True
+        self._unwatch(self.pidfd)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+    def outcome(self) -> str | None:
+        """``marker`` (the command ended), ``exited`` (bash did), or None (neither yet)."""
+        if self.scanner.done is not None:
+            return "marker"
+        return "exited" if self.exited or self.eof else None
+
+    async def wait(self, deadline: float) -> str:
+        """``marker`` (the command ended), ``exited`` (bash did) or ``timeout``."""
+        while (outcome := self.outcome()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            self.waiter = woken = self.loop.create_future()
+            timer = self.loop.call_later(left, _wake, woken)
+            try:
+                await woken
+            finally:
+                timer.cancel()
+                self.waiter = None
+        return outcome
+
+    def expect(self, nonce: str) -> None:
+        self.scanner.expect(nonce)
+
+    def take(self) -> tuple[str, int | None]:
+        return self.scanner.take()
+
+    def retire(self) -> None:
+        """Stop collecting output; keep draining it (jobs of this shell may outlive it and
+        must not block on a full pipe) until the pipe closes or ``stop``."""
+        self.discard = True
+
+    def stop(self) -> None:
+        """Stop watching, then close the pipes and the pidfd (closing them while watched
+        could leave a later descriptor of the same number watched); the procfs handle is
+        the session's."""
+        self.stopping = True
+        for fd in list(self.watched):
+            self._unwatch(fd)
+        self.procs = None
+        self.proc.stdin.close()
         self.proc.stdout.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
 
-    def _notify(self) -> None:
-        """Wake whoever waits for the command (the caller holds ``cond``)."""
-        self.cond.notify_all()
-        if self.waker is not None:
-            self.waker()
-
-    def outcome(self) -> str | None:
-        """``marker`` (the command ended), ``exited`` (bash did), or None (neither yet)."""
-        with self.cond:
-            if self.scanner.done is not None:
-                return "marker"
-            return "exited" if self.exited or self.eof else None
-
-    def set_waker(self, waker: Callable[[], None] | None) -> None:
-        """Call ``waker`` (from the reader thread) once the command ends or bash does, or at
-        once if that has happened already."""
-        with self.cond:
-            self.waker = waker
-            if waker is not None and (self.scanner.done is not None or self.exited
-                                      or self.eof):
-                waker()
-
-    def wait(self, deadline: float) -> str:
-        """``marker`` (the command ended), ``exited`` (bash did) or ``timeout``."""
-        with self.cond:
-            while True:
-                if (outcome := self.outcome()) is not None:
-                    return outcome
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return "timeout"
-                self.cond.wait(left)
-
-    def expect(self, nonce: str) -> None:
-        with self.cond:
-            self.scanner.expect(nonce)
-
-    def take(self) -> tuple[str, int | None]:
-        with self.cond:
-            return self.scanner.take()
-
     # ---- processes
 
     def alive(self) -> bool:
-        with self.cond:
-            return not (self.exited or self.eof)
+        return not (self.exited or self.eof)
 
     def signal(self, sig: int) -> None:
         if self.pidfd is not None and not self.stopping:
@@ -606,6 +492,7 @@ class _Bash:
                 pass
 
     def kill_since(self, before: Snapshot, settle_s: float = 0.0) -> int:
+        """Blocking: kill what the command started (see ``spawned_since``)."""
         try:
             return self.procs.kill(spawned_since(before, self.pid, self.pgid),
                                    settle_s=settle_s)
@@ -613,8 +500,8 @@ class _Bash:
             return 0
 
     def abort(self, before: Snapshot) -> None:
-        """One abort round: bash frozen, the command's processes killed until they are
-        dead, then the abort signal and bash thawed. Bash then finds every job dead at
+        """Blocking: one abort round. Bash frozen, the command's processes killed until they
+        are dead, then the abort signal and bash thawed. Bash then finds every job dead at
         once, reaps them all, runs its trap before anything else, and reports the kills in
         this command's output (not, reaped late, in the next one's)."""
         self.signal(signal.SIGSTOP)
@@ -635,7 +522,8 @@ class _Bash:
                 pass
 
     def kill_session(self) -> None:
-        """SIGKILL bash and every process of its session, then reap the host-side leader."""
+        """Blocking: SIGKILL bash and every process of its session, then reap the
+        host-side leader."""
         if self.pidfd is None:
             kill_process_group(self.proc)
             return
@@ -648,8 +536,8 @@ class _Bash:
         self.reap()
 
     def reap(self) -> int:
-        """The exit status of the host-side leader (bash's) once bash is dead; 128+N for
-        signal N."""
+        """Blocking: the exit status of the host-side leader (bash's) once bash is dead;
+        128+N for signal N."""
         give_up = time.monotonic() + 5
         while (code := self.proc.poll()) is None and time.monotonic() < give_up:
             self._thaw_leader()  # it may have stopped itself after the last abort round
@@ -661,43 +549,11 @@ class _Bash:
             code = kill_process_group(self.proc)
         return 128 - code if code < 0 else code
 
-    def retire(self) -> None:
-        """Stop collecting output; keep draining it (jobs of this shell may outlive it and
-        must not block on a full pipe) until the pipe closes or ``stop``."""
-        with self.cond:
-            self.discard = True
-
-    def stop(self) -> None:
-        """Release everything but the procfs handle (the session's); the reader thread
-        ends within a second."""
-        self.stopping = True
-        self.proc.stdin.close()
-        self.procs = None
-        if self.loop is not None:
-            self._on_loop(self._detach)
-            return
-        if self.thread is None:
-            self.proc.stdout.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)  # a reader still in select() just stops seeing it
-            self.pidfd = None
-
-
-def _oom_kills(runtime: Runtime, sandbox_id: str) -> int | None:
-    """OOM kills in the sandbox so far where the runtime counts them. The ``Runtime``
-    protocol has no public counter yet; ``CommandRuntime._oom_kills`` is what ``exec`` uses."""
-    count = getattr(runtime, "oom_kills", None) or getattr(runtime, "_oom_kills", None)
-    return count(sandbox_id) if count is not None else None
-
 
 def _with_note(output: str, note: str) -> str:
     if output and not output.endswith("\n"):
         output += "\n"
     return f"{output}[{note}]\n"
-
-
-FAST_LINE_BYTES = 16384
-"""Longest command line ``arun`` sends from the event loop (it fits an empty pipe at once)."""
 
 
 def _command_line(command: str, timeout: float) -> bytes:
@@ -707,6 +563,12 @@ def _command_line(command: str, timeout: float) -> bytes:
     if "\0" in command:
         raise ValueError("a command cannot contain NUL bytes")
     return (COMMAND_LINE % (shlex.quote(command).replace("%", "%%"), "%s")).encode()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A done callback that marks the task's exception as seen (nobody awaits it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Sent(NamedTuple):
@@ -725,75 +587,98 @@ RESET = ("a new shell was started: working directory, variables and functions ar
          "files and background processes are not")
 
 
-class ShellSession:
-    """One persistent bash in sandbox ``sandbox_id`` of ``runtime`` (see the module doc)."""
+class AsyncShellSession:
+    """One persistent bash in sandbox ``sandbox_id`` of ``runtime`` (see docs/shell.md),
+    used from one event loop. What blocks runs in ``executor`` (the loop's default if None).
+    """
 
     def __init__(self, runtime: Runtime, sandbox_id: str, *, cwd: str | None = None,
                  env: dict[str, str] | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES,
                  abort_grace_s: float = ABORT_GRACE_S,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 executor: concurrent.futures.Executor | None = None):
         self.runtime, self.sandbox_id = runtime, sandbox_id
-        self.loop = loop
-        """Where shells' output is read: this event loop (an asyncio owner calling
-        ``arun`` from it), or a thread per shell (None)."""
         self.cwd, self.env = cwd, dict(env or {})
         self.max_output_bytes, self.abort_grace_s = max_output_bytes, abort_grace_s
+        self.executor = executor
         self.restarts = 0
         """Shells started after the first one (see "Shell restarts")."""
         self._bash: _Bash | None = None
         self._retired: list[_Bash] = []
         self._procs: SandboxProcs | None = None  # opened by the first shell, kept
-        self._lock = threading.Lock()  # one command at a time
-        self._state = threading.Lock()  # _closed, for close() racing close()
+        self._lock = asyncio.Lock()  # one command at a time
         self._closed = False
         self._lost: SandboxLost | None = None
+        self._tasks: set[asyncio.Task] = set()  # shielded runs and closes, referenced
 
-    def __enter__(self) -> Self:
-        self.start()
+    async def __aenter__(self) -> Self:
+        await self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
+        """``work`` in a task of its own that a cancelled caller leaves running."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_retrieve)
+            raise
 
     # ---- lifecycle
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Start the shell (a no-op when it runs): SandboxLost if the sandbox is gone,
         SandboxStartError if bash cannot start in it."""
-        with self._lock:
+        async with self._lock:
             if self._bash is None:
-                self._spawn()
+                await self._spawn()
 
-    def _spawn(self) -> _Bash:
+    async def _spawn(self) -> _Bash:
         self._check_open()
-        bash = _Bash(self.runtime, self.sandbox_id, self.cwd, self.env, self.max_output_bytes,
-                     self.loop)
+        popen = functools.partial(
+            self.runtime.popen, self.sandbox_id, ["/bin/sh", "-c", START_SH], cwd=self.cwd,
+            env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
+        bash = _Bash(await self._blocking(popen), self.max_output_bytes,
+                     asyncio.get_running_loop())
         try:
-            self._procs = bash.handshake(time.monotonic() + START_TIMEOUT_S, self._procs)
+            self._procs = await bash.handshake(time.monotonic() + START_TIMEOUT_S, self._procs,
+                                               self._blocking)
+            await self._blocking(self.runtime.oom_kills, self.sandbox_id)  # warm its cache
         except BaseException as e:
-            bash.kill_session()
+            await self._blocking(bash.kill_session)
             if bash.procs is not None and bash.procs is not self._procs:
                 bash.procs.close()
             bash.stop()
             if not isinstance(e, OSError):
                 raise
-            self._check_sandbox()
+            await self._check_sandbox()
             raise SandboxStartError(self.sandbox_id, f"shell: {e}") from None
         self._bash = bash
         self._check_open()  # close() ran meanwhile: it cleans up once we let go of the lock
         return bash
 
-    def close(self) -> None:
-        """Kill bash and its session; idempotent. A command running now raises SandboxLost."""
-        with self._state:
-            first, self._closed = not self._closed, True
+    async def close(self) -> None:
+        """Kill bash and its session; idempotent. A command running now raises SandboxLost.
+        Cancelled, the close still runs to its end."""
+        await self._shielded(self._close())
+
+    async def _close(self) -> None:
+        first, self._closed = not self._closed, True
         bash = self._bash
         if first and bash is not None:
-            bash.kill_session()  # without the lock: a running command sees bash die
-        with self._lock:  # a running command sees bash die and gives up the lock
+            await self._blocking(bash.kill_session)  # without the lock: a running command
+        async with self._lock:  # sees bash die and gives up the lock
             for old in [self._bash, *self._retired]:
                 if old is not None:
-                    old.kill_session()
+                    await self._blocking(old.kill_session)
                     old.stop()
             if self._procs is not None:
                 self._procs.close()
@@ -805,119 +690,62 @@ class ShellSession:
         if self._closed:
             raise SandboxLost(self.sandbox_id, "its shell session was closed")
 
-    def _check_sandbox(self) -> None:
+    async def _check_sandbox(self) -> None:
         """SandboxLost (and for every later call) unless the sandbox still runs."""
         self._check_open()
-        if self.sandbox_id not in self.runtime.list_running():
+        if self.sandbox_id not in await self._blocking(self.runtime.list_running):
             self._lost = SandboxLost(self.sandbox_id, "it stopped under its shell")
             raise self._lost
 
-    def _replace(self, bash: _Bash) -> _Bash:
+    async def _replace(self, bash: _Bash) -> _Bash:
         """A new shell for a dead one, whose jobs may live on (their output is dropped)."""
-        bash.reap()
+        await self._blocking(bash.reap)
         bash.retire()
         self._retired.append(bash)
         self._bash = None
-        self._check_sandbox()
+        await self._check_sandbox()
         self.restarts += 1
         log.info("sandbox %s: starting a new shell", self.sandbox_id)
-        return self._spawn()
+        return await self._spawn()
 
     # ---- commands
 
-    def run(self, command: str, timeout: float) -> ExecResult:
-        """Run ``command`` in the shell and return what it did (see the module doc);
-        SandboxLost when the sandbox is gone or the session closed."""
+    async def run(self, command: str, timeout: float) -> ExecResult:
+        """Run ``command`` in the shell and return what it did (see docs/shell.md);
+        SandboxLost when the sandbox is gone or the session closed. Cancelled, it leaves
+        the command running to its end or timeout, and the session busy until then."""
         line = _command_line(command, timeout)
-        with self._lock:
-            sent = self._begin(line, timeout)
-            return self._finish(sent, sent.bash.wait(sent.deadline) if sent.sent else None)
+        return await self._shielded(self._run(line, timeout))
 
-    async def arun(self, command: str, timeout: float,
-                   executor: concurrent.futures.Executor | None = None) -> ExecResult:
-        """``run`` for an asyncio caller. While the shell runs and the command is short, the
-        command is sent from the loop and its end awaited there (in loop mode no thread is
-        involved at all). Starting or restarting a shell and a timeout's abort run in
-        ``executor`` (they block). Cancelled, it leaves the command running to its end or
-        timeout as ``run`` would, and the session busy until then."""
-        line = _command_line(command, timeout)
-        loop = asyncio.get_running_loop()
-        bash = self._bash
-        if bash is None or not bash.alive() or len(line) > FAST_LINE_BYTES \
-                or not self._lock.acquire(blocking=False):
-            return await loop.run_in_executor(executor, self.run, command, timeout)
-        try:  # the lock is a plain Lock: whichever thread finishes the command releases it
-            if bash is not self._bash or not bash.alive():  # changed before we locked
-                self._lock.release()
-                return await loop.run_in_executor(executor, self.run, command, timeout)
-            sent = self._begin(line, timeout)  # non-blocking here: bash is idle, pipe empty
-        except BaseException:
-            self._lock.release()
-            raise
-        woken, thread = loop.create_future(), threading.get_ident()
+    async def _run(self, line: bytes, timeout: float) -> ExecResult:
+        async with self._lock:
+            sent = await self._begin(line, timeout)
+            outcome = await sent.bash.wait(sent.deadline) if sent.sent else None
+            return await self._finish(sent, outcome)
 
-        def done() -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        def wake() -> None:  # from whoever reads the shell's output, under its lock
-            if threading.get_ident() == thread:
-                done()
-            else:
-                loop.call_soon_threadsafe(done)
-
-        outcome = None
-        try:
-            if sent.sent:
-                sent.bash.set_waker(wake)
-                try:
-                    async with asyncio.timeout(sent.deadline - time.monotonic()):
-                        await woken
-                except TimeoutError:
-                    pass
-                finally:
-                    sent.bash.set_waker(None)
-                outcome = sent.bash.outcome() or "timeout"
-        except asyncio.CancelledError:
-            rest = loop.run_in_executor(executor, self._finish_locked, sent, None, True)
-            rest.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
-        if outcome == "marker":  # the common case, at once
-            return self._finish_locked(sent, outcome)
-        return await loop.run_in_executor(executor, self._finish_locked, sent, outcome)
-
-    def _finish_locked(self, sent: _Sent, outcome: str | None,
-                       wait: bool = False) -> ExecResult:
-        """``_finish`` for ``arun``, which took the lock and left it to whoever ends it."""
-        try:
-            if wait:
-                outcome = sent.bash.wait(sent.deadline) if sent.sent else None
-            return self._finish(sent, outcome)
-        finally:
-            self._lock.release()
-
-    def _begin(self, line: bytes, timeout: float) -> _Sent:
+    async def _begin(self, line: bytes, timeout: float) -> _Sent:
         """Send a command (the lock held): the shell, restarted first if it died between
         commands, and the state to finish it with."""
         started = time.monotonic()
         deadline = started + timeout
-        bash = self._bash or self._spawn()
+        bash = self._bash or await self._spawn()
         notes = []
         if not bash.alive():  # it died between commands
-            notes.append(f"the shell had exited (status {bash.reap()}); {RESET}")
-            bash = self._replace(bash)
-        oom_before = _oom_kills(self.runtime, self.sandbox_id)
+            notes.append(f"the shell had exited (status {await self._blocking(bash.reap)}); "
+                         f"{RESET}")
+            bash = await self._replace(bash)
+        oom_before = self.runtime.oom_kills(self.sandbox_id)  # a small file, cached path
         try:
-            before = bash.procs.snapshot()
+            before = bash.procs.snapshot()  # the sandbox's /proc: no disk, no waiting
         except OSError:
-            self._check_sandbox()
+            await self._check_sandbox()
             raise
         nonce = secrets.token_hex(8)
         bash.expect(nonce)
-        sent = bash.send(line % nonce.encode(), deadline)
+        sent = await bash.send(line % nonce.encode(), deadline)
         return _Sent(bash, before, oom_before, notes, started, deadline, sent)
 
-    def _finish(self, sent: _Sent, outcome: str | None) -> ExecResult:
+    async def _finish(self, sent: _Sent, outcome: str | None) -> ExecResult:
         """The result of a sent command (the lock held) given how waiting for it ended
         (None: it could not be sent in time): after a timeout the command is aborted, after
         bash's end a new shell is started."""
@@ -926,22 +754,22 @@ class ShellSession:
             outcome = "timeout" if bash.alive() else "exited"
         timed_out = outcome == "timeout"
         if timed_out:
-            outcome = self._abort(bash, before)
+            outcome = await self._abort(bash, before)
         output, status = bash.take()
         if outcome == "marker" and timed_out:
-            bash.kill_since(before)  # what forked while the abort ran
+            await self._blocking(bash.kill_since, before)  # what forked while the abort ran
         elif outcome != "marker":
             if outcome == "stuck":
                 bash.signal(signal.SIGKILL)
-                bash.kill_since(before)
+                await self._blocking(bash.kill_since, before)
             self._check_open()
-            status = bash.reap()
+            status = await self._blocking(bash.reap)
             why = (f"the command was still running {self.abort_grace_s:g}s after its "
                    "timeout, so the shell was killed" if outcome == "stuck" else
                    f"the shell exited (status {status})")
-            self._replace(bash)
+            await self._replace(bash)
             output = _with_note(output, f"{why}; {RESET}")
-        oom_after = _oom_kills(self.runtime, self.sandbox_id)
+        oom_after = self.runtime.oom_kills(self.sandbox_id)
         for note in sent.notes:
             output = f"[{note}]\n{output}"
         return ExecResult(
@@ -952,15 +780,119 @@ class ShellSession:
             and oom_after > sent.oom_before,
             duration_s=time.monotonic() - sent.started)
 
-    def _abort(self, bash: _Bash, before: Snapshot) -> str:
+    async def _abort(self, bash: _Bash, before: Snapshot) -> str:
         """Stop a command past its deadline: ``marker``, ``exited`` or ``stuck``."""
         give_up = time.monotonic() + self.abort_grace_s
         while True:
-            bash.abort(before)
-            outcome = bash.wait(min(time.monotonic() + ABORT_ROUND_S, give_up))
+            await self._blocking(bash.abort, before)  # the loop drains the pipe meanwhile
+            outcome = await bash.wait(min(time.monotonic() + ABORT_ROUND_S, give_up))
             if outcome != "timeout":
                 return outcome
             if time.monotonic() >= give_up:
                 log.warning("sandbox %s: a command still runs %gs after its timeout; "
                             "killing its shell", self.sandbox_id, self.abort_grace_s)
                 return "stuck"
+
+
+class _LoopThread:
+    """An event loop running in a thread of its own (``name``), with a small executor for
+    what its sessions block on; ``close`` ends all three."""
+
+    def __init__(self, name: str):
+        self.loop = new_event_loop()
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix=f"{name}-blocking")
+        self.loop.set_default_executor(self.executor)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if threading.current_thread() is self.thread:
+            work.close()
+            raise RuntimeError("a ShellSession cannot be called from its own loop's thread")
+        return asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    def close(self) -> None:
+        """Stop the loop, cancel what is left on it (nothing, after a session's close),
+        close it and the executor."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        try:
+            left = asyncio.all_tasks(self.loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        finally:
+            self.loop.close()
+            self.executor.shutdown(wait=True)
+
+
+class ShellSession:
+    """``AsyncShellSession`` for synchronous callers (any threads, one command at a time).
+
+    The session lives on an event loop in a thread of its own, ``shell-<sandbox id>``
+    (and up to two ``...-blocking`` executor threads), started by the first ``start`` or
+    ``run`` and ended with the loop by ``close``. A caller interrupted while it waits (a
+    KeyboardInterrupt) leaves the command running to its end or timeout, as a cancelled
+    ``AsyncShellSession.run`` does. Never call it from async code: use the async session.
+    """
+
+    def __init__(self, runtime: Runtime, sandbox_id: str, *, cwd: str | None = None,
+                 env: dict[str, str] | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES,
+                 abort_grace_s: float = ABORT_GRACE_S):
+        self.runtime, self.sandbox_id = runtime, sandbox_id
+        self._options = {"cwd": cwd, "env": env, "max_output_bytes": max_output_bytes,
+                         "abort_grace_s": abort_grace_s}
+        self._shell: AsyncShellSession | None = None
+        self._runner: _LoopThread | None = None
+        self._guard = threading.Lock()  # _runner, _closed
+        self._closing = threading.Lock()  # a second close waits for the first
+        self._closed = False
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def restarts(self) -> int:
+        """Shells started after the first one."""
+        return self._shell.restarts if self._shell is not None else 0
+
+    def start(self) -> None:
+        """``AsyncShellSession.start``."""
+        self._call(lambda shell: shell.start())
+
+    def run(self, command: str, timeout: float) -> ExecResult:
+        """``AsyncShellSession.run``."""
+        return self._call(lambda shell: shell.run(command, timeout))
+
+    def close(self) -> None:
+        """Close the session, then its loop, thread and executor; idempotent."""
+        with self._closing:
+            with self._guard:
+                self._closed = True
+                runner, self._runner = self._runner, None
+            if runner is None:
+                return
+            try:
+                runner.submit(self._shell.close()).result()
+            finally:
+                runner.close()
+
+    def _call(self, work: Callable[[AsyncShellSession], Coroutine[Any, Any, T]]) -> T:
+        with self._guard:
+            if self._closed:
+                raise SandboxLost(self.sandbox_id, "its shell session was closed")
+            if self._runner is None:
+                self._runner = _LoopThread(f"shell-{self.sandbox_id}")
+                self._shell = AsyncShellSession(self.runtime, self.sandbox_id,
+                                                **self._options)
+            done = self._runner.submit(work(self._shell))
+        try:
+            return done.result()
+        except concurrent.futures.CancelledError:  # left on the loop when it closed
+            raise SandboxLost(self.sandbox_id, "its shell session was closed") from None

@@ -79,7 +79,7 @@ from sandfleet.protocol import (
 )
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import ExecResult, SandboxSpec, proc_start_time
-from sandfleet.shell import ShellSession
+from sandfleet.shell import AsyncShellSession
 
 log = logging.getLogger(__name__)
 
@@ -383,9 +383,9 @@ class Worker:
         self.leases[req.lease_id] = held
         try:
             await self._call(self.runtime.start, req.lease_id, spec)
-            shell = ShellSession(self.runtime, req.lease_id, cwd=spec.workdir,
-                                 loop=asyncio.get_running_loop())
-            await self._call(shell.start)
+            shell = AsyncShellSession(self.runtime, req.lease_id, cwd=spec.workdir,
+                                      executor=self.executor)
+            await shell.start()
         except BaseException as e:
             self.leases.pop(req.lease_id, None)
             held.ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
@@ -412,7 +412,7 @@ class Worker:
     async def _teardown(self, held: Held) -> None:
         if held.shell is not None:
             with contextlib.suppress(Exception):
-                await self._call(held.shell.close)
+                await held.shell.close()
         await self._call(self.runtime.stop, held.lease_id)
 
     async def _exec(self, req: Exec):
@@ -421,7 +421,7 @@ class Worker:
             held.running += 1
             held.touch()
             try:
-                result: ExecResult = await held.shell.arun(req.command, req.timeout, self.executor)
+                result: ExecResult = await held.shell.run(req.command, req.timeout)
             except InfraError as e:
                 raise await self._lost_or(held, e) from None
             finally:

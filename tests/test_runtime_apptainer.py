@@ -24,6 +24,8 @@ from sandfleet.runtime.apptainer import (
     ApptainerRuntime,
     exec_argv,
     list_argv,
+    memory_oom_file,
+    own_memory_cgroup,
     parse_instance_list,
     start_argv,
     stop_argv,
@@ -161,6 +163,61 @@ def test_class_over_a_fake_apptainer(fake, base_sif):
         runtime.exec("nope", "true", timeout=5)
     with pytest.raises(ImageMissing, match="missing.sif"):
         runtime.start("s3", SandboxSpec(image=tmp / "missing.sif"))
+
+
+def test_memory_oom_file_from_proc_cgroup():
+    v1 = "9:name=systemd:/x\n4:memory:/job_1/apptainer-7\n0::/\n"
+    assert memory_oom_file(v1) == "/sys/fs/cgroup/memory/job_1/apptainer-7/memory.oom_control"
+    assert memory_oom_file("4:memory:/\n0::/\n") is None  # the root: not the instance's
+    assert memory_oom_file("0::/user.slice/apptainer-7.scope\n", root="/cg") == \
+        "/cg/user.slice/apptainer-7.scope/memory.events"
+    assert memory_oom_file("0::/\n") is None
+    job = "/cg/memory/job_1/memory.oom_control"
+    ours = "/cg/memory/job_1/step_0/memory.oom_control"
+    inst = "/cg/memory/job_1/apptainer-7/memory.oom_control"
+    assert own_memory_cgroup(inst, ours) == inst
+    assert own_memory_cgroup(job, ours) is None  # the job's: every sandbox's OOMs
+    assert own_memory_cgroup(ours, ours) is None and own_memory_cgroup(None, ours) is None
+    assert own_memory_cgroup("/cg/memory/job_10/memory.oom_control", ours) is not None
+
+
+def test_oom_kills_from_the_instance_memory_cgroup(fake, base_sif):
+    """What ``cgroup_limits`` does, done by hand on the fake: the instance moved into a
+    memory cgroup of its own, where a process then gets OOM-killed."""
+    runtime, tmp = fake
+    spec = SandboxSpec(image=base_sif, workdir=str(tmp))
+    runtime.start("s1", spec)
+    assert runtime.oom_kills("s1") is None  # no cgroup_limits: cannot tell
+    def with_limits() -> ApptainerRuntime:
+        return ApptainerRuntime(tmp / "state", owner="me", apptainer=runtime.apptainer,
+                                cgroup_limits=True)
+
+    assert with_limits().oom_kills("s1") is None  # in our own cgroup: not the instance's
+    ours = memory_oom_file(Path("/proc/self/cgroup").read_text())
+    if ours is None or not os.access(os.path.dirname(ours), os.W_OK):
+        pytest.skip("no writable memory cgroup here")
+    group = Path(os.path.dirname(ours)) / f"fake-apptainer-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(64 << 20))
+        if (group / "memory.memsw.limit_in_bytes").exists():
+            (group / "memory.memsw.limit_in_bytes").write_text(str(64 << 20))
+        (group / "cgroup.procs").write_text(str(runtime._live("s1").instance[0]))
+        limited = with_limits()
+        assert limited.oom_kills("s1") == 0
+        hog = runtime.exec("s1", f"echo $$ > {group}/cgroup.procs && "
+                           "exec python3 -c 'b = bytearray(300 << 20)'", timeout=30)
+        assert hog.exit_code == 137
+        assert limited.oom_kills("s1") == 1
+        limited.stop("s1")
+        assert limited.oom_kills("s1") is None
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.rmdir()
 
 
 def test_watchdog_stops_the_instance_at_max_lifetime(fake, base_sif):

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import re
 import subprocess
 import threading
 import time
@@ -16,7 +17,14 @@ from sandfleet.errors import SandboxLost
 from sandfleet.protocol import new_event_loop
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.local import LocalRuntime
-from sandfleet.shell import MARKER, ShellSession, _Scanner, spawned_since
+from sandfleet.shell import (
+    MARKER,
+    RESET,
+    AsyncShellSession,
+    ShellSession,
+    _Scanner,
+    spawned_since,
+)
 
 OWNER = f"sh{os.getpid()}"
 
@@ -103,33 +111,51 @@ def loop():
     loop.close()
 
 
-class LoopSession:
-    """A ShellSession read on an event loop and driven through ``arun`` (as the worker does),
-    with the sync face the tests use."""
+class OnLoop:
+    """An AsyncShellSession on the worker-like loop, driven from the test's thread (as the
+    worker drives it from its requests), with the sync face the tests use."""
 
-    def __init__(self, session: ShellSession, loop):
+    def __init__(self, session: AsyncShellSession, loop):
         self.session, self.loop = session, loop
 
+    def call(self, work):
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+
+    def start(self):
+        return self.call(self.session.start())
+
     def run(self, command: str, timeout: float):
-        return asyncio.run_coroutine_threadsafe(
-            self.session.arun(command, timeout, self.loop.executor), self.loop).result()
+        return self.call(self.session.run(command, timeout))
+
+    def close(self):
+        return self.call(self.session.close())
 
     def __getattr__(self, name):
         return getattr(self.session, name)
 
 
-@pytest.fixture(params=["thread", "loop"])
+def open_session(runtime, sandbox_id, loop=None, **kwargs):
+    """A started session: ShellSession (loop None), or AsyncShellSession on ``loop``."""
+    if loop is None:
+        session = ShellSession(runtime, sandbox_id, **kwargs)
+    else:
+        session = OnLoop(AsyncShellSession(runtime, sandbox_id, executor=loop.executor,
+                                           **kwargs), loop)
+    session.start()
+    return session
+
+
+@pytest.fixture(params=["sync", "async"])
 def shell(request, runtime, sandbox):
-    """A started shell session in a fresh sandbox; closed after. Every test runs twice: with
-    ``run`` and a reader thread, and with ``arun`` on an event loop."""
+    """A started shell session in a fresh sandbox; closed after. Every test runs twice:
+    through the sync ShellSession and through AsyncShellSession on an event loop."""
     sessions = []
-    loop = request.getfixturevalue("loop") if request.param == "loop" else None
+    loop = request.getfixturevalue("loop") if request.param == "async" else None
 
     def make(sandbox_id: str | None = None, **kwargs):
-        session = ShellSession(runtime, sandbox_id or sandbox(), loop=loop, **kwargs)
-        session.start()
+        session = open_session(runtime, sandbox_id or sandbox(), loop, **kwargs)
         sessions.append(session)
-        return session if loop is None else LoopSession(session, loop)
+        return session
 
     yield make
     for session in sessions:
@@ -428,12 +454,12 @@ def test_oom_kill_is_reported_and_the_shell_survives(runtime, shell, sandbox):
 
 
 @pytest.mark.sandbox
-def test_arun_leaves_the_loop_free_and_a_cancelled_command_runs_to_its_end(runtime, sandbox,
-                                                                            loop):
-    session = ShellSession(runtime, sandbox(), loop=loop)
-    session.start()
+def test_async_run_leaves_the_loop_free_and_a_cancelled_command_runs_to_its_end(
+        runtime, sandbox, loop):
+    session = AsyncShellSession(runtime, sandbox(), executor=loop.executor)
 
     async def scenario():
+        await session.start()
         ticks = 0
 
         async def ticker():
@@ -443,15 +469,14 @@ def test_arun_leaves_the_loop_free_and_a_cancelled_command_runs_to_its_end(runti
                 ticks += 1
 
         ticking = asyncio.create_task(ticker())
-        result = await session.arun("sleep 0.5; echo slept", 10, loop.executor)
+        result = await session.run("sleep 0.5; echo slept", 10)
         ticking.cancel()
         assert result.output == "slept\n" and ticks >= 20  # the loop ran meanwhile
-        first = asyncio.create_task(session.arun("sleep 0.6; echo > /tmp/first-done", 10,
-                                                 loop.executor))
+        first = asyncio.create_task(session.run("sleep 0.6; echo > /tmp/first-done", 10))
         await asyncio.sleep(0.2)
         first.cancel()
         started = time.monotonic()
-        after = await session.arun("cat /tmp/first-done && echo next", 10, loop.executor)
+        after = await session.run("cat /tmp/first-done && echo next", 10)
         return after, time.monotonic() - started
 
     try:
@@ -459,4 +484,99 @@ def test_arun_leaves_the_loop_free_and_a_cancelled_command_runs_to_its_end(runti
         # the cancelled command went on; the next one waited for it, output not mixed
         assert after.output == "\nnext\n" and after.exit_code == 0 and waited >= 0.3
     finally:
-        session.close()
+        asyncio.run_coroutine_threadsafe(session.close(), loop).result(30)
+
+
+SEQUENCE = [  # (command, timeout): state, stderr, a background job, a timeout, a restart
+    ("cd /tmp && export X=1 && Y=2; f() { echo \"f $1\"; }", 10),
+    ('pwd; echo "$X $Y"; f arg; echo err >&2; (exit 3)', 10),
+    ("sleep 300 & echo started", 10),
+    ("jobs; kill -0 %1 && echo alive", 10),
+    ("echo before; sleep 100; echo never", 1),
+    ("jobs; pwd; echo $X", 10),
+    ("printf 'no newline'; exit 4", 10),
+    ('pwd; echo "${X-unset}"; kill -0 %1 2>&1 | head -c 20; true', 10),
+    ("cat; echo read=$?", 10),
+]
+
+
+def results_of(session) -> list[tuple]:
+    got = []
+    for command, timeout in SEQUENCE:
+        r = session.run(command, timeout)
+        got.append((re.sub(r"line 1: +\d+ Killed", "line 1: N Killed", r.output),
+                    r.exit_code, r.timed_out, r.oom))
+    return got + [("restarts", session.restarts)]
+
+
+@pytest.mark.sandbox
+def test_sync_and_async_sessions_give_the_same_results(runtime, sandbox, loop):
+    sync, asynchronous = open_session(runtime, sandbox()), open_session(runtime, sandbox(),
+                                                                         loop)
+    try:
+        got = results_of(sync)
+        assert got == results_of(asynchronous)
+    finally:
+        sync.close()
+        asynchronous.close()
+    assert got[1] == ("/tmp\n1 2\nf arg\nerr\n", 3, False, False)
+    assert got[3][0].startswith("[1]+  Running") and got[3][0].endswith("alive\n")
+    assert got[4][:3] == (got[4][0], 124, True) and got[4][0].startswith("before\n")
+    assert "never" not in got[4][0]
+    assert got[5][0].startswith("[1]+  Running") and got[5][0].endswith("/tmp\n1\n")
+    assert got[6][:2] == ("no newline\n[the shell exited (status 4); " + RESET + "]\n", 4)
+    assert got[7][0].startswith("/\nunset\n") and got[8][0] == "read=0\n"
+    assert got[-1] == ("restarts", 1)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.sandbox
+def test_sync_session_close_leaves_no_thread_loop_or_descriptor(runtime, sandbox):
+    sid = sandbox()
+    threads, fds = set(threading.enumerate()), open_fds()
+    session = ShellSession(runtime, sid)
+    assert set(threading.enumerate()) == threads  # nothing before the first use
+    session.start()
+    runner = session._runner
+    assert session.run("sleep 50 & echo hi", 10).output == "hi\n"
+    assert session.run("sleep 10", 0.5).timed_out  # the executor's threads in use
+    assert any(t.name.startswith(f"shell-{sid}-blocking") for t in threading.enumerate())
+    session.close()
+    session.close()
+    assert runner.loop.is_closed() and not runner.thread.is_alive()
+    assert set(threading.enumerate()) == threads
+    assert open_fds() == fds
+    with pytest.raises(SandboxLost):
+        session.run("true", 10)
+    assert set(threading.enumerate()) == threads  # a closed session starts nothing
+
+
+@pytest.mark.sandbox
+def test_async_session_close_leaves_no_descriptor_or_task(runtime, sandbox, loop):
+    fds = open_fds()
+    session = open_session(runtime, sandbox(), loop)
+    assert session.run("sleep 50 & echo hi", 10).output == "hi\n"
+    assert session.run("sleep 10", 0.5).timed_out
+    session.close()
+    assert open_fds() == fds and not session.session._tasks
+
+
+@pytest.mark.sandbox
+def test_sync_session_inside_a_running_event_loop(runtime, sandbox):
+    """The sync face never runs a loop in the caller's thread: it works (blocking) even
+    where one runs, and a session called from its own loop's thread says why it cannot."""
+    with ShellSession(runtime, sandbox()) as session:
+        async def caller():
+            return session.run("echo inside", 10)
+
+        assert asyncio.run(caller()).output == "inside\n"
+
+        async def on_own_loop():
+            session.run("true", 10)
+
+        with pytest.raises(RuntimeError, match="own loop"):
+            asyncio.run_coroutine_threadsafe(on_own_loop(), session._runner.loop).result(10)
+        assert session.run("echo still", 10).output == "still\n"

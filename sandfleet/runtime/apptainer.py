@@ -16,8 +16,9 @@ What holds, and what depends on the installation:
 - The hostname is set with ``--hostname`` (which implies ``--uts``).
 - Memory and CPU limits (``--memory``, ``--cpus``) only with ``cgroup_limits=True``:
   Apptainer applies them through cgroups, which rootless installs allow only on cgroup v2
-  with systemd. Otherwise the Slurm job's own cgroup bounds all sandboxes of a worker
-  together, and ``ExecResult.oom`` is always False.
+  with systemd; OOM kills are then counted from the memory cgroup the instance is in
+  (``ExecResult.oom``). Otherwise the Slurm job's own cgroup bounds all sandboxes of a
+  worker together, and ``ExecResult.oom`` is always False (``oom_kills`` is None).
 - Max lifetime: a detached watchdog (``sleep; apptainer instance stop --force``) in its
   own session per sandbox, which outlives the worker; if it is killed too, the Slurm job's
   walltime still ends the instance with the job.
@@ -55,6 +56,8 @@ from sandfleet.runtime.base import (
     kill_group,
     kill_process_group,
     proc_start_time,
+    read_oom_kills,
+    read_small,
     write_json_atomic,
 )
 
@@ -103,6 +106,31 @@ def parse_instance_list(text: str) -> dict[str, int]:
     return {item["instance"]: int(item.get("pid", 0)) for item in data.get("instances") or []}
 
 
+def memory_oom_file(proc_cgroup: str, root: str = "/sys/fs/cgroup") -> str | None:
+    """The file counting the OOM kills of the memory cgroup a process is in, from its
+    ``/proc/<pid>/cgroup``: ``memory.oom_control`` on cgroup v1, ``memory.events`` on v2;
+    None in the root cgroup."""
+    unified = None
+    for line in proc_cgroup.splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return None if path == "/" else f"{root}/memory{path}/memory.oom_control"
+        if hierarchy == "0" and not controllers:
+            unified = path
+    return None if unified in (None, "/") else f"{root}{unified}/memory.events"
+
+
+def own_memory_cgroup(instance: str | None, ours: str | None) -> str | None:
+    """``instance`` (a ``memory_oom_file``) unless it is not the instance's own: it is
+    missing, or it holds us too (the job's cgroup, shared by every sandbox)."""
+    if instance is None:
+        return None
+    if ours is not None and (os.path.dirname(ours) + "/").startswith(
+            os.path.dirname(instance) + "/"):
+        return None
+    return instance
+
+
 @dataclass
 class InstanceRecord:
     """``sandbox.json``: the instance and its watchdog, each as (pid, start time)."""
@@ -148,6 +176,7 @@ class ApptainerRuntime(CommandRuntime):
         self._env = {k: v for k, v in os.environ.items()
                      if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_"))}
         self._lock = threading.Lock()
+        self._oom_files: dict[str, str] = {}  # sandbox id -> its OOM counter ("": none)
 
     def _name(self, sandbox_id: str) -> str:
         return f"{self.owner}-{check_name('sandbox id', sandbox_id)}"
@@ -176,6 +205,22 @@ class ApptainerRuntime(CommandRuntime):
 
     def _host_env(self) -> dict[str, str]:
         return self._env
+
+    def oom_kills(self, sandbox_id: str) -> int | None:
+        """With ``cgroup_limits``, from the memory cgroup Apptainer put the instance in
+        (found once, through the instance's pid); None without, or when that cgroup is one
+        this worker shares with every sandbox (the job's)."""
+        path = self._oom_files.get(sandbox_id)
+        if path is None:
+            record = self._record(sandbox_id) if self.cgroup_limits else None
+            if record is None or not record.alive():
+                return None
+            instance, ours = (read_small(f"/proc/{pid}/cgroup")
+                              for pid in (record.instance[0], os.getpid()))
+            path = self._oom_files[sandbox_id] = own_memory_cgroup(
+                memory_oom_file(instance.decode()) if instance else None,
+                memory_oom_file(ours.decode()) if ours else None) or ""
+        return read_oom_kills(path) if path else None
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
                env: dict[str, str] | None) -> list[str]:
@@ -240,6 +285,7 @@ class ApptainerRuntime(CommandRuntime):
             self._destroy(sandbox_id, self._record(sandbox_id))
 
     def _destroy(self, sandbox_id: str, record: InstanceRecord | None) -> None:
+        self._oom_files.pop(sandbox_id, None)
         home = self._dir(sandbox_id)
         try:  # also when the record says dead: apptainer may still list it
             self._call(stop_argv(self.apptainer, self._name(sandbox_id)),

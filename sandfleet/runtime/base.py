@@ -130,6 +130,11 @@ class Runtime(Protocol):
     def list_running(self) -> list[str]:
         """Ids of this owner's live sandboxes on this node, read from the node's state."""
 
+    def oom_kills(self, sandbox_id: str) -> int | None:
+        """How many processes the kernel OOM-killed in the sandbox so far; None where this
+        runtime cannot tell (``ExecResult.oom`` is then always False). Cheap after its first
+        call per sandbox (the shell reads it before and after every command)."""
+
     def reap(self, keep: Iterable[str]) -> list[str]:
         """Stop every sandbox of this owner not in ``keep``; the ids stopped."""
 
@@ -204,6 +209,15 @@ def read_small(path: str, dir_fd: int | None = None) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def read_oom_kills(path: str) -> int | None:
+    """The ``oom_kill N`` count of a memory cgroup's ``memory.oom_control`` (v1) or
+    ``memory.events`` (v2); None if the file or the line is missing."""
+    for line in (read_small(path) or b"").splitlines():
+        if line.startswith(b"oom_kill "):
+            return int(line[9:])
+    return None
 
 
 def proc_start_time(pid: int, *, zombie_ok: bool = False) -> int | None:
@@ -376,7 +390,7 @@ class CommandRuntime:
         """Raise SandboxLost unless the sandbox is running."""
         raise NotImplementedError
 
-    def _oom_kills(self, sandbox_id: str) -> int | None:
+    def oom_kills(self, sandbox_id: str) -> int | None:
         """OOM kills in the sandbox so far, or None where the runtime cannot tell."""
         return None
 
@@ -385,12 +399,12 @@ class CommandRuntime:
              stdin: bytes | None = None) -> ExecResult:
         argv = ["bash", "-c", command] if isinstance(command, str) else list(command)
         host_argv = self._enter(sandbox_id, argv, cwd, env)
-        before = self._oom_kills(sandbox_id)
+        before = self.oom_kills(sandbox_id)
         output, code, timed_out, seconds = run_capture(
             host_argv, timeout=timeout, stdin=stdin, env=self._host_env(),
             limit=self.max_output_bytes)
         self._check_alive(sandbox_id)  # died under the command: infrastructure, not a result
-        after = self._oom_kills(sandbox_id)
+        after = self.oom_kills(sandbox_id)
         oom = before is not None and after is not None and after > before
         return ExecResult(output, code, timed_out, oom, seconds)
 

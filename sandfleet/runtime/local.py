@@ -91,7 +91,7 @@ from sandfleet.runtime.base import (
     default_owner,
     kill_group,
     proc_start_time,
-    read_small,
+    read_oom_kills,
     run_capture,
     write_json_atomic,
 )
@@ -372,11 +372,7 @@ class Cgroups:
 
     @staticmethod
     def oom_kills(memory_cgroup: str | Path) -> int | None:
-        text = read_small(f"{memory_cgroup}/memory.oom_control")
-        for line in (text or b"").splitlines():
-            if line.startswith(b"oom_kill "):
-                return int(line[9:])
-        return None
+        return read_oom_kills(f"{memory_cgroup}/memory.oom_control")
 
     @staticmethod
     def freeze(freezer: Path, frozen: bool, timeout: float = 10.0) -> bool:
@@ -506,8 +502,9 @@ class LocalRuntime(CommandRuntime):
     def _check_alive(self, sandbox_id: str) -> None:
         self._live(sandbox_id)
 
-    def _oom_kills(self, sandbox_id: str) -> int | None:
-        """Read before and after every shell command: the file's path is worked out once."""
+    def oom_kills(self, sandbox_id: str) -> int | None:
+        """From the sandbox's memory cgroup (None without one). Read before and after every
+        shell command: the file's path is worked out once."""
         path = self._oom_files.get(sandbox_id)
         if path is None:
             record = self._record(sandbox_id)

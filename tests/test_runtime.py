@@ -391,18 +391,20 @@ def test_a_failed_start_leaves_nothing_behind(runtime, base_sif, monkeypatch):
 
 
 @pytest.mark.sandbox
-def test_roots_unpacked_by_older_versions_are_removed(base_sif, tmp_path):
-    """Images are mounted in place now: a cache of unpacked roots (a partial one of a worker
-    killed while unpacking included) is removed by the next runtime on the node."""
-    partial = tmp_path / "cache" / "rootfs" / ".6d524ae9a92cb66bde4c899a.3n_2w_mq" / "usr"
-    partial.mkdir(parents=True)
-    (partial / "big").write_bytes(b"x" * 4096)
+def test_a_runtime_leaves_a_shared_cache_alone(base_sif, tmp_path):
+    """The cache folder may be shared (the image builder keeps its base roots there): a
+    runtime starting or running sandboxes removes nothing in it and unpacks nothing into it
+    (images are mounted; ``sandfleet gc`` removes roots older versions unpacked)."""
+    kept = tmp_path / "cache" / "base-rootfs" / "debian-slim-x" / "usr"
+    kept.mkdir(parents=True)
+    old = tmp_path / "cache" / "rootfs" / ".6d524ae9a92cb66bde4c899a.3n_2w_mq"
+    old.mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*"))
     rt = LocalRuntime(tmp_path / "state", tmp_path / "cache", owner=OWNER)
-    assert list((tmp_path / "cache").iterdir()) == []
     rt.start("y", SandboxSpec(image=base_sif))
     try:
         assert run(rt, "y", "echo ok").output == "ok\n"
-        assert list((tmp_path / "cache").iterdir()) == []
+        assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "cache").rglob("*")) == before
     finally:
         rt.stop("y")
 

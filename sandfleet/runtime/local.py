@@ -469,8 +469,6 @@ class LocalRuntime(CommandRuntime):
         self._oom_files: dict[str, str] = {}  # sandbox id -> its memory cgroup
         self._children: dict[str, subprocess.Popen] = {}  # leaders we started, to reap
         self._lock = threading.Lock()
-        if self.cache_dir is not None:
-            remove_unpacked_cache(self.cache_dir)
 
     # ---- paths and records
 

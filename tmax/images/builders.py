@@ -268,7 +268,7 @@ class LocalBuilder:
 
     def base_rootfs(self, base_sif: Path) -> Path:
         """The base's root filesystem, extracted once per base into the node-local cache."""
-        root = self.cache_dir / "rootfs" / base_sif.stem
+        root = self.cache_dir / "base-rootfs" / base_sif.stem
         root.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(root) + ".lock"):
             if not root.exists():

@@ -1,0 +1,63 @@
+"""Sandfleet: a sandbox fleet on CPU nodes that Slurm hands out on demand.
+
+The public API, what other packages (tmax among them) may import::
+
+    from sandfleet import FleetClient, AsyncFleetClient, FleetConfig, InfraError
+
+- clients: ``FleetClient`` (sync), ``AsyncFleetClient``; ``run_event_loop`` (the loop the
+  clients are fastest on), ``read_controller_info`` and ``controller_alive`` (is a fleet
+  up in a state folder), ``FleetConfig`` (a fleet's config file);
+- errors: ``SandfleetError`` (the root), ``InfraError`` (infrastructure, never the agent's
+  fault: masked in training), ``ImageMissing`` and the rest of ``sandfleet.errors``;
+- sandboxes without a fleet, for tools that start one on this machine (image checks):
+  ``get_runtime``, ``Runtime``, ``SandboxSpec``, ``ExecResult``, ``proc_start_time``;
+- ``sif`` (SIF files: pack, extract, read_partition, SifError) and ``BwrapSpec`` /
+  ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks.
+
+Names load on first use: ``import sandfleet`` itself imports nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FleetClient": "sandfleet.client",
+    "AsyncFleetClient": "sandfleet.client",
+    "FleetConfig": "sandfleet.config",
+    "run_event_loop": "sandfleet.protocol",
+    "read_controller_info": "sandfleet.protocol",
+    "controller_alive": "sandfleet.controller",
+    "SandfleetError": "sandfleet.errors",
+    "InfraError": "sandfleet.errors",
+    "ImageMissing": "sandfleet.errors",
+    "NodeLost": "sandfleet.errors",
+    "SandboxLost": "sandfleet.errors",
+    "ControllerUnreachable": "sandfleet.errors",
+    "LeaseExpired": "sandfleet.errors",
+    "get_runtime": "sandfleet.runtime",
+    "Runtime": "sandfleet.runtime.base",
+    "SandboxSpec": "sandfleet.runtime.base",
+    "ExecResult": "sandfleet.runtime.base",
+    "proc_start_time": "sandfleet.runtime.base",
+    "BwrapSpec": "sandfleet.runtime.bwrap",
+    "host_root": "sandfleet.runtime.bwrap",
+    "sif": "sandfleet.runtime.sif",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sandfleet' has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    value = loaded if name == module.rsplit(".", 1)[-1] else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

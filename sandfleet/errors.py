@@ -16,7 +16,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
-class InfraError(Exception):
+class SandfleetError(Exception):
+    """The root of every error sandfleet raises: ``InfraError`` (infrastructure) and
+    ``sandfleet.protocol.RemoteError`` (a request the fleet refused)."""
+
+
+class InfraError(SandfleetError):
     """A failure the policy did not cause; rollouts record it and the trainer masks it."""
 
     cause: ClassVar[str] = "infra"

@@ -68,7 +68,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_core import from_json, to_json
 
-from sandfleet.errors import ERRORS, InfraError
+from sandfleet.errors import ERRORS, InfraError, SandfleetError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,7 +93,7 @@ ID_MAX = 128
 # ---- errors that are not infrastructure failures
 
 
-class RemoteError(Exception):
+class RemoteError(SandfleetError):
     """An error reply that is not an infrastructure failure (a bad request, a bad token)."""
 
     def __init__(self, message: str):

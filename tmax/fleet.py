@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from sandfleet.client import AsyncFleetClient
+from sandfleet import AsyncFleetClient
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ def private_fleet_config(concurrency: int, *, cpus: int = 2, memory_mb: int = 20
     """The config of a private local fleet: one worker with room for ``concurrency``
     sandboxes of ``cpus`` CPUs and ``memory_mb`` MB each; ``config`` (a dict or a YAML file
     of ``FleetConfig`` fields) overrides it. Warns when this machine would be oversubscribed."""
-    from sandfleet.config import FleetConfig
+    from sandfleet import FleetConfig
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-    from sandfleet.runtime.base import proc_start_time
+    from sandfleet import proc_start_time
 
     data: dict[str, Any] = {"provider": "local", "min_nodes": 1, "max_nodes": 1,
                             # the fleet goes down by itself if this process is killed
@@ -122,8 +122,7 @@ async def open_fleet(state_dir: str | Path | None, *, config: dict | Path | None
 
 def check_running(state_dir: Path) -> None:
     """``FleetUnavailable`` unless a controller runs for ``state_dir``."""
-    from sandfleet.controller import controller_alive
-    from sandfleet.protocol import read_controller_info
+    from sandfleet import controller_alive, read_controller_info
 
     if not controller_alive(read_controller_info(state_dir)):
         raise FleetUnavailable(
@@ -135,7 +134,7 @@ async def _hello(client: AsyncFleetClient) -> None:
     """Ask the controller for its status once, before any concurrent use: a fleet that does
     not answer fails here, and the controller connection is opened by one request (the
     client opens it without a lock, so concurrent first requests would each open one)."""
-    from sandfleet.errors import InfraError
+    from sandfleet import InfraError
 
     try:
         await client.status()

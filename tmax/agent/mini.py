@@ -54,8 +54,7 @@ from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet.client import FleetClient
-from sandfleet.runtime.base import ExecResult
+from sandfleet import ExecResult, FleetClient
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 """The first output line by which a mini agent submits (``echo SUBMIT_MARKER``)."""

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from filelock import FileLock
 
-from sandfleet.runtime import sif
+from sandfleet import sif
 from tmax.images import verifier_tools
 from tmax.images.definition import Definition, TaskDefinition, parse_definition
 from tmax.images.dockerbuild import (

@@ -16,8 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from sandfleet.errors import InfraError
-from sandfleet.runtime.base import Runtime, SandboxSpec
+from sandfleet import InfraError, Runtime, SandboxSpec
 from tmax.images.store import Checks
 from tmax.tasks import Task
 from tmax.tasks.check import run_solution
@@ -112,7 +111,7 @@ def image_checker(cache_dir: Path, runtime: str = "auto"
                   ) -> Callable[[Task, Path, str, Path], Checks]:
     """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime
     (which mounts each image in place: nothing per image is left on the node)."""
-    from sandfleet.runtime import get_runtime
+    from sandfleet import get_runtime
 
     if runtime == "auto":
         runtime = "apptainer" if shutil.which("apptainer") else "local"

@@ -27,8 +27,7 @@ from pathlib import Path
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet.errors import ImageMissing
-from sandfleet.runtime.sif import SifError, read_partition
+from sandfleet import ImageMissing, sif
 
 MANIFEST_VERSION = 1
 
@@ -159,8 +158,8 @@ class ImageStore:
             raise ImageMissing(str(sif), f"task {task_id}: image is out of date (built from "
                                "other inputs); run `tmax images build`")
         try:
-            read_partition(self.root / entry.sif)
-        except SifError as e:
+            sif.read_partition(self.root / entry.sif)
+        except sif.SifError as e:
             raise ImageMissing(str(self.root / entry.sif), f"task {task_id}: {e.reason}") from None
         return entry
 
@@ -181,8 +180,8 @@ class ImageStore:
                 reason = f"size {path.stat().st_size} != recorded {entry.size} (truncated?)"
             else:
                 try:
-                    read_partition(path)
-                except SifError as e:
+                    sif.read_partition(path)
+                except sif.SifError as e:
                     reason = e.reason
                 if not reason and deep and file_sha256(path) != entry.sha256:
                     reason = "content changed since it was built (sha256 mismatch)"

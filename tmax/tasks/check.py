@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
 
-from sandfleet.runtime.bwrap import BwrapSpec, host_root
+from sandfleet import BwrapSpec, host_root
 from tmax.tasks.confine import expand_source
 from tmax.tasks.dockerfile import Copy, Run, Workdir
 from tmax.tasks.dockerfile import parse as parse_dockerfile

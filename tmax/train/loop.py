@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sandfleet.protocol import run_event_loop
+from sandfleet import run_event_loop
 from tmax.agent.config import load_agent_config
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.config import TrainConfig, save_config

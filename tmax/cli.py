@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from tmax import log
 from tmax.agent.cli import serve_scripted
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
@@ -21,8 +21,7 @@ from tmax.tasks.cli import tasks_group
 @click.version_option(package_name="tmax")
 def main(verbose: int) -> None:
     """TMax: train terminal agents with RL on Slurm."""
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setup(verbose)
 
 
 main.add_command(tasks_group)

@@ -61,6 +61,8 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
     """
     import logging
 
+    from tmax import log
+
     if overrides[:1] == ("env",):
         env_report(output)
         return
@@ -75,7 +77,7 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
 
         click.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log.setup(default=logging.INFO)
     from tmax.train.loop import TrainError, read_metrics, train
     from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
 

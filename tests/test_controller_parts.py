@@ -5,6 +5,7 @@ decisions through a fake ``FleetView`` (hand-computed)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -75,6 +76,8 @@ def test_every_event_reencodes_to_the_bytes_it_was_read_from(tmp_path):
     assert b"".join(journal.encode(e) for e in events) == path.read_bytes()
     journal.rewrite(tmp_path / "k", events)
     assert (tmp_path / "k").read_bytes() == path.read_bytes()
+    for cls in journal.EVENTS.values():  # what encode's field order rests on
+        assert [f.name for f in dataclasses.fields(cls)][-1] == "t", cls
 
 
 def test_replay_folds_a_hand_written_journal_with_a_torn_last_line(tmp_path, caplog):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -44,23 +43,18 @@ class Event:
     """One journal line; ``kind`` is its ``"e"``."""
 
     kind: ClassVar[str] = ""
-    _names: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         EVENTS[cls.kind] = cls
 
     def to_dict(self) -> dict:
-        names = type(self)._names
-        if not names:  # the dataclass decorator runs after __init_subclass__: filled lazily
-            names = type(self)._names = tuple(f.name for f in dataclasses.fields(self)
-                                              if f.name != "t")
-        data = {"e": self.kind}
-        for name in names:
-            data[name] = getattr(self, name)
-        t = self.t  # type: ignore[attr-defined]
-        if t is not None:
-            data["t"] = t
+        """``{"e": kind, <fields in declaration order>, "t": t}`` (no ``t`` when unset).
+        Every kind declares ``t`` last, and the dataclass ``__init__`` sets the fields in
+        declaration order, so ``__dict__`` holds them in the order of the line."""
+        data = {"e": self.kind, **self.__dict__}
+        if data["t"] is None:
+            del data["t"]
         return data
 
 

@@ -867,8 +867,10 @@ class ShellSession:
         self._call(lambda shell: shell.start())
 
     def run(self, command: str, timeout: float) -> ExecResult:
-        """``AsyncShellSession.run``."""
-        return self._call(lambda shell: shell.run(command, timeout))
+        """``AsyncShellSession.run`` (unshielded: nothing on the loop cancels it but its
+        ``close``)."""
+        line = _command_line(command, timeout)
+        return self._call(lambda shell: shell._run(line, timeout))
 
     def close(self) -> None:
         """Close the session, then its loop, thread and executor; idempotent."""

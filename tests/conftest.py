@@ -139,3 +139,16 @@ def image_store(tmp_path, base_store):
     os.link(base_store.path(entry.sif), store.path(entry.sif))
     store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
     return store
+
+
+# Tests that build images, bring up a Slurm cluster or a fleet of several nodes, or train:
+# the full suite (CI) runs them; `bin/tmax-dev test --quick` (-m "not slow") leaves them out.
+SLOW_FIXTURES = frozenset({"local_slurm", "example_store", "example_fleet", "image_store",
+                           "checked_builds", "builds", "harbor_store"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or \
+                item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slow)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from tmax.images.cli import store_option
+from tmax.images.cli import base_map_option, store_option
 
 
 def resolve_tasks(specs: tuple[str, ...]):
@@ -98,9 +98,10 @@ def _write_json(path: Path, data) -> None:
               help="Refuse to run when any task is invalid or has no usable image "
                    "(default: skip those tasks and list them with their reasons).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@base_map_option
 def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, agent_config,
              out_dir, max_infra_retries, step_limit, command_timeout, threshold, strict,
-             no_progress) -> None:
+             no_progress, base_map) -> None:
     """Run a policy on tasks through a sandbox fleet; write every episode to
     OUT/results.jsonl, the statistics to OUT/summary.json, and print them. Infra-failed
     episodes are re-run; running again with the same --out resumes. Tasks that are invalid,
@@ -131,9 +132,13 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
     policy = _policy(policy_spec, config.submit_marker)
     out = out_dir or Path(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     results = out / "results.jsonl"
+    from tmax.images.bases import BaseMapError
+
     try:
-        images = TaskImages(store)
-    except (OSError, ValueError) as e:  # the store's folder, the base table
+        images = TaskImages(store, base_map=base_map)
+    except BaseMapError as e:  # the base table or the --base-map file
+        raise click.ClickException(str(e)) from None
+    except (OSError, ValueError) as e:  # the store's folder
         raise click.ClickException(f"image store {store}: {e}") from None
     runnable, unusable = preflight(tasks, images)
     skipped = [*invalid, *unusable]

@@ -211,7 +211,8 @@ def skipped_text(skipped: Sequence[Skipped], store: str | Path | None = None) ->
         hints.append("build images with `tmax images build TASKS"
                      + (f" --store {store}`" if store else "`"))
     if "unmapped_base" in kinds:
-        hints.append("map the FROM image to a local base (configs/base-images.yaml)")
+        hints.append("map the FROM image to a local base: --base-map FILE, $TMAX_BASE_MAP "
+                     "or configs/base-images.yaml (images/README.md lists the bases)")
     return "\n".join(lines + ([f"  ({'; '.join(hints)})"] if hints else []))
 
 

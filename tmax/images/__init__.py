@@ -6,8 +6,12 @@ from pathlib import Path
 
 
 def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None = None,
-                check: bool = True, cache_dir: str | Path | None = None):
-    """An ``ImageBuilds`` over ``store`` with the named builder (and build-time checks)."""
+                check: bool = True, cache_dir: str | Path | None = None,
+                base_map: str | Path | None = None):
+    """An ``ImageBuilds`` over ``store`` with the named builder (and build-time checks);
+    ``base_map`` (else $TMAX_BASE_MAP) is a user's map of images to bases, tried first.
+    Builds and runs must see the same map: it decides the bases, hence the digests."""
+    from tmax.images.bases import default_base_map
     from tmax.images.build import ImageBuilds
     from tmax.images.builders import ApptainerBuilder, LocalBuilder, default_builder
     from tmax.images.cli import default_cache
@@ -22,4 +26,5 @@ def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None 
         from tmax.images.checks import image_checker
 
         checker = image_checker(cache)
-    return ImageBuilds(ImageStore(store), chosen, checker=checker)
+    return ImageBuilds(ImageStore(store), chosen, checker=checker,
+                       base_map=default_base_map(base_map))

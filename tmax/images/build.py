@@ -16,7 +16,7 @@ from sandfleet.runtime.sif import SifError
 from tmax.images import verifier_tools
 from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.builders import Builder
-from tmax.images.definition import TaskDefinition, task_definition
+from tmax.images.definition import TaskDefinition, parse_definition, task_definition
 from tmax.images.rootfs import BuildError, remove_tree
 from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
 from tmax.tasks import Task
@@ -61,21 +61,55 @@ class ImageBuilds:
     def __init__(self, store: ImageStore, builder: Builder, *,
                  images_dir: Path = REPO / "images",
                  base_table: Path = REPO / "configs" / "base-images.yaml",
+                 base_map: Path | None = None,
                  checker: Callable[[Task, Path, str, Path], Checks] | None = None):
+        """``base_map``: a user's map file, tried before ``base_table`` (tmax.images.bases);
+        a file that cannot be used raises ``BaseMapError``."""
         self.store, self.builder, self.images_dir = store, builder, images_dir
-        self.bases = BaseTable.load(base_table)
+        self.bases = BaseTable.load(base_table, user_map=base_map, images_dir=images_dir)
         self.checker = checker
+        self._failed_bases: dict[str, str] | None = None
+        """During build_all: the bases that failed (not retried for each of their tasks)."""
 
     # ------------------------------------------------------------------ planning
 
     def base_text(self, base: str) -> str:
-        path = self.images_dir / f"{base}.def"
+        path = self.bases.definition_path(base)
         if not path.is_file():
             raise BuildError(f"base {base}", f"no definition {path}")
         return path.read_text()
 
+    def base_parent(self, base: str) -> str | None:
+        """The base a derived base starts from (``Bootstrap: localimage``, ``From: NAME``);
+        None for a bootstrapped one."""
+        header = parse_definition(self.base_text(base)).header
+        if header.get("bootstrap", "").lower() != "localimage":
+            return None
+        parent = header.get("from", "")
+        if not self.bases.definition_path(parent).is_file():
+            raise BuildError(f"base {base}", f"{self.bases.definition_path(base)}: 'From: "
+                             f"{parent}' names no base (a base name such as debian-slim, "
+                             f"with a definition in {self.images_dir} or in the base map)")
+        return parent
+
+    def base_chain(self, base: str) -> list[str]:
+        """``base`` and its parents, the bootstrapped one first; a cycle is a BuildError."""
+        chain = [base]
+        while (parent := self.base_parent(chain[-1])) is not None:
+            if parent in chain:
+                raise BuildError(f"base {base}", "its From: chain is a cycle: "
+                                 + " -> ".join([*chain, parent])
+                                 + "; one of them must bootstrap (Bootstrap: debootstrap)")
+            chain.append(parent)
+        return chain[::-1]
+
     def base_digest(self, base: str) -> str:
-        return digest_of(BUILD_FORMAT, "base", base, self.base_text(base))
+        """Covers the definition and, for a derived base, its parent's digest."""
+        digest = None
+        for name in self.base_chain(base):
+            digest = digest_of(BUILD_FORMAT, "base", name, self.base_text(name),
+                               *([digest] if digest else []))
+        return digest
 
     def plan(self, task: Task) -> Plan:
         tdef = task_definition(task.environment_dir, self.bases.resolve)
@@ -89,7 +123,17 @@ class ImageBuilds:
     # ------------------------------------------------------------------ bases
 
     def ensure_base(self, base: str) -> BaseEntry:
+        """The store's current entry of ``base``, built (after its parents) when missing."""
+        failed = self._failed_bases
+        if failed is not None and base in failed:
+            raise BuildError(f"base {base}", failed[base])
         digest = self.base_digest(base)
+        parent_sif = None
+        if parent := self.base_parent(base):
+            try:
+                parent_sif = self.store.path(self.ensure_base(parent).sif)
+            except BuildError as e:
+                raise BuildError(f"base {base}", f"over {e}", e.log) from None
         entry = self.store.read().bases.get(base)
         if entry and entry.digest == digest and self.store.path(entry.sif).exists():
             return entry
@@ -106,8 +150,13 @@ class ImageBuilds:
             start = time.monotonic()
             try:
                 self.builder.build_base(self.base_text(base), tmp / "image.sif", logfile,
-                                        timeout=3600)
+                                        timeout=3600,
+                                        **({"parent": parent_sif} if parent_sif else {}))
                 size, sha = self.store.publish(tmp / "image.sif", f"bases/{name}.sif")
+            except (BuildError, OSError, RuntimeError, SifError, subprocess.SubprocessError) as e:
+                if failed is not None:
+                    failed[base] = f"failed to build: {e}"
+                raise
             finally:
                 remove_tree(tmp)
             entry = BaseEntry(name=base, digest=digest, sif=f"bases/{name}.sif", size=size,
@@ -221,7 +270,17 @@ class ImageBuilds:
 
     def build_all(self, tasks: list[Task], *, jobs: int = 2, force: bool = False,
                   check: bool = True, progress: bool = True) -> list[BuildResult]:
-        """Build every task's image, ``jobs`` at a time, with a progress bar."""
+        """Build every task's image, ``jobs`` at a time, with a progress bar; the bases
+        first (parents before derived bases); a base that fails is tried once, and its
+        tasks fail with its error."""
+        self._failed_bases = {}
+        try:
+            return self._build_all(tasks, jobs, force, check, progress)
+        finally:
+            self._failed_bases = None
+
+    def _build_all(self, tasks: list[Task], jobs: int, force: bool, check: bool,
+                   progress: bool) -> list[BuildResult]:
         from tqdm import tqdm
 
         plans_ok = []
@@ -231,7 +290,10 @@ class ImageBuilds:
             except (BaseMappingError, BuildError, ValueError):
                 pass  # reported by build()
         for base in dict.fromkeys(plans_ok):  # bases first, once each, in order
-            self.ensure_base(base)
+            try:
+                self.ensure_base(base)
+            except (BuildError, OSError, RuntimeError, SifError, subprocess.SubprocessError) as e:
+                log.error("%s", e)  # its tasks fail with it (build() says so), not retried
         with ThreadPoolExecutor(max(1, jobs)) as pool, \
                 tqdm(total=len(tasks), desc="images", unit="image", disable=not progress) as bar:
             futures = [pool.submit(self.build, t, force=force, check=check) for t in tasks]

@@ -26,6 +26,13 @@ def default_cache() -> str:
     return os.environ.get("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))
 
 
+base_map_option = click.option(
+    "--base-map", type=click.Path(exists=True, dir_okay=False), default=None,
+    envvar="TMAX_BASE_MAP", show_envvar=True,
+    help="Your own map of FROM images to bases (the format of configs/base-images.yaml; a "
+         "base is a shipped one or a .def file), tried before the shipped table. Building "
+         "and running must use the same map.")
+
 store_option = click.option("--store", default=default_store, show_default="$TMAX_IMAGE_STORE "
                             "or ~/.tmax/images", type=click.Path(file_okay=False),
                             help="Image store folder (on shared scratch for a cluster).")
@@ -45,16 +52,22 @@ def images_group() -> None:
 @click.option("-j", "--jobs", default=2, show_default=True, help="Parallel builds.")
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs did not change.")
 @click.option("--no-check", is_flag=True, help="Skip the build-time checks.")
+@base_map_option
 @output_option
-def build_cmd(paths, store, builder, mirror, jobs, force, no_check, output) -> None:
+def build_cmd(paths, store, builder, mirror, jobs, force, no_check, base_map, output) -> None:
     """Build (or reuse) the image of every task; then check each new image: it starts,
     the untouched environment scores below 1, the reference solution scores 1."""
     from tmax.images import open_builds
+    from tmax.images.bases import BaseMapError
 
     tasks, errors = _load_all(paths)
     if errors:
         raise click.ClickException("\n".join(str(e) for e in errors))
-    builds = open_builds(store, builder=builder, mirror=mirror, check=not no_check)
+    try:
+        builds = open_builds(store, builder=builder, mirror=mirror, check=not no_check,
+                             base_map=base_map)
+    except BaseMapError as e:
+        raise click.ClickException(str(e)) from None
     results = builds.build_all(tasks, jobs=jobs, force=force, check=not no_check,
                                progress=output != "json")
     failed = [r for r in results if r.status == "failed" or

@@ -80,10 +80,12 @@ def plan_errors() -> tuple[type[Exception], ...]:
 class TaskImages:
     """Task -> SIF path in an image store (looked up once per task; never builds)."""
 
-    def __init__(self, store: str | Path):
+    def __init__(self, store: str | Path, base_map: str | Path | None = None):
+        """``base_map``: the user's map of images to bases the images were built with
+        (default $TMAX_BASE_MAP; tmax.images.bases)."""
         from tmax.images import open_builds
 
-        self.builds = open_builds(store, check=False)
+        self.builds = open_builds(store, check=False, base_map=base_map)
         self._found: dict[str, Any] = {}
         self._warned: set[str] = set()
 

@@ -1,0 +1,390 @@
+"""Local bases for registry images: normalisation, the shipped table, a user's map, derived
+bases (digest and parent-first builds), the apt mirror of other Debian releases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_tasks import make_task, run_cli
+from tmax.images.bases import (
+    BASE_MAP_ENV,
+    BaseMapError,
+    BaseMappingError,
+    BaseTable,
+    default_base_map,
+    normalize,
+)
+from tmax.images.build import ImageBuilds
+from tmax.images.definition import parse_definition, task_definition
+from tmax.images.rootfs import BuildError, apt_mirror
+from tmax.images.store import ImageStore
+from tmax.tasks import load_task
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = REPO / "configs" / "base-images.yaml"
+IMAGES = REPO / "images"
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+@pytest.mark.parametrize("image, base", [
+    # FROM lines as real benchmark tasks write them
+    ("python:3.11-slim", "debian-slim"),
+    ("python:3.10-slim-bullseye", "debian-slim"),
+    ("python:3.9", "debian-slim"),
+    ("python:3.12.7-slim-bookworm", "debian-trixie"),
+    ("python:3.13-slim", "debian-trixie"),
+    ("python:3", "debian-trixie"),
+    ("docker.io/library/python:3.11-slim@sha256:" + "ab" * 32, "debian-slim"),
+    ("docker.io/python:3.12", "debian-trixie"),
+    ("index.docker.io/library/python:3.13-bookworm", "debian-trixie"),
+    ("library/python:3.10", "debian-slim"),
+    ("mirror.gcr.io/library/python:3.11", "debian-slim"),
+    ("public.ecr.aws/docker/library/node:20.18.1-bookworm", "node"),
+    ("node:18-slim", "node"),
+    ("golang:1.22-bookworm", "golang"),
+    ("rust:1.83-slim", "rust"),
+    ("ubuntu:24.04", "debian-trixie"),
+    ("ubuntu:noble-20240605", "debian-trixie"),
+    ("ubuntu", "debian-trixie"),  # latest
+    ("ubuntu@sha256:" + "0f" * 32, "debian-trixie"),  # a digest only: latest
+    ("ubuntu:22.04", "debian-slim"),
+    ("ubuntu:jammy", "debian-slim"),
+    ("ubuntu:20.04", "debian-slim"),
+    ("debian:bookworm-slim", "debian-slim"),
+    ("debian:trixie-slim", "debian-trixie"),
+    ("debian:stable-slim", "debian-trixie"),
+    ("buildpack-deps:jammy", "buildpack-deps-bookworm"),
+    ("buildpack-deps:bookworm-scm", "buildpack-deps-bookworm"),
+    ("buildpack-deps:noble", "buildpack-deps-trixie"),
+    ("gcc:12.4", "buildpack-deps-bookworm"),
+    ("gcc:14", "buildpack-deps-trixie"),
+    ("eclipse-temurin:17-jdk", "java-17"),
+    ("openjdk:17-slim", "java-17"),
+    ("eclipse-temurin:21-jdk-jammy", "java-21"),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "t-bench"),
+    ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "t-bench"),
+    ("jupyter/scipy-notebook", "debian-datasci"),
+    ("continuumio/miniconda3:24.7.1-0", "debian-datasci"),
+    ("  --platform=linux/amd64   python:3.11-slim  ", "debian-slim"),
+])
+def test_real_from_lines_map_to_their_family(image, base):
+    assert BaseTable.load(TABLE).resolve(image) == base
+
+
+@pytest.mark.parametrize("image, ref", [
+    ("python", "python:latest"),
+    ("docker.io/library/python:3.12@sha256:" + "ab" * 32, "python:3.12"),
+    ("public.ecr.aws/docker/library/node:20", "node:20"),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04",
+     "ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest"),
+    ("localhost:5000/team/tool", "localhost:5000/team/tool:latest"),  # a port is no tag
+    ("localhost:5000/team/tool:1.2", "localhost:5000/team/tool:1.2"),
+    ("quay.io/jupyter/base-notebook:2024", "quay.io/jupyter/base-notebook:2024"),
+    ("", ""),
+])
+def test_normalize(image, ref):
+    assert normalize(image) == ref
+
+
+@pytest.mark.parametrize("image", ["alpine:3.19", "python:2.7", "eclipse-temurin:11",
+                                   "ghcr.io/other/thing:1", ""])
+def test_images_we_cannot_stand_in_for_stay_unmapped(image):
+    with pytest.raises(BaseMappingError):
+        BaseTable.load(TABLE).resolve(image)
+
+
+def test_every_shipped_base_is_mapped_documented_and_bootstraps():
+    """Each images/*.def is mapped to (or the parent of one that is), says what it stands in
+    for and how it differs, and its From: chain ends in a debootstrap."""
+    table = BaseTable.load(TABLE)
+    defs = {p.stem: p.read_text() for p in IMAGES.glob("*.def")}
+    parents = {}
+    for name, text in defs.items():
+        header = parse_definition(text).header
+        assert "Stands in for" in text and "Differs from" in text, name
+        if header["bootstrap"] == "localimage":
+            assert header["from"] in defs, name
+            parents[name] = header["from"]
+        else:
+            assert header["bootstrap"] == "debootstrap" and "{{ MIRROR }}" in text, name
+    mapped = {m.base for m in table.mappings}
+    assert set(defs) <= mapped | set(parents.values())
+    for name in defs:
+        seen = [name]
+        while seen[-1] in parents:
+            seen.append(parents[seen[-1]])
+            assert len(seen) < 5, seen
+
+
+def test_base_table_rejects_unknown_keys(tmp_path):
+    bad = tmp_path / "t.yaml"
+    bad.write_text("mappings:\n  - {image: 'x:*', base: y, colour: red}\n")
+    with pytest.raises(ValueError, match=r"t.yaml: mappings\[0\] needs exactly"):
+        BaseTable.load(bad)
+    bad.write_text("mappings: []\nextra: 1\n")
+    with pytest.raises(BaseMapError, match=r"t.yaml: unknown keys \['extra'\]"):
+        BaseTable.load(bad)
+
+
+def test_shipped_table_base_needs_a_definition(tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text("mappings:\n  - {image: 'x:*', base: nowhere}\n")
+    with pytest.raises(BaseMapError, match=r"mappings\[0\] names base 'nowhere'.*nowhere.def"):
+        BaseTable.load(table)
+
+
+# --------------------------------------------------------------------------- unmapped
+
+
+def test_unmapped_image_is_one_clear_error(tmp_path):
+    task = make_task(tmp_path, **{"environment/Dockerfile": "FROM docker.io/library/alpine:3.19\n"})
+    with pytest.raises(BaseMappingError) as info:
+        task_definition(task / "environment", BaseTable.load(TABLE).resolve)
+    e = info.value
+    assert e.image == "docker.io/library/alpine:3.19" and e.table == TABLE
+    first, *families = str(e).splitlines()
+    # the first line (what `tmax eval` lists per skipped task) says what to do
+    assert "'docker.io/library/alpine:3.19' (read as alpine:3.19)" in first
+    assert "--base-map FILE" in first and BASE_MAP_ENV in first and str(TABLE) in first
+    listed = {line.split(":")[0].strip() for line in families}
+    assert listed == {p.stem for p in IMAGES.glob("*.def")}
+    assert any(line.startswith("  node: node:*") for line in families)
+    assert any("ubuntu:24.04*" in line for line in families if "debian-trixie" in line)
+
+
+# --------------------------------------------------------------------------- user map
+
+
+def write_map(path: Path, *entries: str) -> Path:
+    path.write_text("mappings:\n" + "".join(f"  - {e}\n" for e in entries))
+    return path
+
+
+def test_user_map_is_tried_first_and_may_name_its_own_def(tmp_path):
+    (tmp_path / "defs").mkdir()
+    (tmp_path / "defs" / "my-tools.def").write_text(
+        "# mine\nBootstrap: localimage\nFrom: debian-slim\n\n%post\n    true\n")
+    user = write_map(tmp_path / "map.yaml",
+                     "{image: 'python:3.11*', base: debian-trixie}",
+                     "{image: 'corp.example/tools:*', base: defs/my-tools.def}")
+    table = BaseTable.load(TABLE, user_map=user)
+    assert table.resolve("python:3.11-slim") == "debian-trixie"  # the user's wins
+    assert table.resolve("python:3.10") == "debian-slim"  # the shipped table after it
+    assert table.resolve("corp.example/tools:7") == "my-tools"
+    assert table.definition_path("my-tools") == (tmp_path / "defs" / "my-tools.def").resolve()
+    assert table.definition_path("golang") == IMAGES / "golang.def"
+    with pytest.raises(BaseMappingError, match=f"your map {user}"):
+        table.resolve("alpine:3")
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), base_map=user)
+    assert builds.base_chain("my-tools") == ["debian-slim", "my-tools"]
+    assert builds.base_text("my-tools").startswith("# mine")
+
+
+@pytest.mark.parametrize("entries, match", [
+    (["{image: 'x:*', base: nope}"],
+     r"mappings\[0\] \(image 'x:\*'\): base 'nope' is neither a shipped base \(.*\) nor a .def"),
+    (["{image: 'x:*', base: debian-slim}", "{image: 'y:*', base: gone.def}"],
+     r"mappings\[1\] \(image 'y:\*'\): base file .*gone.def does not exist"),
+    (["{image: 'x:*', base: golang.def}"], r"mappings\[0\].*has the name 'golang' of another"),
+    (["{image: 'x:*', base: bad.def}"], r"mappings\[0\].*bad.def needs 'Bootstrap: debootstrap'"),
+    (["{image: 'x:*'}"], r"mappings\[0\] needs exactly 'image' and 'base'"),
+    (["{image: '', base: debian-slim}"], r"mappings\[0\] needs exactly .*non-empty"),
+])
+def test_bad_user_map_names_the_file_and_entry(tmp_path, entries, match):
+    (tmp_path / "golang.def").write_text("Bootstrap: localimage\nFrom: debian-slim\n")
+    (tmp_path / "bad.def").write_text("Bootstrap: docker\nFrom: alpine\n")
+    user = write_map(tmp_path / "map.yaml", *entries)
+    with pytest.raises(BaseMapError, match=str(user).replace(".", r"\.") + ": " + match):
+        BaseTable.load(TABLE, user_map=user)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("mappings: [", "not YAML"),
+    ("- a\n- b\n", "unknown keys list"),
+    ("mappings: {image: x}\n", "'mappings' must be a list"),
+])
+def test_unreadable_user_map(tmp_path, text, match):
+    user = tmp_path / "map.yaml"
+    user.write_text(text)
+    with pytest.raises(BaseMapError, match=match):
+        BaseTable.load(TABLE, user_map=user)
+    with pytest.raises(BaseMapError, match="cannot read it"):
+        BaseTable.load(TABLE, user_map=tmp_path / "missing.yaml")
+
+
+def test_default_base_map_option_then_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(BASE_MAP_ENV, raising=False)
+    assert default_base_map(None) is None
+    monkeypatch.setenv(BASE_MAP_ENV, str(tmp_path / "env.yaml"))
+    assert default_base_map(None) == tmp_path / "env.yaml"
+    assert default_base_map(str(tmp_path / "opt.yaml")) == tmp_path / "opt.yaml"
+
+
+def test_cli_base_map_is_used_and_a_bad_one_is_one_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(BASE_MAP_ENV, raising=False)
+    task = make_task(tmp_path / "tasks", **{"environment/Dockerfile": "FROM alpine:3.19\n"})
+    bad = write_map(tmp_path / "bad.yaml", "{image: 'alpine:*', base: nope}")
+    res = run_cli("images", "build", task, "--store", tmp_path / "store", "--base-map", bad,
+                  "--no-check", "--builder", "local")
+    assert res.exit_code == 1 and f"{bad}: mappings[0]" in res.output, res.output
+    monkeypatch.setenv(BASE_MAP_ENV, str(bad))  # the environment variable, same check
+    res = run_cli("images", "build", task, "--store", tmp_path / "store", "--no-check")
+    assert res.exit_code == 1 and f"{bad}: mappings[0]" in res.output, res.output
+    res = run_cli("eval", "--tasks", task, "--policy", "nop", "--store", tmp_path / "store",
+                  "--base-map", bad)
+    assert res.exit_code == 1 and f"{bad}: mappings[0]" in res.output, res.output
+
+
+# --------------------------------------------------------------------------- derived bases
+
+
+class FakeBuilder:
+    """Records build_base calls; 'builds' a file naming the definition's first line."""
+
+    name = "fake"
+
+    def __init__(self, fail: set[str] = frozenset()):
+        self.calls: list[tuple[str, Path | None]] = []
+        self.fail = fail
+
+    def build_base(self, definition_text: str, out: Path, log: Path, timeout: float,
+                   parent: Path | None = None) -> None:
+        name = definition_text.splitlines()[0].lstrip("# ")
+        self.calls.append((name, parent))
+        if name in self.fail:
+            raise BuildError("%post", f"{name} broke", log)
+        out.write_text(f"{name} over {parent}\n")
+
+    def build_task(self, task, env_dir, base_sif, out, log, timeout, verifier=None) -> None:
+        out.write_text(f"task over {base_sif}\n")
+
+
+def family(tmp_path: Path, **defs: str) -> tuple[Path, Path]:
+    """An images dir with ``name=parent`` defs ("" bootstraps) and a table mapping
+    ``<name>:*`` to each."""
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    for name, parent in defs.items():
+        head = f"Bootstrap: localimage\nFrom: {parent}\n" if parent else \
+            "Bootstrap: debootstrap\nOSVersion: bookworm\nMirrorURL: {{ MIRROR }}\n"
+        (images / f"{name}.def").write_text(f"# {name}\n{head}\n%post\n    echo {name}\n")
+    table = write_map(tmp_path / "table.yaml",
+                      *(f"{{image: '{n}:*', base: {n}}}" for n in defs))
+    return images, table
+
+
+def test_derived_digest_covers_the_parent(tmp_path):
+    images, table = family(tmp_path, root="", mid="root", leaf="mid", other="")
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), images_dir=images,
+                         base_table=table)
+    before = {n: builds.base_digest(n) for n in ("root", "mid", "leaf", "other")}
+    assert builds.base_chain("leaf") == ["root", "mid", "leaf"]
+    (images / "root.def").write_text((images / "root.def").read_text() + "    echo v2\n")
+    after = {n: builds.base_digest(n) for n in ("root", "mid", "leaf", "other")}
+    assert all(before[n] != after[n] for n in ("root", "mid", "leaf"))
+    assert before["other"] == after["other"]
+    (images / "leaf.def").write_text((images / "leaf.def").read_text() + "    echo v2\n")
+    assert builds.base_digest("mid") == after["mid"] != builds.base_digest("leaf")
+
+
+def test_ensure_base_builds_parents_first_and_once(tmp_path):
+    images, table = family(tmp_path, root="", mid="root", leaf="mid")
+    store = ImageStore(tmp_path / "store")
+    fake = FakeBuilder()
+    builds = ImageBuilds(store, fake, images_dir=images, base_table=table)
+    leaf = builds.ensure_base("leaf")
+    bases = store.read().bases
+    assert fake.calls == [("root", None), ("mid", store.path(bases["root"].sif)),
+                          ("leaf", store.path(bases["mid"].sif))]
+    assert store.path(leaf.sif).read_text() == f"leaf over {store.path(bases['mid'].sif)}\n"
+    builds.ensure_base("leaf")
+    builds.ensure_base("mid")
+    assert len(fake.calls) == 3  # all current: nothing rebuilt
+    (images / "mid.def").write_text((images / "mid.def").read_text() + "    echo v2\n")
+    builds.ensure_base("leaf")
+    assert [c[0] for c in fake.calls[3:]] == ["mid", "leaf"]  # root stays
+
+
+def test_cycles_and_unknown_parents_are_clear_errors(tmp_path):
+    images, table = family(tmp_path, a="b", b="c", c="a", d="nowhere")
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), images_dir=images,
+                         base_table=table)
+    with pytest.raises(BuildError, match="cycle: a -> b -> c -> a"):
+        builds.ensure_base("a")
+    with pytest.raises(BuildError, match=r"d.def: 'From: nowhere' names no base"):
+        builds.base_digest("d")
+    assert builds.builder.calls == []
+
+
+def test_build_all_builds_derived_bases_first_and_a_broken_one_once(tmp_path):
+    images, table = family(tmp_path, root="", good="root", broken="root", child="broken")
+    fake = FakeBuilder(fail={"broken"})
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), fake, images_dir=images,
+                         base_table=table)
+    tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}", **{
+        "environment/Dockerfile": f"FROM {base}:1\nWORKDIR /app\n"}))
+        for i, base in enumerate(["good", "child", "child", "broken"])]
+    results = {r.task_id: r for r in builds.build_all(tasks, jobs=2, check=False,
+                                                      progress=False)}
+    assert [c[0] for c in fake.calls] == ["root", "good", "broken"]  # broken: tried once
+    assert results["t0"].status == "built"
+    for tid in ("t1", "t2", "t3"):
+        assert results[tid].status == "failed" and "broken broke" in results[tid].error
+    assert "base child" in results["t1"].error and "base broken" in results["t3"].error
+
+
+# --------------------------------------------------------------------------- apt mirror
+
+
+def test_apt_mirror_of_an_unlisted_release_is_a_listed_releases(tmp_path):
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://sec.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n")
+    (tmp_path / "sources.list.d" / "vendor.list").write_text(
+        "deb https://vendor.example/apt cloud-sdk-bookworm main\n")
+    assert apt_mirror("bookworm", tmp_path) == "http://mirror.example/debian"
+    assert apt_mirror("trixie", tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://sec.example/debian-security\nSuites: bookworm-security\n")
+    with pytest.raises(BuildError, match="no deb source for suite 'trixie' .*--mirror"):
+        apt_mirror("trixie", tmp_path)  # neither security nor a vendor's archive will do
+
+
+# --------------------------------------------------------------------------- a real build
+
+
+@pytest.mark.sandbox
+def test_local_builder_builds_a_derived_base_over_the_slim_base(image_store, tmp_path):
+    """A user's derived base (From: debian-slim, apt-get install in %post) built for real by
+    the local builder over the slim base already in the store: its package is in the SIF,
+    with the file owners dpkg gives it."""
+    import subprocess
+
+    from sandfleet.runtime import sif
+    from tmax.images.builders import LocalBuilder
+
+    (tmp_path / "tmux.def").write_text(
+        "# tmux over debian-slim\nBootstrap: localimage\nFrom: debian-slim\n\n%post\n"
+        "    export DEBIAN_FRONTEND=noninteractive\n    apt-get update\n"
+        "    apt-get install -y --no-install-recommends tmux\n"
+        "    rm -rf /var/lib/apt/lists/*\n\n%environment\n    export TMUX_TEST=1\n")
+    user = write_map(tmp_path / "map.yaml", "{image: 'tmux-test:*', base: tmux.def}")
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
+                         base_map=user)
+    slim = image_store.read().bases["debian-slim"]
+    entry = builds.ensure_base(builds.bases.resolve("tmux-test:1"))
+    assert image_store.read().bases["debian-slim"] == slim  # the parent was reused
+    root = tmp_path / "root"
+    sif.extract(image_store.path(entry.sif), root)
+    assert (root / "usr/bin/tmux").is_file() and (root / "usr/bin/python3").exists()
+    helper = root / "usr/lib/x86_64-linux-gnu/utempter/utempter"
+    if helper.exists():  # group utmp, as dpkg set it (a build namespace that maps it)
+        assert helper.stat().st_gid != 0
+    env = (root / ".singularity.d/env/90-environment.sh").read_text()
+    assert "LC_ALL=C.UTF-8" in env and "TMUX_TEST=1" in env  # the parent's, then its own
+    subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False, timeout=120)

@@ -46,7 +46,29 @@ _EXPORTS = {
     "sif": "sandfleet.runtime.sif",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # noqa: RUF022 - grouped as above
+    "FleetClient",
+    "AsyncFleetClient",
+    "FleetConfig",
+    "run_event_loop",
+    "read_controller_info",
+    "controller_alive",
+    "SandfleetError",
+    "InfraError",
+    "ImageMissing",
+    "NodeLost",
+    "SandboxLost",
+    "ControllerUnreachable",
+    "LeaseExpired",
+    "get_runtime",
+    "Runtime",
+    "SandboxSpec",
+    "ExecResult",
+    "proc_start_time",
+    "BwrapSpec",
+    "host_root",
+    "sif",
+]
 
 
 def __getattr__(name: str) -> Any:

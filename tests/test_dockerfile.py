@@ -288,3 +288,39 @@ def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     assert "tmax_copy /.tmax-build/s1/c5 /usr/local/bin/ 1" in final
     assert "%environment\n    export PATH=" in final and "export MODE=prod" in final
     assert "%environment" not in first and "make /out/tool" in first
+
+
+def test_a_bases_workdir_is_where_relative_paths_start(tmp_path):
+    """The Terminal-Bench bases start in /app (their WORKDIR): `COPY data.csv ./` with no
+    WORKDIR of its own lands in /app, as over the real image."""
+    from tmax.images.store import ImageStore
+
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), LocalBuilder(tmp_path / "cache"))
+    assert builds.base_workdir("t-bench") == "/app"
+    assert builds.base_workdir("debian-slim") == "/"
+    task = make_task(tmp_path, **{
+        "environment/Dockerfile": "FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624"
+                                  "\nCOPY data.csv ./\n", "environment/data.csv": "a,b\n"})
+    plan = builds.plan(load_task(task))
+    assert plan.base == "t-bench" and plan.definition.workdir == "/app"
+    (copy,) = plan.definition.stages[0][0].steps
+    assert copy.dest == "/app/"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_run_steps_reach_https_registries_as_this_machine_does(tmp_path, image_store):
+    """`RUN pip install` over HTTPS, with python:3.x's pip (no --break-system-packages): the
+    step trusts this machine's certificates (a proxy's authority included), and the image
+    keeps none of it."""
+    result, store = _build(tmp_path, image_store,
+                           "FROM python:3.11-slim\nRUN pip install --no-cache-dir -q "
+                           "six==1.16.0 && python -c 'import six; print(six.__version__)' "
+                           "> /six.txt\n", {})
+    assert result.status == "built", result.error
+    sif = store.path(store.read().tasks["demo"].sif)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(sif, "/six.txt", out) == "1.16.0\n"
+    (tmp_path / "e").mkdir()
+    env_file = cat_sif(sif, "/.singularity.d/env/90-environment.sh", tmp_path / "e")
+    assert "SSL_CERT_FILE" not in env_file and ".tmax-build" not in list_sif(sif)

@@ -133,3 +133,22 @@ def test_controller_providers_and_worker_import_in_one_direction():
     assert not imports["sandfleet.controller"] & below["sandfleet.worker"]
     scaler = graph["sandfleet.controller.scaler"]
     assert "sandfleet.providers.base" in scaler and "sandfleet.controller.core" not in scaler
+
+
+def test_tmax_uses_only_sandfleets_public_api():
+    """tmax imports sandfleet's names from the package itself (sandfleet/__init__.py lists
+    them), never from its modules; and every public name resolves."""
+    import sandfleet
+
+    offenders = []
+    for path in (REPO / "tmax").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(REPO)}: {n}" for n in names
+                          if n.startswith("sandfleet.")]
+            if isinstance(node, ast.ImportFrom) and node.module == "sandfleet":
+                offenders += [f"{path.relative_to(REPO)}: sandfleet.{a.name} is not public"
+                              for a in node.names if a.name not in sandfleet.__all__]
+    assert offenders == []
+    assert all(getattr(sandfleet, name) is not None for name in sandfleet.__all__)

@@ -168,7 +168,7 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
                                   max_infra_retries=max_infra_retries,
                                   progress=not no_progress, skipped=invalid, strict=strict)
 
-    from sandfleet.protocol import run_event_loop
+    from sandfleet import run_event_loop
 
     try:
         records = run_event_loop(go())

@@ -12,18 +12,23 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sandfleet.runtime.sif import SifError
+from sandfleet import sif
 from tmax.images import verifier_tools
 from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.builders import Builder
-from tmax.images.definition import TaskDefinition, parse_definition, task_definition
+from tmax.images.definition import (
+    TaskDefinition,
+    labelled_workdir,
+    parse_definition,
+    task_definition,
+)
 from tmax.images.rootfs import BuildError, remove_tree
 from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
 from tmax.tasks import Task
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-BUILD_FORMAT = "tmax-images-v1"  # bump when builders change what they produce
+BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
 
 
 @dataclass
@@ -111,8 +116,16 @@ class ImageBuilds:
                                *([digest] if digest else []))
         return digest
 
+    def base_workdir(self, base: str) -> str:
+        """Where a base's image starts (its %labels ``org.tmax.workdir``, else a parent's,
+        else '/'): a Dockerfile's relative paths start there, as over the real image."""
+        for name in reversed(self.base_chain(base)):
+            if workdir := labelled_workdir(self.base_text(name)):
+                return workdir
+        return "/"
+
     def plan(self, task: Task) -> Plan:
-        tdef = task_definition(task.environment_dir, self.bases.resolve)
+        tdef = task_definition(task.environment_dir, self.bases.resolve, self.base_workdir)
         base_digest = self.base_digest(tdef.base)
         verifier = verifier_tools.plan(task.tests_dir)
         digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
@@ -153,7 +166,7 @@ class ImageBuilds:
                                         timeout=3600,
                                         **({"parent": parent_sif} if parent_sif else {}))
                 size, sha = self.store.publish(tmp / "image.sif", f"bases/{name}.sif")
-            except (BuildError, OSError, RuntimeError, SifError, subprocess.SubprocessError) as e:
+            except (BuildError, OSError, RuntimeError, sif.SifError, subprocess.SubprocessError) as e:
                 if failed is not None:
                     failed[base] = f"failed to build: {e}"
                 raise
@@ -204,7 +217,7 @@ class ImageBuilds:
             reason = "disk full" if e.errno == errno.ENOSPC else str(e)
             return BuildResult(task.task_id, "failed", plan.digest,
                                round(time.monotonic() - start, 1), error=f"{reason} ({e})")
-        except (RuntimeError, SifError, subprocess.SubprocessError) as e:
+        except (RuntimeError, sif.SifError, subprocess.SubprocessError) as e:
             # a base that will not unpack, a copy that failed: this task fails, others go on
             return BuildResult(task.task_id, "failed", plan.digest,
                                round(time.monotonic() - start, 1), error=str(e))
@@ -292,7 +305,7 @@ class ImageBuilds:
         for base in dict.fromkeys(plans_ok):  # bases first, once each, in order
             try:
                 self.ensure_base(base)
-            except (BuildError, OSError, RuntimeError, SifError, subprocess.SubprocessError) as e:
+            except (BuildError, OSError, RuntimeError, sif.SifError, subprocess.SubprocessError) as e:
                 log.error("%s", e)  # its tasks fail with it (build() says so), not retried
         with ThreadPoolExecutor(max(1, jobs)) as pool, \
                 tqdm(total=len(tasks), desc="images", unit="image", disable=not progress) as bar:

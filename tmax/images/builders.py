@@ -211,7 +211,8 @@ class ApptainerBuilder:
         for stage, _ in task.stages:
             stage_files(stage, env_dir, tmp / f"s{stage.index}" / STAGING.lstrip("/") /
                         f"s{stage.index}",
-                        image_root=lambda ref: external_image(ref, tmp, log, timeout))
+                        image_root=lambda ref: external_image(ref, tmp, log, timeout),
+                        ca=verifier_tools.build_ca())
         text = dockerfile_over(task, base_sif, tmp)
         if not verifier:
             return text
@@ -317,7 +318,7 @@ class LocalBuilder:
                 stage_files(stage, env_dir, rootfs / STAGING.lstrip("/") / f"s{stage.index}",
                             image_root=lambda ref: external_image(ref, self.cache_dir, log,
                                                                   timeout),
-                            stage_root=roots.__getitem__)
+                            stage_root=roots.__getitem__, ca=verifier_tools.build_ca())
                 try:
                     run_in_rootfs(rootfs, ["/bin/sh", "-c", stage_script(stage)], log, timeout,
                                   f"Dockerfile stage {stage.name or stage.index}",

@@ -11,6 +11,10 @@ both build what Docker builds, in Docker's order:
   ``/.tmax-build/s<stage>/c<line>/<n>/<name>`` (``stage_files``) and copied into place by the
   script when it gets there, owned by root (or ``--chown``), modes kept (or ``--chmod``),
   with Docker's rule for files versus directories;
+- RUN steps trust the certificates the build machine trusts (``CA_VARIABLES`` pointing at a
+  copy staged as ``ca.crt``, unless the Dockerfile sets them): a machine that reaches the
+  package registries only through a proxy with its own authority builds as one that does
+  not;
 - the staging folder is removed at the end, so the image holds only what Docker's would.
 """
 
@@ -64,6 +68,10 @@ tmax_copy() {  # staged dest into_dir owner mode
 """
 
 
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
+                "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO")
+
+
 def _q(value: str) -> str:
     return shlex.quote(value)
 
@@ -74,7 +82,10 @@ def _where(stage: Stage) -> str:
 
 def stage_script(stage: Stage) -> str:
     """The build script of one stage (see the module doc)."""
-    out = [PRELUDE.rstrip(), f"export PATH={_q(stage.env.get('PATH', '') or os.defpath)}"]
+    ca = f"{_where(stage)}/ca.crt"
+    out = [PRELUDE.rstrip(), f"export PATH={_q(stage.env.get('PATH', '') or os.defpath)}",
+           f"TMAX_CA=; [ -f {ca} ] && TMAX_CA=\"" + " ".join(f"{v}={ca}" for v in CA_VARIABLES)
+           + '"']
     for step in stage.steps:
         if isinstance(step, Workdir):
             out.append(f"# line {step.line}: WORKDIR {step.path}")
@@ -104,7 +115,7 @@ def _run_line(step: Run) -> str:
     home = _q(f"HOME={env['HOME']}") if "HOME" in env else home
     command = " ".join(_q(a) for a in step.argv)
     runner = f"(tmax_as {_q(step.user)} env -i" if step.user else "(env -i"
-    return (f"(cd {_q(step.workdir)} && {runner} {home} {env_args} {command})) "
+    return (f"(cd {_q(step.workdir)} && {runner} {home} $TMAX_CA {env_args} {command})) "
             f"</dev/null || tmax_fail {step.line} $?")
 
 
@@ -136,10 +147,16 @@ ImageRoot = Callable[[str], Path]
 
 
 def stage_files(stage: Stage, context: Path, dest: Path, *, image_root: ImageRoot,
-                stage_root: Callable[[int], Path] | None = None) -> None:
+                stage_root: Callable[[int], Path] | None = None, ca: Path | None = None
+                ) -> None:
     """Stage every COPY/ADD of ``stage`` under ``dest`` (the image's /.tmax-build/s<n>):
     from the build context, heredocs, URLs, other stages (``stage_root``: the root
-    filesystem a stage built) and images (``image_root``)."""
+    filesystem a stage built) and images (``image_root``); ``ca``: the certificates RUN
+    steps trust."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if ca is not None:
+        shutil.copyfile(ca, dest / "ca.crt")
+        (dest / "ca.crt").chmod(0o644)
     for step in stage.steps:
         if not isinstance(step, Copy) or (step.from_stage is not None and stage_root is None):
             continue  # (the Apptainer builder copies from stages with "%files from")

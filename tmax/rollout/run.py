@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandfleet.errors import ImageMissing, InfraError
+from sandfleet import ImageMissing, InfraError
 from tmax.agent.config import AgentConfig
 from tmax.agent.harness import Agent, Episode
 from tmax.agent.policy import Policy, PolicyUnavailable, start_episode

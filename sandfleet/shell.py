@@ -833,9 +833,11 @@ class ShellSession:
 
     The session lives on an event loop in a thread of its own, ``shell-<sandbox id>``
     (and up to two ``...-blocking`` executor threads), started by the first ``start`` or
-    ``run`` and ended with the loop by ``close``. A caller interrupted while it waits (a
-    KeyboardInterrupt) leaves the command running to its end or timeout, as a cancelled
-    ``AsyncShellSession.run`` does. Never call it from async code: use the async session.
+    ``run`` and ended with the loop by ``close`` (also after a failed ``start``: ``with``
+    does that). A caller interrupted while it waits (a KeyboardInterrupt) leaves the
+    command running to its end or timeout, as a cancelled ``AsyncShellSession.run`` does.
+    From async code use the async session: this one works there but blocks the caller's
+    loop while it waits.
     """
 
     def __init__(self, runtime: Runtime, sandbox_id: str, *, cwd: str | None = None,
@@ -851,7 +853,11 @@ class ShellSession:
         self._closed = False
 
     def __enter__(self) -> Self:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # its thread and loop too
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -555,6 +555,18 @@ def test_sync_session_close_leaves_no_thread_loop_or_descriptor(runtime, sandbox
 
 
 @pytest.mark.sandbox
+def test_sync_session_that_cannot_start_leaves_no_thread(runtime, sandbox):
+    threads = set(threading.enumerate())
+    with pytest.raises(SandboxLost), ShellSession(runtime, "no-such-sandbox"):
+        pass
+    session = ShellSession(runtime, "no-such-sandbox")
+    with pytest.raises(SandboxLost):
+        session.run("true", 10)
+    session.close()
+    assert set(threading.enumerate()) == threads
+
+
+@pytest.mark.sandbox
 def test_async_session_close_leaves_no_descriptor_or_task(runtime, sandbox, loop):
     fds = open_fds()
     session = open_session(runtime, sandbox(), loop)

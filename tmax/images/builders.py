@@ -293,15 +293,22 @@ class LocalBuilder:
             if post.strip():
                 run_in_rootfs(rootfs, ["/bin/sh", "-ec", post], log, timeout, "%post",
                               network=network)
-            definition = _task_definition_over(base_sif, task, env_dir)
-            if verifier:  # after the task's own steps, as ApptainerBuilder's %post ends
-                staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
-                                                       timeout)
-                definition = verifier_tools.with_tools(definition, verifier, staged)
-            finish_rootfs(rootfs, task.definition)
-            pack(rootfs, out, log, definition.render(), timeout)
+            self._finish(rootfs, task, _task_definition_over(base_sif, task, env_dir), out,
+                         log, timeout, verifier)
         finally:
             remove_tree(rootfs.parent)
+
+    def _finish(self, rootfs: Path, task: TaskDefinition, definition: Definition, out: Path,
+                log: Path, timeout: float,
+                verifier: verifier_tools.VerifierTools | None) -> None:
+        """The verifier tools (after the task's own steps, as ApptainerBuilder's %post
+        ends), Apptainer's metadata, the SIF."""
+        if verifier:
+            staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
+                                                   timeout)
+            definition = verifier_tools.with_tools(definition, verifier, staged)
+        finish_rootfs(rootfs, task.definition)
+        pack(rootfs, out, log, definition.render(), timeout)
 
     def _build_dockerfile(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                           log: Path, timeout: float, network: bool,
@@ -325,15 +332,9 @@ class LocalBuilder:
                                   network=network)
                 except BuildError as e:
                     raise step_error(log, e) from None
-            rootfs = roots[task.stages[-1][0].index]
-            definition = Definition({"bootstrap": "localimage", "from": str(base_sif)},
-                                    dict(task.definition.sections))
-            if verifier:
-                staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
-                                                       timeout)
-                definition = verifier_tools.with_tools(definition, verifier, staged)
-            finish_rootfs(rootfs, task.definition)
-            pack(rootfs, out, log, definition.render(), timeout)
+            self._finish(roots[task.stages[-1][0].index], task,
+                         Definition({"bootstrap": "localimage", "from": str(base_sif)},
+                                    dict(task.definition.sections)), out, log, timeout, verifier)
         finally:
             for rootfs in roots.values():
                 remove_tree(rootfs.parent)

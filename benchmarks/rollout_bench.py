@@ -209,7 +209,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from tmax.images.cli import default_store
+    from tmax.images.store import default_store
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])

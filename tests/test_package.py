@@ -152,3 +152,17 @@ def test_tmax_uses_only_sandfleets_public_api():
                               for a in node.names if a.name not in sandfleet.__all__]
     assert offenders == []
     assert all(getattr(sandfleet, name) is not None for name in sandfleet.__all__)
+
+
+def test_library_modules_never_import_cli_modules():
+    """Only command-line modules (cli.py, and tmax/cli.py) import other CLI modules."""
+    offenders = []
+    for path in list((REPO / "tmax").rglob("*.py")) + list((REPO / "sandfleet").rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(REPO)}: {n}" for n in names
+                          if n.split(".")[-1] == "cli"]
+    assert offenders == []

@@ -57,7 +57,7 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force,
     """The main job on its embedded defaults: build and check every task image in Slurm
     jobs, then train the tiny CPU model with DPPO against them through a local fleet."""
     from tmax.demo import run_demo
-    from tmax.images.cli import default_cache, default_store
+    from tmax.images.store import default_cache, default_store
 
     out = Path(out_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_demo(Path(tasks_dir), out, Path(store or default_store()),

@@ -14,8 +14,7 @@ def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None 
     from tmax.images.bases import default_base_map
     from tmax.images.build import ImageBuilds
     from tmax.images.builders import ApptainerBuilder, LocalBuilder, default_builder
-    from tmax.images.cli import default_cache
-    from tmax.images.store import ImageStore
+    from tmax.images.store import ImageStore, default_cache
 
     cache = Path(cache_dir or default_cache())
     chosen = {"auto": lambda: default_builder(cache, mirror),

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import click
 
-from tmax.tasks.cli import _load_all, output_option
-
-
-def default_store() -> str:
-    """$TMAX_IMAGE_STORE, else $TMAX_SCRATCH/tmax/images, else ~/.tmax/images."""
-    if os.environ.get("TMAX_IMAGE_STORE"):
-        return os.environ["TMAX_IMAGE_STORE"]
-    scratch = os.environ.get("TMAX_SCRATCH")
-    return str(Path(scratch) / "tmax" / "images") if scratch else \
-        str(Path.home() / ".tmax" / "images")
-
-
-def default_cache() -> str:
-    """Node-local cache of extracted root filesystems ($TMAX_CACHE or ~/.cache/tmax)."""
-    return os.environ.get("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))
-
+from tmax.images.store import default_store
+from tmax.tasks.cli import load_all, output_option
 
 base_map_option = click.option(
     "--base-map", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -60,7 +44,7 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, base_map, ou
     from tmax.images import open_builds
     from tmax.images.bases import BaseMapError
 
-    tasks, errors = _load_all(paths)
+    tasks, errors = load_all(paths)
     if errors:
         raise click.ClickException("\n".join(str(e) for e in errors))
     try:
@@ -143,7 +127,7 @@ def gc_cmd(store, keep_tasks, tmp_age_hours, dry_run) -> None:
 
     keep = None
     if keep_tasks:
-        tasks, _ = _load_all((keep_tasks,))
+        tasks, _ = load_all((keep_tasks,))
         keep = {t.task_id for t in tasks}
     removed = ImageStore(store).gc(tmp_age_hours * 3600, keep, dry_run)
     for path in removed:

@@ -246,3 +246,17 @@ def tree_digest(root: Path) -> str:
         elif path.is_dir():
             parts += [rel, "dir"]
     return digest_of(*parts)
+
+
+def default_store() -> str:
+    """$TMAX_IMAGE_STORE, else $TMAX_SCRATCH/tmax/images, else ~/.tmax/images."""
+    if os.environ.get("TMAX_IMAGE_STORE"):
+        return os.environ["TMAX_IMAGE_STORE"]
+    scratch = os.environ.get("TMAX_SCRATCH")
+    return str(Path(scratch) / "tmax" / "images") if scratch else \
+        str(Path.home() / ".tmax" / "images")
+
+
+def default_cache() -> str:
+    """Node-local cache of extracted root filesystems ($TMAX_CACHE or ~/.cache/tmax)."""
+    return os.environ.get("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))

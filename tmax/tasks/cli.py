@@ -26,7 +26,8 @@ def _find(paths: tuple[str, ...]) -> list[Path]:
     return found
 
 
-def _load_all(paths: tuple[str, ...]):
+def load_all(paths: tuple[str, ...]):
+    """The tasks under ``paths`` and the errors of those that did not load (for the CLIs)."""
     tasks, errors = [], []
     for path in _find(paths):
         try:
@@ -82,7 +83,7 @@ def _convert_problems(path: Path):
 @output_option
 def ls_cmd(paths: tuple[str, ...], output: str) -> None:
     """List tasks with domain, difficulty and resources."""
-    tasks, errors = _load_all(paths)
+    tasks, errors = load_all(paths)
     rows = [t.summary() for t in tasks]
     if output == "json":
         click.echo(json.dumps({"tasks": rows, "invalid": [e.task for e in errors]}, indent=2))
@@ -187,7 +188,7 @@ def check_cmd(paths: tuple[str, ...], modes: tuple[str, ...], jobs: int, output:
 
     from tmax.tasks.check import check_task
 
-    tasks, errors = _load_all(paths)
+    tasks, errors = load_all(paths)
     if errors:
         raise click.ClickException("\n".join(str(e) for e in errors))
     jobs_list = [(t, m) for t in tasks for m in modes]

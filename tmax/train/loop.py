@@ -154,7 +154,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent
     from tqdm.auto import tqdm
 
     from tmax.fleet import open_fleet
-    from tmax.images.cli import default_store
+    from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
     from tmax.train.rollouts import GroupSampler
     from tmax.train.trainer import Trainer, samples_of

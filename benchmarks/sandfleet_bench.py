@@ -306,7 +306,7 @@ async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients:
     await asyncio.sleep(seconds)
     done, wall, used = cycles - start_cycles, time.perf_counter() - t0, cpu() - c0
     bench_used = time.process_time() - b0
-    rss = int(next(line.split()[1] for line in Path(f"/proc/{info.pid}/status").read_text()
+    rss = int(next(line.split()[1] for line in Path(f"/proc/{info.pid}/status").read_text()  # noqa: ASYNC240 - procfs
                    .splitlines() if line.startswith("VmRSS")))
     stop.set()
     await asyncio.gather(*tasks, hb, return_exceptions=True)

@@ -148,8 +148,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = [f"{'dtype':9} {'variant':14} {'tokens/s':>9} {'x dppo+fp32':>11} "
-             f"{'median s':>9} {'min s':>7} {'max s':>7}"]
+    lines = [(f"{'dtype':9} {'variant':14} {'tokens/s':>9} {'x dppo+fp32':>11} "
+              f"{'median s':>9} {'min s':>7} {'max s':>7}")]
     for r in report["rows"]:
         lines.append(f"{r['dtype']:9} {r['variant']:14} {r['tokens_per_s']:>9.0f} "
                      f"{r['vs_dppo_fp32head']:>11.2f} {r['median_step_s']:>9.3f} "

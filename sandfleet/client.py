@@ -156,7 +156,7 @@ class AsyncFleetClient:
                       storage_mb: int | None = None) -> AsyncLease:
         """A lease on a fresh sandbox of ``image``, once one is ready (queues when full)."""
         wait = self.config.acquire_wait_s if wait_s is None else wait_s
-        message = Acquire(id=new_id("a"), image=os.path.abspath(image), cpus=cpus,
+        message = Acquire(id=new_id("a"), image=os.path.abspath(image), cpus=cpus,  # noqa: ASYNC240 - getcwd only
                           memory_mb=memory_mb, storage_mb=storage_mb, ttl_s=ttl_s,
                           network=network, wait_s=wait,
                           client=self.client_id, env=env or {}, workdir=workdir,

@@ -324,3 +324,34 @@ def test_run_steps_reach_https_registries_as_this_machine_does(tmp_path, image_s
     (tmp_path / "e").mkdir()
     env_file = cat_sif(sif, "/.singularity.d/env/90-environment.sh", tmp_path / "e")
     assert "SSL_CERT_FILE" not in env_file and ".tmax-build" not in list_sif(sif)
+
+
+def test_add_of_a_url_is_fetched_at_staging(tmp_path):
+    """ADD https?://... downloads the file (mode 600, as Docker) into the staged folder."""
+    import http.server
+    import threading
+
+    from tmax.images.dockerbuild import stage_files
+
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "tool.txt").write_text("fetched\n")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(tmp_path / "served"), **k)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/tool.txt"
+        stage = parse(f"FROM d\nADD {url} /opt/\n").final
+        stage_files(stage, tmp_path, tmp_path / "staged", image_root=lambda ref: tmp_path)
+    finally:
+        server.shutdown()
+        thread.join()
+    fetched = tmp_path / "staged" / "c2" / "0" / "tool.txt"
+    assert fetched.read_text() == "fetched\n" and fetched.stat().st_mode & 0o777 == 0o600

@@ -245,7 +245,7 @@ class KillsOneSandbox:
             os.kill(pid, signal.SIGKILL)
             self.killed.append(lease.lease_id)
             for _ in range(200):  # its pid namespace is torn down asynchronously
-                if not Path(f"/proc/{pid}").exists():
+                if not Path(f"/proc/{pid}").exists():  # noqa: ASYNC240 - procfs
                     break
                 await asyncio.sleep(0.05)
         await self.inner.start_episode(episode)

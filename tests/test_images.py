@@ -445,10 +445,12 @@ def test_a_builder_crash_fails_that_task_only(image_store, tmp_path):
     """Unexpected tool failures (unsquashfs, cp) fail the task's result, not the whole run."""
 
     class Crashing(LocalBuilder):
-        def build_task(self, task, env_dir, base_sif, out, log, timeout, network=True):
+        def build_task(self, task, env_dir, base_sif, out, log, timeout, network=True,
+                       verifier=None):
             if "boom" in str(env_dir):
                 raise RuntimeError("unsquashfs failed (1): corrupt fragment")
-            return super().build_task(task, env_dir, base_sif, out, log, timeout, network)
+            return super().build_task(task, env_dir, base_sif, out, log, timeout, network,
+                                      verifier)
 
     builds = ImageBuilds(image_store, Crashing(Path.home() / ".cache" / "tmax"))
     boom = make_task(tmp_path / "tasks", "boom")

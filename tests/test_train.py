@@ -33,7 +33,7 @@ def test_every_shipped_config_parses():
     for path in sorted((REPO / "configs").glob("*.yaml")):
         if path.name.startswith("agent"):
             load_agent_config(path)
-        elif path.name in ("tiny-cpu.yaml",) or "qwen" in path.name:
+        elif path.name == "tiny-cpu.yaml" or "qwen" in path.name:
             config = load_train_config(path)
             assert config.name
 
@@ -73,7 +73,7 @@ def tiny(seed=0):
 def samples(seed: int) -> list[Sample]:
     rng = random.Random(seed)
     out = []
-    for i in range(5):
+    for _ in range(5):
         n = rng.randint(6, 12)
         mask = [0] * 3 + [1] * (n - 3)
         out.append(Sample([rng.randrange(50) for _ in range(n)],
@@ -208,7 +208,7 @@ def test_stale_groups_are_dropped(example_fleet, example_store):
 
     async def first(sampler):
         await asyncio.sleep(0)
-        while len(sampler.ready) < 2:   # let version-0 groups pile up
+        while len(sampler.ready) < 2:  # noqa: ASYNC110 - let version-0 groups pile up
             await asyncio.sleep(0.05)
         policy.version = 5               # the trainer moved on by 5 steps
         return await sampler.next_batch(2, 5)

@@ -68,10 +68,9 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force,
     click.echo(f"{'TASK':{width}}  IMAGE    NOP   ORACLE  NODE  SECONDS  CHECKS")
     for r in rows:
         c = r["checks"] or {}
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"
         verdict = "ok" if c.get("ok") else (c.get("reason") or r["error"] or "-")
-        click.echo(f"{r['task_id']:{width}}  {r['status']:7}  {fmt(c.get('nop_reward')):5} "
-                   f"{fmt(c.get('oracle_reward')):7} {r['node'] or '-':5} {r['seconds']:7.1f}  "
+        click.echo(f"{r['task_id']:{width}}  {r['status']:7}  {_reward(c.get('nop_reward')):5} "
+                   f"{_reward(c.get('oracle_reward')):7} {r['node'] or '-':5} {r['seconds']:7.1f}  "
                    f"{verdict}")
     ok = sum(bool(r["checks"] and r["checks"]["ok"]) for r in rows)
     where = f"Slurm nodes {', '.join(summary['nodes'])}" if summary["nodes"] else "this process"
@@ -100,3 +99,7 @@ def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force,
         curve = [r["reward_mean"] for r in read_metrics(run_dir)]
         click.echo("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
         click.echo(f"training run in {run_dir} (metrics.jsonl, reward.png, checkpoints/)")
+
+
+def _reward(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

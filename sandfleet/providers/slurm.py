@@ -139,7 +139,7 @@ class SlurmProvider:
         out = self._run(["squeue", "--me", "-h", "-j", ",".join(job_ids), "-o", "%i %T %N"])
         if out.returncode != 0:
             if "Invalid job id" in out.stderr:
-                return {job_id: "ended" for job_id in job_ids}
+                return dict.fromkeys(job_ids, "ended")
             log.warning("squeue failed (%d): %s", out.returncode, out.stderr.strip()[-500:])
             return None
         seen = {}

@@ -65,7 +65,7 @@ class SandboxSpec:
     """Working directory of commands that do not give their own."""
     hostname: str = "sandbox"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "image", Path(self.image))
         if self.cpus < 1 or self.memory_mb < 16 or self.storage_mb < 16 \
                 or self.max_lifetime_s <= 0:
@@ -331,15 +331,16 @@ def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
                     if chunk:
                         buf.write(chunk)
                     else:
-                        sel.unregister(proc.stdout)
+                        sel.unregister(key.fileobj)
                 else:
                     try:
                         pending = pending[os.write(key.fd, pending[:65536]):]
                     except (BrokenPipeError, OSError):
                         pending = pending[:0]
                     if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
+                        sel.unregister(key.fileobj)
+                        if proc.stdin is not None:  # (registered only then)
+                            proc.stdin.close()
     try:
         code = proc.wait(timeout=2.0 if timed_out else max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
@@ -420,7 +421,7 @@ class CommandRuntime:
                                 **popen_kwargs)
 
     def _run_files(self, sandbox_id: str, argv: list[str], stdin: IO[bytes] | int,
-                   stdout: IO[bytes], what: str) -> None:
+                   stdout: IO[bytes] | int, what: str) -> None:
         with tempfile.TemporaryFile() as err:
             proc = self.popen(sandbox_id, argv, stdin=stdin, stdout=stdout, stderr=err)
             try:

@@ -55,7 +55,7 @@ class ToolCall:
         """The arguments as a dict; ValueError when they are not a JSON object."""
         data = json.loads(self.arguments or "{}")
         if not isinstance(data, dict):
-            raise ValueError("tool arguments must be a JSON object")  # noqa: TRY004 - bad input, not a bad type
+            raise ValueError("tool arguments must be a JSON object")
         return data
 
 

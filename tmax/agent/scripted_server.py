@@ -190,7 +190,7 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def log_message(self, format: str, *args: Any) -> None:
-            log.debug("scripted server: " + format, *args)
+            log.debug("scripted server: %s", format % args)
 
         def _send(self, status: int, payload: dict[str, Any] | str) -> None:
             raw = (payload if isinstance(payload, str) else json.dumps(payload)).encode()

@@ -13,11 +13,11 @@ def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None 
     Builds and runs must see the same map: it decides the bases, hence the digests."""
     from tmax.images.bases import default_base_map
     from tmax.images.build import ImageBuilds
-    from tmax.images.builders import ApptainerBuilder, LocalBuilder, default_builder
+    from tmax.images.builders import ApptainerBuilder, Builder, LocalBuilder, default_builder
     from tmax.images.store import ImageStore, default_cache
 
     cache = Path(cache_dir or default_cache())
-    chosen = {"auto": lambda: default_builder(cache, mirror),
+    chosen: Builder = {"auto": lambda: default_builder(cache, mirror),
               "apptainer": lambda: ApptainerBuilder(mirror=mirror),
               "local": lambda: LocalBuilder(cache, mirror)}[builder]()
     checker = None

@@ -123,7 +123,8 @@ def load_user_map(path: Path, images_dir: Path = IMAGES_DIR
     from tmax.images.definition import parse_definition
 
     shipped = sorted(p.stem for p in images_dir.glob("*.def"))
-    mappings, defs = [], {}
+    mappings: list[Mapping] = []
+    defs: dict[str, Path] = {}
     for i, m in enumerate(_entries(path)):
         where = f"{path}: mappings[{i}] (image {m['image']!r})"
         base = m["base"]

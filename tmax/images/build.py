@@ -23,7 +23,15 @@ from tmax.images.definition import (
     task_definition,
 )
 from tmax.images.rootfs import BuildError, remove_tree
-from tmax.images.store import BaseEntry, Checks, ImageEntry, ImageStore, digest_of, tree_digest
+from tmax.images.store import (
+    BaseEntry,
+    Checks,
+    ImageEntry,
+    ImageStore,
+    Manifest,
+    digest_of,
+    tree_digest,
+)
 from tmax.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -110,7 +118,7 @@ class ImageBuilds:
 
     def base_digest(self, base: str) -> str:
         """Covers the definition and, for a derived base, its parent's digest."""
-        digest = None
+        digest = ""
         for name in self.base_chain(base):
             digest = digest_of(BUILD_FORMAT, "base", name, self.base_text(name),
                                *([digest] if digest else []))
@@ -260,7 +268,7 @@ class ImageBuilds:
             self.builder.build_task(plan.definition, plan.task.environment_dir,
                                     self.store.path(base.sif), tmp / "image.sif", logfile,
                                     timeout=plan.task.config.environment.build_timeout_sec,
-                                    **({"verifier": plan.verifier} if plan.verifier else {}))
+                                    verifier=plan.verifier or None)
             rel = f"sif/{plan.digest}.sif"
             size, sha = self.store.publish(tmp / "image.sif", rel)
         finally:
@@ -272,7 +280,7 @@ class ImageBuilds:
                            build_seconds=round(time.monotonic() - start, 1),
                            workdir=plan.definition.workdir, checks=checks)
 
-        def record(m) -> None:
+        def record(m: Manifest) -> None:
             m.tasks[task_id] = entry
             for other in m.tasks.values():  # a forced rebuild replaced a shared file
                 if other.sif == rel:

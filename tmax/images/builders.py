@@ -52,7 +52,7 @@ class Builder(Protocol):
         ``parent``: the SIF of the base a ``Bootstrap: localimage`` definition starts from."""
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
-                   log: Path, timeout: float,
+                   log: Path, timeout: float, network: bool = True,
                    verifier: verifier_tools.VerifierTools | None = None) -> None:
         """Build a task image from its definition and its base's SIF, then prepare the
         ``verifier`` tools in it (tmax.images.verifier_tools)."""
@@ -183,8 +183,9 @@ class ApptainerBuilder:
             run_logged(argv, log, timeout, "apptainer build (base)")
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
-                   log: Path, timeout: float,
+                   log: Path, timeout: float, network: bool = True,
                    verifier: verifier_tools.VerifierTools | None = None) -> None:
+        """(``network``: Apptainer's build steps always have the host's.)"""
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
             deffile = Path(tmp) / "task.def"
             if task.stages:
@@ -194,7 +195,7 @@ class ApptainerBuilder:
             else:
                 definition = _task_definition_over(base_sif, task, env_dir)
                 if verifier:  # uv by %files, the preparation at the end of %post
-                    staged = verifier_tools.stage_uv(verifier.uv, Path(tmp), log, timeout)
+                    staged = verifier_tools.stage_uv(verifier.uv or verifier_tools.DEFAULT_UV, Path(tmp), log, timeout)
                     definition = verifier_tools.with_tools(definition, verifier, staged)
                 text = definition.render()
             deffile.write_text(text)
@@ -219,7 +220,7 @@ class ApptainerBuilder:
         # the verifier tools' preparation goes at the end of the final stage
         head, _, last = text.rpartition("Bootstrap: localimage")
         final = parse_definition("Bootstrap: localimage" + last)
-        staged = verifier_tools.stage_uv(verifier.uv, tmp, log, timeout)
+        staged = verifier_tools.stage_uv(verifier.uv or verifier_tools.DEFAULT_UV, tmp, log, timeout)
         final = verifier_tools.with_tools(final, verifier, staged)
         return head + final.render()
 

@@ -97,11 +97,11 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
     except VerifierError as e:
         reason = f"verifier: {e.reason}"
     if not reason:
-        if rewards["nop"] >= 1.0:
+        if (rewards["nop"] or 0.0) >= 1.0:
             reason = f"the untouched environment already scores {rewards['nop']}"
         elif rewards["oracle"] != 1.0:
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
-    log.append(f"## result: {'ok' if not reason else reason}")
+    log.append(f"## result: {reason or 'ok'}")
     log_path.write_text("\n".join(log) + "\n")
     return Checks(runtime=runtime_name, starts=starts, nop_reward=rewards["nop"],
                   oracle_reward=rewards["oracle"], ok=not reason, reason=reason)

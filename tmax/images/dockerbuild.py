@@ -26,6 +26,7 @@ import shlex
 import shutil
 import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -219,7 +220,7 @@ def _in_root(root: Path, src: str) -> list[Path]:
 def _stage_one(step: Copy, match: Path, entry: Path, src: str) -> int:
     """Put one match into ``entry``; 1 (one thing staged)."""
     if step.add and re.match(r"https?://", src):
-        name = PurePosixPath(urllib.request.urlparse(src).path).name or "index.html"
+        name = PurePosixPath(urllib.parse.urlparse(src).path).name or "index.html"
         try:
             with urllib.request.urlopen(src, timeout=300) as r, open(entry / name, "wb") as f:
                 shutil.copyfileobj(r, f)

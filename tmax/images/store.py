@@ -150,12 +150,12 @@ class ImageStore:
         Never builds: a missing image at run time is an error, not a retry.
         """
         entry = self.read().tasks.get(task_id)
-        sif = self.root / "sif" / f"{digest}.sif"
+        wanted = self.root / "sif" / f"{digest}.sif"
         if entry is None:
-            raise ImageMissing(str(sif), f"task {task_id}: no image in {self.root}; "
+            raise ImageMissing(str(wanted), f"task {task_id}: no image in {self.root}; "
                                "run `tmax images build` first")
         if entry.digest != digest:
-            raise ImageMissing(str(sif), f"task {task_id}: image is out of date (built from "
+            raise ImageMissing(str(wanted), f"task {task_id}: image is out of date (built from "
                                "other inputs); run `tmax images build`")
         try:
             sif.read_partition(self.root / entry.sif)
@@ -196,7 +196,11 @@ class ImageStore:
         With ``keep_tasks``, manifest entries of other tasks are dropped first.
         """
         if keep_tasks is not None and not dry_run:
-            self.update(lambda m: [m.tasks.pop(t) for t in list(m.tasks) if t not in keep_tasks])
+            def keep(m: Manifest) -> None:
+                for t in [t for t in m.tasks if t not in keep_tasks]:
+                    del m.tasks[t]
+
+            self.update(keep)
         manifest = self.read()
         if keep_tasks is not None and dry_run:
             manifest.tasks = {k: v for k, v in manifest.tasks.items() if k in keep_tasks}

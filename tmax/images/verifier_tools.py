@@ -203,7 +203,7 @@ def _requirements_of(step: Step) -> list[str]:
             named.append(f"{name}=={version}" if version and version != "latest" else name)
         return named
     if step.kind in ("pip", "add", "tool-install"):
-        return [a for a in _positionals(step.args, UV_VALUE_OPTIONS)]
+        return list(_positionals(step.args, UV_VALUE_OPTIONS))
     return []
 
 
@@ -509,8 +509,8 @@ class _Reader:
             kind, rest = "tool-install", rest[1:]
         elif sub in ("venv", "init", "add", "sync", "lock", "run"):
             kind = sub
-        elif sub == "python" and rest[:1] == ["install"] or sub == "pip" and \
-                rest[:1] in (["sync"], ["compile"]):
+        elif (sub == "python" and rest[:1] == ["install"]) or (sub == "pip" and \
+                rest[:1] in (["sync"], ["compile"])):
             return self.unprepared.append(shown)
         else:
             return  # uv --version, uv pip list, ...: nothing to fetch
@@ -784,7 +784,7 @@ def prepare_rootfs(rootfs: Path, tools: VerifierTools, cache_dir: Path, log: Pat
     where uv was staged (for the definition the image records)."""
     from tmax.images.rootfs import copy_tree, run_in_rootfs
 
-    staged = stage_uv(tools.uv, cache_dir, log, timeout)
+    staged = stage_uv(tools.uv or DEFAULT_UV, cache_dir, log, timeout)
     copy_tree(staged, rootfs)
     run_in_rootfs(rootfs, ["/bin/sh", "-ec", tools.script()], log, timeout, "verifier tools",
                   network=True)

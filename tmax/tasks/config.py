@@ -473,7 +473,7 @@ def from_harbor_dict(doc: dict) -> dict:
     field = f"metadata.{STASH}"
     if not isinstance(stash, dict):
         message = f"{field}: expected a table (TMax's keys in a Harbor export)"
-        raise ValueError(message)  # noqa: TRY004 (callers report ValueErrors as task problems)
+        raise ValueError(message)
     added = stash.pop("added", [])
     if not isinstance(added, list) or not all(isinstance(a, str) for a in added):
         raise ValueError(f"{field}.added: expected a list of dotted keys")

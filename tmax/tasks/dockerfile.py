@@ -238,7 +238,7 @@ def _variable(text: str, i: int, env: dict[str, str], line: int) -> tuple[str, i
         value = env.get(name)
         if op in (":-", "-"):
             use_default = value is None or (op == ":-" and value == "")
-            return (_substitute(word, env, line) if use_default else value), end + 1
+            return (_substitute(word, env, line) if use_default else value or ""), end + 1
         if op in (":+", "+"):
             present = value is not None and (op == "+" or value != "")
             return (_substitute(word, env, line) if present else ""), end + 1
@@ -330,9 +330,10 @@ class _Parser:
             return self.arg(ins)
         if not self.stages:
             raise DockerfileError(ins.line, f"{ins.keyword} before the first FROM")
-        handler = {"ENV": self.env_, "RUN": self.run, "COPY": self.copy, "ADD": self.add,
+        handlers: dict[str, Callable[[Instruction], None]] = {"ENV": self.env_, "RUN": self.run, "COPY": self.copy, "ADD": self.add,
                    "WORKDIR": self.workdir, "USER": self.user,
-                   "SHELL": self.shell_}.get(ins.keyword)
+                   "SHELL": self.shell_}
+        handler = handlers.get(ins.keyword)
         if ins.keyword in IGNORED:
             self.stage.notes.append(f"line {ins.line}: {ins.keyword} ignored (a sandbox "
                                     "starts a shell, not the image's command)")
@@ -387,7 +388,7 @@ class _Parser:
             key, _, rest = ins.args.partition(" ")
             pairs = [(key, " ".join(_words(rest, self.scope(), ins.line)))]
         else:
-            pairs = [tuple(w.split("=", 1)) for w in words if "=" in w]
+            pairs = [(k, v) for k, _, v in (w.partition("=") for w in words if "=" in w)]
             if len(pairs) != len(words):
                 raise DockerfileError(ins.line, f"ENV {ins.args!r}: expected KEY=value pairs")
         for key, value in pairs:

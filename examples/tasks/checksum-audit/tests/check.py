@@ -10,7 +10,7 @@ REWARD = "/logs/verifier/reward.txt"
 reward = 0.0
 try:
     listed = {l.strip() for l in open("/app/tampered.txt", errors="replace") if l.strip()}
-    listed = {l[2:] if l.startswith("./") else l for l in listed}
+    listed = {l.removeprefix("./") for l in listed}
     hit, union = EXPECTED & listed, EXPECTED | listed
     print("correct:", sorted(hit))
     print("missed:", sorted(EXPECTED - listed))

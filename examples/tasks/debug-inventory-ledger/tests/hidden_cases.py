@@ -95,7 +95,7 @@ if __name__ == "__main__":
     name = sys.argv[1]
     try:
         ok = bool(globals()[name]())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
         ok = False
     print(json.dumps({name: ok}))

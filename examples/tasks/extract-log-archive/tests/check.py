@@ -1,5 +1,6 @@
 """Binary check: every file of the archive is present under /app/logs with its exact content."""
-import hashlib, os
+import hashlib
+import os
 
 EXPECTED = {  # sha256 of each member of environment/logs.tar.gz
     "app.log": "3a39071912af40e98d85c3dd326fcd515aa7a54571727ecf96a7cb55b2ef08cc",
@@ -12,7 +13,7 @@ for rel, digest in EXPECTED.items():
     p = os.path.join("/app/logs", rel)
     try:
         ok = hashlib.sha256(open(p, "rb").read()).hexdigest() == digest
-    except OSError as e:
+    except OSError:
         ok = False
     print(("PASS " if ok else "FAIL ") + p)
     good += ok

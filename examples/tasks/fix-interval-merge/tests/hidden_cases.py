@@ -3,7 +3,7 @@ import json
 import sys
 
 sys.path.insert(0, "/app")
-from intervals import merge_intervals, total_covered  # noqa: E402
+from intervals import merge_intervals, total_covered
 
 
 def case_unsorted():
@@ -58,6 +58,6 @@ if __name__ == "__main__":
         if name.startswith("case_"):
             try:
                 results[name] = bool(fn())
-            except Exception as e:  # noqa: BLE001
+            except Exception:
                 results[name] = False
     print(json.dumps(results))

@@ -1,5 +1,8 @@
 """Binary check: /app/run.sh is owner-executable, unchanged, and runs successfully."""
-import hashlib, os, stat, subprocess
+import hashlib
+import os
+import stat
+import subprocess
 
 SHA256 = "17135fa8ae1ca78f38e03733f8fd4047251d98251cb72a27403e2fe5308a1f32"  # digest of environment/run.sh as shipped
 REWARD = "/logs/verifier/reward.txt"

@@ -337,6 +337,16 @@ def last_line(text: str, pattern) -> str:
     return (hits[-1] if hits else text.strip().splitlines()[-1] if text.strip() else "")[:200]
 
 
+BOILERPLATE_NET = re.compile(r"astral\.sh|deb\.debian\.org|security\.debian\.org|"
+                             r"Some index files failed|archive\.ubuntu\.com")
+"""Network errors of the verifier boilerplate (apt-get update, the uv installer) that the
+prepared verifier tools make harmless."""
+
+
+def _not_boilerplate(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not BOILERPLATE_NET.search(line))
+
+
 def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
     reason = checks.get("reason", "")
     log_text = tail(store / checks["log"], 20000) if checks.get("log") else ""
@@ -346,7 +356,7 @@ def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
     if reason.startswith("sandbox failed"):
         return "sandbox failed during checks", reason[:200]
     if reason.startswith("verifier:"):
-        if NET.search(log_text):
+        if NET.search(_not_boilerplate(log_text)):
             return "verifier needs network at grade time", last_line(log_text, NET)
         return "verifier error (no reward)", reason[:200]
     if nop is not None and nop >= 1.0:
@@ -354,12 +364,12 @@ def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
     if oracle != 1.0:
         oracle_part = log_text.split("## oracle", 1)[-1]
         solution_part, _, verifier_part = oracle_part.partition("$ verify:")
-        if NET.search(verifier_part):
-            return "verifier needs network at grade time (oracle < 1)", \
-                last_line(verifier_part, NET)
-        if NET.search(solution_part):
+        if NET.search(solution_part):  # first: the verifier's boilerplate fails harmlessly
             return "oracle < 1: the solution needs the network", \
                 last_line(solution_part, NET)
+        if NET.search(_not_boilerplate(verifier_part)):
+            return "verifier needs network at grade time (oracle < 1)", \
+                last_line(verifier_part, NET)
         if re.search(r"command not found|: not found|No module named", oracle_part):
             return "oracle < 1: missing tool in image", \
                 last_line(oracle_part, re.compile(r"command not found|: not found|"

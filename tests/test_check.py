@@ -82,6 +82,9 @@ def test_cli_check_flags_a_task_passed_by_doing_nothing(tmp_path):
     ({"reward.txt": "0.75\n"}, 0.75),
     ({"reward.json": '{"reward": 0.5, "checks": 4}'}, 0.5),
     ({"reward.txt": "1", "reward.json": '{"reward": 0}'}, 1.0),
+    # Harbor's multi-reward form: named rewards and no total -> their mean, (1 + 0) / 2
+    ({"reward.json": '{"correctness": 1, "performance": 0}'}, 0.5),
+    ({"reward.json": '{"score": 1}'}, 1.0),
 ])
 def test_read_reward(tmp_path, files, expected):
     for name, text in files.items():
@@ -95,7 +98,10 @@ def test_read_reward(tmp_path, files, expected):
     ({"reward.txt": "1.5"}, "outside [0, 1]"),
     ({"reward.txt": "nan"}, "outside [0, 1]"),
     ({"reward.json": "{"}, "not JSON"),
-    ({"reward.json": '{"score": 1}'}, "'reward' key"),
+    ({"reward.json": '{"score": "high"}'}, "'reward' key"),
+    ({"reward.json": '{"reward": "1", "x": 1}'}, "'reward' key"),
+    ({"reward.json": '{}'}, "flat dict"),
+    ({"reward.json": '{"a": 1, "b": 3}'}, "outside [0, 1]"),
 ])
 def test_read_reward_errors(tmp_path, files, words):
     for name, text in files.items():

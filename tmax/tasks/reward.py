@@ -24,7 +24,9 @@ def read_reward(verifier_dir: Path, task: str) -> float:
     """The reward in [0,1] from ``reward.txt`` (one float) or ``reward.json``.
 
     reward.json is a flat dict of numbers; its ``reward`` key is the reward (other keys are
-    metrics). reward.txt wins when both exist.
+    metrics). Without one, as Harbor's multi-reward tasks write it (``{"correctness": 1,
+    "performance": 0}``: named rewards, no total), the reward is their mean. reward.txt wins
+    when both exist.
     """
     txt = _read_regular(verifier_dir / "reward.txt", task)
     js = None if txt is not None else _read_regular(verifier_dir / "reward.json", task)
@@ -39,9 +41,15 @@ def read_reward(verifier_dir: Path, task: str) -> float:
             data = json.loads(js)
         except json.JSONDecodeError as e:
             raise VerifierError(task, f"reward.json is not JSON: {e}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("reward"), (int, float)):
-            raise VerifierError(task, "reward.json needs a numeric 'reward' key")
-        value = float(data["reward"])
+        if not isinstance(data, dict) or not data:
+            raise VerifierError(task, "reward.json needs a flat dict of numbers")
+        if isinstance(data.get("reward"), (int, float)):
+            value = float(data["reward"])
+        elif all(isinstance(v, (int, float)) for v in data.values()) and "reward" not in data:
+            value = sum(float(v) for v in data.values()) / len(data)
+        else:
+            raise VerifierError(task, "reward.json needs a numeric 'reward' key, or only "
+                                "numeric values (their mean is the reward)")
     else:
         raise VerifierError(task, "wrote no reward.txt or reward.json")
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):

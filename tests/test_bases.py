@@ -65,7 +65,7 @@ IMAGES = REPO / "images"
     ("eclipse-temurin:17-jdk", "java-17"),
     ("openjdk:17-slim", "java-17"),
     ("eclipse-temurin:21-jdk-jammy", "java-21"),
-    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "t-bench"),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "t-bench-ubuntu"),
     ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "t-bench"),
     ("jupyter/scipy-notebook", "debian-datasci"),
     ("continuumio/miniconda3:24.7.1-0", "debian-datasci"),

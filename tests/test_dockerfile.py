@@ -302,7 +302,7 @@ def test_a_bases_workdir_is_where_relative_paths_start(tmp_path):
         "environment/Dockerfile": "FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624"
                                   "\nCOPY data.csv ./\n", "environment/data.csv": "a,b\n"})
     plan = builds.plan(load_task(task))
-    assert plan.base == "t-bench" and plan.definition.workdir == "/app"
+    assert plan.base == "t-bench-ubuntu" and plan.definition.workdir == "/app"
     (copy,) = plan.definition.stages[0][0].steps
     assert copy.dest == "/app/"
 

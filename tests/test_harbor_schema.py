@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 import yaml
 from click.testing import CliRunner
 
@@ -408,19 +409,49 @@ def test_what_tmax_cannot_run_is_an_error(tmp_path, toml, field):
     ("1.0", 'version = "1.0"\n[agent]\nmodel_hint = "mcp"\n', "agent.model_hint"),
     ("1.1", 'schema_version = "1.1"\nfavourite = 3\n', "favourite"),
     ("1.3", 'schema_version = "1.3"\n[extras]\na = 1\n', "extras"),
-    ("1.1", 'schema_version = "1.1"\n[task]\nname = "a/b"\nlicence = "MIT"\n', "task.licence"),
+    ("1.1", 'schema_version = "1.1"\n[task]\nname = "a/b"\nformat = "single_turn"\n',
+     "task.format"),
     ("1.4", ('schema_version = "1.4"\n[[environment.mcp_servers]]\nname = "s"\n'
              'url = "http://x"\nport = 1\n'), "environment.mcp_servers.0.port"),
     ("1.4, none declared", "[solution]\nenvironment = {}\n", "solution.environment"),
 ])
-def test_a_key_neither_defines_names_key_file_and_schema(tmp_path, version, toml, field):
+def test_a_key_neither_defines_is_kept_with_a_warning(tmp_path, version, toml, field):
+    """Harbor ignores keys it does not define (real datasets carry their own, e.g. [task]
+    format): TMax loads the task, warns naming key, file and schema, and writes the key
+    back as it was; --strict refuses it."""
+    path = make_task(tmp_path, toml)
+    assert errors(path) == []
+    (p,) = [p for p in validate_task(path) if p.field == field]
+    assert (p.task, p.file, p.severity) == ("demo", "task.toml", "warning")
+    key = field.rsplit(".", 1)[-1]
+    assert f"unknown key '{key}'" in p.message
+    assert f"schema {version}" in p.message and "kept as written" in p.message
+    written = tomllib.loads(tomli_w.dumps(load_task(path).config.to_toml_dict()))
+    assert written == tomllib.loads(toml)
+    runner = CliRunner()
+    assert runner.invoke(main, ["tasks", "validate", str(path)]).exit_code == 0
+    strict = runner.invoke(main, ["tasks", "validate", "--strict", str(path)])
+    assert strict.exit_code != 0 and f"unknown key '{key}'" in strict.output
+
+
+@pytest.mark.parametrize("toml, field, meant", [
+    ('schema_version = "1.3"\n[environment]\nallow_internt = false\n',
+     "environment.allow_internt", "allow_internet"),
+    ('schema_version = "1.3"\n[environment]\nnetwork-mode = "public"\n',
+     "environment.network-mode", "network_mode"),
+    ('schema_version = "1.3"\n[agent]\ntimeout = 30\n', "agent.timeout", "timeout_sec"),
+    ('schema_version = "1.3"\n[verifier]\ntimout_sec = 30\n', "verifier.timout_sec",
+     "timeout_sec"),
+    ('schema_version = "1.1"\n[task]\nname = "a/b"\ndescripton = "x"\n',
+     "task.descripton", "description"),
+])
+def test_a_misspelt_key_is_an_error_naming_the_key_meant(tmp_path, toml, field, meant):
+    """A near-miss of a defined key is a typo that would silently change the task (e.g.
+    network on, Harbor's default), so it is refused."""
     path = make_task(tmp_path, toml)
     (p,) = errors(path)
     assert (p.task, p.file, p.field) == ("demo", "task.toml", field)
-    key = field.rsplit(".", 1)[-1]
-    assert f"unknown key '{key}'" in p.message
-    assert f"schema {version}" in p.message
-    assert "Harbor" in p.message and "TMax" in p.message
+    assert f"did you mean '{meant}'?" in p.message and "schema 1." in p.message
     with pytest.raises(TaskError, match=re.escape(f"demo: task.toml [{field}]")):
         load_task(path)
 

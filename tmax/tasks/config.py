@@ -28,7 +28,8 @@ TMax reads every key of every version. TMax's own keys are typed and strict: [me
 difficulty, domain, tags, skills, axes, source, extra (and Harbor's author_name,
 author_email, category), timeouts, resources, [environment] network and [verifier]
 agent_system. Any other [metadata] key is kept verbatim, as Harbor keeps it. A key that
-neither Harbor nor TMax defines is an error.
+neither Harbor nor TMax defines is kept as written and written back (Harbor ignores it);
+validation warns about it, and refuses one that looks like a misspelt key of its table.
 
 What TMax acts on is exposed as typed fields, whichever spelling the file used:
 ``environment.memory_mb`` / ``storage_mb`` (from ``memory`` / ``storage`` strings) and
@@ -98,8 +99,12 @@ def field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("tmax_field", "{message}", {"field": field, "message": message})
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Harbor(BaseModel):
+    """A table Harbor defines. Harbor ignores keys it does not define; TMax keeps them as
+    written (``unknown_keys`` lists them; validation warns, or refuses a near-miss of a
+    defined key as a likely typo)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
 
 # --------------------------------------------------------------------------- [metadata]
@@ -138,12 +143,12 @@ class Metadata(BaseModel):
 # --------------------------------------------------------------------------- [task]
 
 
-class Author(_Strict):
+class Author(_Harbor):
     name: str
     email: str | None = None
 
 
-class PackageInfo(_Strict):
+class PackageInfo(_Harbor):
     """[task] (Harbor 1.1+): the task's registry identity."""
 
     name: str
@@ -194,7 +199,7 @@ def phase_network(mode: str | None, hosts: tuple[str, ...] | None) -> bool | Non
     return mode == "public" or (mode == "allowlist" and bool(hosts))
 
 
-class _NetworkPolicy(_Strict):
+class _NetworkPolicy(_Harbor):
     network_mode: NetworkMode | None = None
     """Harbor 1.3+: no-network | public | allowlist."""
     allowed_hosts: tuple[str, ...] | None = None
@@ -241,12 +246,12 @@ class Agent(_NetworkPolicy):
     """Harbor: the user the agent runs as (not applied by TMax yet)."""
 
 
-class Solution(_Strict):
+class Solution(_Harbor):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set for solution/solve.sh."""
 
 
-class Healthcheck(_Strict):
+class Healthcheck(_Harbor):
     """Harbor 1.1+: a readiness command run after the environment starts (Docker's
     HEALTHCHECK options)."""
 
@@ -258,7 +263,7 @@ class Healthcheck(_Strict):
     retries: int = 3
 
 
-class MCPServer(_Strict):
+class MCPServer(_Harbor):
     """An MCP server Harbor offers the agent (kept; TMax's agents do not use them yet)."""
 
     name: str
@@ -367,7 +372,7 @@ class Environment(_NetworkPolicy):
 # --------------------------------------------------------------------------- the file
 
 
-class TaskConfig(_Strict):
+class TaskConfig(_Harbor):
     """The whole of task.toml."""
 
     schema_version: str | None = None
@@ -498,6 +503,21 @@ def from_harbor_dict(doc: dict) -> dict:
                                  f"{table[key]!r} and {value!r} in [{field}.{section}]")
             table[key] = value
     return doc
+
+
+def unknown_keys(config: BaseModel, prefix: str = "") -> list[tuple[str, tuple[str, ...]]]:
+    """Keys of Harbor's tables that neither Harbor nor TMax defines, kept as written: each
+    as ``(dotted key, the keys its table defines)``. [metadata] is free and not listed."""
+    out = [(f"{prefix}{key}", tuple(type(config).model_fields))
+           for key in (config.__pydantic_extra__ or {})]
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        items = value if isinstance(value, tuple) else (value,)
+        for i, item in enumerate(items):
+            if isinstance(item, _Harbor):
+                where = f"{prefix}{name}." + (f"{i}." if isinstance(value, tuple) else "")
+                out.extend(unknown_keys(item, where))
+    return out
 
 
 def _drop_none(value):

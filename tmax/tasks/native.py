@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import shutil
@@ -21,6 +22,7 @@ from tmax.tasks.config import (
     TaskConfig,
     from_harbor_dict,
     phase_network,
+    unknown_keys,
 )
 from tmax.tasks.confine import Escape, expand_source, link_problems
 from tmax.tasks.dockerfile import DockerfileError
@@ -179,6 +181,7 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
                 problem(TASK_TOML, "no domain", f"set one of: {', '.join(DOMAINS)}",
                         "metadata.domain", "warning")
             problems.extend(config_problems(task_id, config))
+            problems.extend(unknown_key_problems(task_id, config))
 
     problems.extend(link_problems(root, task_id))
     _check_environment(root, task_id, problems, config)
@@ -189,6 +192,42 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
                 "the image build checks cannot show that the task is solvable)",
                 severity="warning")
     return problems, config
+
+
+def unknown_key_problems(task_id: str, config: TaskConfig) -> list[Problem]:
+    """Keys neither Harbor nor TMax defines: a warning each (kept as written, as Harbor
+    ignores them), or an error where the key looks like a misspelt key of its table."""
+    out = []
+    schema = config.schema_version or config.version or f"{CURRENT_SCHEMA}, none declared"
+    for dotted, known in unknown_keys(config):
+        section, _, key = dotted.rpartition(".")
+        where = f"in [{'.'.join(p for p in section.split('.') if not p.isdigit())}]" \
+            if section else "at the top level"
+        said = (f"unknown key '{key}' {where}: neither Harbor's task.toml "
+                f"(schema {schema}) nor TMax defines it")
+        if (near := _near_miss(key, known)) is not None:
+            out.append(Problem(task_id, TASK_TOML, f"{said}; did you mean '{near}'?",
+                               f"rename it to '{near}' (keys here: {', '.join(known)})",
+                               dotted))
+        else:
+            out.append(Problem(task_id, TASK_TOML, f"{said}; kept as written and not acted "
+                               "on (Harbor ignores it too)", "nothing to do unless the task "
+                               "depends on it (free-form data belongs under [metadata])",
+                               dotted, "warning"))
+    return out
+
+
+def _near_miss(key: str, known: tuple[str, ...]) -> str | None:
+    """The defined key ``key`` is probably a misspelling of (close spelling, or one is the
+    other with a suffix such as ``_sec`` or ``_mb``)."""
+    k = key.lower().replace("-", "_")
+    if k in known:
+        return k
+    for name in known:
+        if k != name and (name.startswith(k + "_") or k.startswith(name + "_")):
+            return name
+    close = difflib.get_close_matches(k, known, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 _NOT_APPLIED = {

@@ -109,10 +109,17 @@ class OpenAIPolicy:
 
     async def complete(self, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None = None) -> Completion:
-        body = self.request_body(messages, tools)
+        return self.parse(await self.call(self.url, self.request_body(messages, tools)))
+
+    async def call(self, url: str, body: dict[str, Any] | None = None, *,
+                   method: str = "POST", params: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+        """``method`` (POST) ``body`` to ``url`` with this policy's retries and error sorting; the
+        response JSON object (an empty body reads as ``{}``). Inference clients
+        (``tmax.inference.http``) send their control requests through it too."""
         for attempt in range(self.max_retries + 1):
             try:
-                return self.parse(await self._post(body))
+                return await self._post(body, url, params, method)
             except _Retry as e:
                 if attempt == self.max_retries:
                     raise PolicyUnavailable(
@@ -127,25 +134,30 @@ class OpenAIPolicy:
         base = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
         return min(self.max_backoff_s, max(retry_after, base * random.uniform(0.5, 1.0)))
 
-    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, body: dict[str, Any] | None, url: str | None = None,
+                    params: dict[str, str] | None = None, method: str = "POST"
+                    ) -> dict[str, Any]:
         """One attempt: the response JSON, or _Retry / PolicyError / PolicyUnavailable."""
         client, slots = self._session()
+        url = url or self.url
         async with slots:
             try:
-                response = await client.post(self.url, json=body)
+                response = await client.request(method, url, json=body, params=params)
             except httpx.TransportError as e:
                 raise _Retry(f"{type(e).__name__}: {e or 'no detail'}") from None
         status = response.status_code
         if status in RETRY_STATUS or status >= 500:
             raise _Retry(f"HTTP {status}: {_message(response)}", _retry_after(response))
         if status in CONFIG_STATUS:
-            raise PolicyUnavailable(self.name, f"HTTP {status} from {self.url}: "
+            raise PolicyUnavailable(self.name, f"HTTP {status} from {url}: "
                                                f"{_message(response)}")
         if status >= 400:
             message = _message(response)
             if CONTEXT_RE.search(message) or CONTEXT_RE.search(response.text[:4000]):
                 raise ContextLimit(self.name, message)
             raise PolicyError(self.name, f"HTTP {status}: {message}")
+        if not response.content and url != self.url:
+            return {}  # a control route that answers 200 with no body (vLLM's /health)
         try:
             data = response.json()
         except ValueError:

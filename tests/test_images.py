@@ -384,6 +384,23 @@ def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
 
 
 @pytest.mark.sandbox
+def test_a_task_without_a_solution_builds_with_its_oracle_not_checked(checked_builds, tmp_path):
+    """solution/ is optional in Harbor: the image is built and usable, the untouched
+    environment is still checked, and the entry says the oracle was not."""
+    src = make_task(tmp_path / "tasks", "no-solution", **{"solution/solve.sh": None})
+    result = checked_builds.build(load_task(src))
+    assert result.status == "built", result.error
+    checks = checked_builds.store.read().tasks["no-solution"].checks
+    assert (checks.ok, checks.nop_reward, checks.oracle_reward, checks.reason) == \
+        (True, 0.0, None, "")
+    assert checks.note == "no reference solution (solution/solve.sh): oracle not checked"
+    log = checked_builds.store.path(checks.log).read_text()
+    assert "## nop" in log and "## oracle in sandbox" not in log
+    res = run_cli("images", "ls", "--store", str(checked_builds.store.root))
+    assert "checks=ok, oracle not checked" in res.output
+
+
+@pytest.mark.sandbox
 def test_every_example_builds_and_passes_checks(example_store):
     """All example tasks (built with checks by the session fixture): oracle 1, untouched < 1."""
     from tmax.tasks import find_tasks

@@ -2,7 +2,8 @@
 
 1. the image starts (a sandbox comes up and runs a command);
 2. the verifier on the untouched environment gives less than full reward;
-3. the reference solution gets full reward.
+3. the reference solution gets full reward (not checked, with a note, for a task without
+   one: solution/ is optional in Harbor).
 
 Each check runs in a fresh sandbox with the task's own limits. The result, with the reason
 of a failure, goes into the image's manifest entry; the log next to the build log.
@@ -20,6 +21,7 @@ from sandfleet import InfraError, Runtime, SandboxSpec
 from tmax.images.store import Checks
 from tmax.tasks import Task
 from tmax.tasks.check import run_solution
+from tmax.tasks.model import SOLVE_SCRIPT
 from tmax.tasks.reward import VerifierError, read_reward
 
 
@@ -87,9 +89,13 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
                 log_path: Path) -> Checks:
     log: list[str] = []
     rewards: dict[str, float | None] = {"nop": None, "oracle": None}
-    starts, reason = True, ""
+    starts, reason, note = True, "", ""
+    modes = ("nop", "oracle")
+    if not task.has_solution:
+        modes, note = ("nop",), f"no reference solution ({SOLVE_SCRIPT}): oracle not checked"
+        log.append(f"## oracle: {note}")
     try:
-        for mode in ("nop", "oracle"):
+        for mode in modes:
             rewards[mode] = run_mode(runtime, task, sif, workdir, mode, log)
     except InfraError as e:
         starts = rewards["nop"] is not None
@@ -99,12 +105,12 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
     if not reason:
         if (rewards["nop"] or 0.0) >= 1.0:
             reason = f"the untouched environment already scores {rewards['nop']}"
-        elif rewards["oracle"] != 1.0:
+        elif "oracle" in modes and rewards["oracle"] != 1.0:
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
     log.append(f"## result: {reason or 'ok'}")
     log_path.write_text("\n".join(log) + "\n")
     return Checks(runtime=runtime_name, starts=starts, nop_reward=rewards["nop"],
-                  oracle_reward=rewards["oracle"], ok=not reason, reason=reason)
+                  oracle_reward=rewards["oracle"], ok=not reason, reason=reason, note=note)
 
 
 def image_checker(cache_dir: Path, runtime: str = "auto"

@@ -63,7 +63,8 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, base_map, ou
         width = max(len(r.task_id) for r in results)
         for r in results:
             checks = "" if r.checks is None else \
-                f"  checks: {'ok' if r.checks['ok'] else 'FAILED: ' + r.checks['reason']}"
+                f"  checks: {'ok' if r.checks['ok'] else 'FAILED: ' + r.checks['reason']}" + \
+                (f" ({r.checks['note']})" if r.checks.get("note") else "")
             line = f"{r.status:7} {r.task_id:{width}}  {r.digest[:12]:12} {r.seconds:6.1f}s"
             click.echo(line + checks)
             if r.error:
@@ -87,7 +88,8 @@ def ls_cmd(store, output) -> None:
         click.echo(f"base  {name:28} {b.digest[:12]}  {b.size / 2**20:7.1f} MB  {b.builder:9} "
                    f"{b.build_seconds:6.1f}s  {b.built_at}")
     for tid, e in sorted(manifest.tasks.items()):
-        checks = "-" if e.checks is None else ("ok" if e.checks.ok else "FAILED")
+        checks = "-" if e.checks is None else ("FAILED" if not e.checks.ok else
+                                               "ok, oracle not checked" if e.checks.note else "ok")
         click.echo(f"task  {tid:28} {e.digest[:12]}  {e.size / 2**20:7.1f} MB  {e.builder:9} "
                    f"{e.build_seconds:6.1f}s  {e.built_at}  base={e.base} checks={checks}")
 

@@ -45,6 +45,8 @@ class Checks(_Strict):
     oracle_reward: float | None = None
     ok: bool
     reason: str = ""
+    note: str = ""
+    """What was not checked, and why (e.g. a task without a reference solution)."""
     log: str = ""
     """Path (relative to the store) of the checks' log."""
 

@@ -485,6 +485,14 @@ def test_a_bad_value_is_an_error_naming_the_field(tmp_path, toml, field):
     assert p.fix
 
 
+def test_a_network_table_names_harbors_spelling(tmp_path):
+    """Some datasets write [environment.network] mode = ...: not Harbor's schema, and not
+    TMax's boolean; the message says what to write instead."""
+    (p,) = errors(make_task(tmp_path, '[environment.network]\nmode = "public"\n'))
+    assert p.field == "environment.network" and "no network table" in p.message
+    assert 'network_mode = "public"' in p.fix
+
+
 def test_allowed_hosts_follow_harbor_rules(tmp_path):
     bad = env_toml('network_mode = "public"\nallowed_hosts = ["pypi.org"]')
     (p,) = errors(make_task(tmp_path, bad))

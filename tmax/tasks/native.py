@@ -111,6 +111,12 @@ def _problem_from_pydantic(task_id: str, file: str, err: dict,
     if err["type"] == "tmax_field":
         return Problem(task_id, file, err["ctx"]["message"], "correct the value",
                        err["ctx"]["field"])
+    if dotted == "environment.network" and isinstance(err.get("input"), (dict, str)):
+        return Problem(task_id, file, f"network = {err['input']!r}: TMax's [environment] "
+                       "network is true or false, and Harbor's schema has no network table",
+                       'write the policy as Harbor does: network_mode = "public" | '
+                       '"no-network" | "allowlist" (with allowed_hosts) in [environment]',
+                       dotted)
     if loc and loc[-1] == "domain":
         return Problem(task_id, file, f"invalid domain {err.get('input')!r}",
                        f"use one of: {', '.join(DOMAINS)}", dotted)

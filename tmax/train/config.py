@@ -1,10 +1,14 @@
 """The training config: one strict model per section, loaded from YAML plus ``key=value``
 overrides (dotted keys, values parsed as YAML). Unknown keys are an error at load time.
+``${VAR}`` and ``${VAR:-default}`` in string values expand from the environment (a variable
+that is unset and has no default is an error naming the key); ``$${`` is a literal ``${``.
 The resolved config is saved into the run folder (``config.yaml``).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,6 +143,45 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_VAR = re.compile(r"\$(\$)?\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_vars(data: Any, source: str, environ: dict[str, str] | None = None,
+                key: str = "") -> Any:
+    """``data`` with ``${VAR}`` / ``${VAR:-default}`` in its strings expanded from
+    ``environ`` (default: os.environ). Raises ``TrainConfigError`` naming every key whose
+    variable is unset and has no default."""
+    env = os.environ if environ is None else environ
+    missing: list[str] = []
+
+    def one(value: Any, where: str) -> Any:
+        if isinstance(value, dict):
+            return {k: one(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [one(v, f"{where}.{i}") for i, v in enumerate(value)]
+        if not isinstance(value, str):
+            return value
+
+        def sub(m: re.Match) -> str:
+            escaped, name, default = m.groups()
+            if escaped:
+                return m.group(0)[1:]
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            missing.append(f"{where}: ${{{name}}} is not set (export {name}=..., or give "
+                           f"a default as ${{{name}:-...}}, or override {where}=...)")
+            return m.group(0)
+
+        return _VAR.sub(sub, value)
+
+    out = one(data, key)
+    if missing:
+        raise TrainConfigError(source, missing)
+    return out
+
+
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """The config from ``path`` (YAML) with ``key=value`` overrides applied."""
     data: dict[str, Any] = {}
@@ -155,6 +198,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
         if not sep or not key:
             raise TrainConfigError("overrides", [f"{item!r}: write key=value, e.g. steps=50"])
         set_dotted(data, key.strip(), yaml.safe_load(raw))
+    data = expand_vars(data, source)
     try:
         config = TrainConfig.model_validate(data)
     except ValidationError as e:

@@ -1,0 +1,217 @@
+"""The orchestrator and the trainer as separate processes: what they hand over, as files.
+
+Both sides share the run folder (on shared scratch when they run on different nodes):
+
+    RUN/handover/batches/step-00000042.npz   one trainer step's samples (orchestrator -> trainer)
+    RUN/handover/weights/v00000042/          the policy after 42 steps (trainer -> engines)
+    RUN/handover/weights/LATEST              "42": the newest complete weights folder
+
+Every file and folder appears whole or not at all: it is written under a temporary name in
+the same folder, then renamed (``os.replace``), so a reader never sees half a batch or half
+the weights, whatever crashes when. A batch is plain arrays (``np.savez``, no pickle): the
+samples' tokens, inference log-probs, loss masks and lengths, their advantages and the
+policy version that sampled each, plus a JSON header (the step, the rollout metrics).
+A weights folder is whatever the trainer's exporter writes there (Hugging Face safetensors
+for the engines' filesystem weight sync).
+
+Waiting is bounded: ``get_batch`` and ``wait_weights`` poll until a deadline and raise
+``HandoverTimeout`` (naming the file and how long), and stop early with ``PeerGone`` when
+the other side's liveness check says it died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tmax.train.trainer import Sample
+
+FORMAT = "tmax-batch-v1"
+
+
+class HandoverError(Exception):
+    """A handover file is missing, late or unreadable."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: {reason}")
+
+
+class HandoverTimeout(HandoverError):
+    """Nothing arrived before the deadline."""
+
+
+class PeerGone(HandoverError):
+    """The process that should write the file is gone."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One trainer step's input."""
+
+    step: int
+    samples: list[Sample]
+    versions: list[int]
+    """The policy version that sampled each sample (same order)."""
+    meta: dict[str, Any]
+    """The orchestrator's header: rollout metrics of the step, free-form."""
+
+
+def _atomic_file(path: Path, write: Callable[[Path], None]) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _wait(path_of: Callable[[], Path | None], what: Path, timeout: float, poll: float,
+          alive: Callable[[], bool] | None) -> Path:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = path_of()
+        if found is not None:
+            return found
+        if alive is not None and not alive():
+            raise PeerGone(what, "the process that writes it is gone")
+        if time.monotonic() >= deadline:
+            raise HandoverTimeout(what, f"not there after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+class Handover:
+    """The handover folder of one run (``RUN/handover``)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir) / "handover"
+        self.batches = self.root / "batches"
+        self.weights = self.root / "weights"
+        self.batches.mkdir(parents=True, exist_ok=True)
+        self.weights.mkdir(parents=True, exist_ok=True)
+
+    # ---- batches (orchestrator -> trainer)
+
+    def batch_path(self, step: int) -> Path:
+        return self.batches / f"step-{step:08d}.npz"
+
+    def put_batch(self, step: int, samples: list[Sample], versions: list[int],
+                  meta: dict[str, Any] | None = None) -> Path:
+        """Write step ``step``'s batch atomically (a rewrite replaces it whole)."""
+        if len(versions) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(versions)} versions")
+        for i, s in enumerate(samples):
+            if not len(s.tokens) == len(s.old_logp) == len(s.mask):
+                raise ValueError(f"sample {i}: tokens, old_logp and mask differ in length")
+        header = {"format": FORMAT, "step": step, "meta": meta or {}}
+        arrays = {
+            "lengths": np.array([len(s.tokens) for s in samples], dtype=np.int64),
+            "tokens": np.array([t for s in samples for t in s.tokens], dtype=np.int64),
+            "old_logp": np.array([x for s in samples for x in s.old_logp], dtype=np.float32),
+            "mask": np.array([m for s in samples for m in s.mask], dtype=np.int8),
+            "advantages": np.array([s.advantage for s in samples], dtype=np.float32),
+            "versions": np.array(versions, dtype=np.int64),
+            "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+        }
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+
+        return _atomic_file(self.batch_path(step), write)
+
+    def read_batch(self, step: int) -> Batch:
+        path = self.batch_path(step)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                header = json.loads(z["header"].tobytes())
+                lengths, tokens = z["lengths"].tolist(), z["tokens"].tolist()
+                old, mask = z["old_logp"].tolist(), z["mask"].tolist()
+                adv, versions = z["advantages"].tolist(), z["versions"].tolist()
+        except FileNotFoundError:
+            raise HandoverError(path, "no such batch") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise HandoverError(path, f"not a readable batch ({e})") from None
+        if header.get("format") != FORMAT or header.get("step") != step:
+            raise HandoverError(path, f"expected {FORMAT} for step {step}, found "
+                                f"{header.get('format')!r} for step {header.get('step')!r}")
+        samples, at = [], 0
+        for n, a in zip(lengths, adv, strict=True):
+            samples.append(Sample(tokens[at:at + n], old[at:at + n], mask[at:at + n], a))
+            at += n
+        return Batch(step, samples, versions, header["meta"])
+
+    def get_batch(self, step: int, *, timeout: float, poll: float = 0.2,
+                  alive: Callable[[], bool] | None = None) -> Batch:
+        """Step ``step``'s batch, waiting for it up to ``timeout`` seconds."""
+        path = self.batch_path(step)
+        _wait(lambda: path if path.exists() else None, path, timeout, poll, alive)
+        return self.read_batch(step)
+
+    def drop_batches_before(self, step: int) -> None:
+        """Remove the batches the trainer is done with (steps below ``step``)."""
+        for p in self.batches.glob("step-*.npz"):
+            if int(p.stem.split("-")[1]) < step:
+                p.unlink(missing_ok=True)
+
+    # ---- weights (trainer -> engines)
+
+    def weights_path(self, version: int) -> Path:
+        return self.weights / f"v{version:08d}"
+
+    def publish_weights(self, version: int, write: Callable[[Path], None]) -> Path:
+        """``write(folder)`` fills a fresh folder; it becomes ``v<version>`` whole, then
+        LATEST names it. Publishing a version again replaces it."""
+        final = self.weights_path(version)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write(tmp)
+            old = final.with_name(f".{final.name}.old")
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _atomic_file(self.weights / "LATEST", lambda p: p.write_text(f"{version}\n"))
+        return final
+
+    def latest_weights(self) -> tuple[int, Path] | None:
+        """The newest complete weights: ``(version, folder)``, or None before any."""
+        try:
+            version = int((self.weights / "LATEST").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        path = self.weights_path(version)
+        return (version, path) if path.is_dir() else None
+
+    def wait_weights(self, min_version: int, *, timeout: float, poll: float = 0.2,
+                     alive: Callable[[], bool] | None = None) -> tuple[int, Path]:
+        """The newest weights once their version is at least ``min_version``."""
+        def newer() -> Path | None:
+            latest = self.latest_weights()
+            return latest[1] if latest and latest[0] >= min_version else None
+
+        _wait(newer, self.weights_path(min_version), timeout, poll, alive)
+        latest = self.latest_weights()
+        assert latest is not None
+        return latest
+
+    def prune_weights(self, keep: int) -> None:
+        """Keep the ``keep`` newest weights folders (engines may still be loading them)."""
+        folders = sorted(p for p in self.weights.glob("v*") if p.is_dir())
+        for old in folders[:-keep] if keep else folders:
+            shutil.rmtree(old, ignore_errors=True)

@@ -75,6 +75,10 @@ def _atomic_file(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
 def _wait(path_of: Callable[[], Path | None], what: Path, timeout: float, poll: float,
           alive: Callable[[], bool] | None) -> Path:
     deadline = time.monotonic() + timeout
@@ -113,7 +117,7 @@ class Handover:
             if not len(s.tokens) == len(s.old_logp) == len(s.mask):
                 raise ValueError(f"sample {i}: tokens, old_logp and mask differ in length")
         header = {"format": FORMAT, "step": step, "meta": meta or {}}
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "lengths": np.array([len(s.tokens) for s in samples], dtype=np.int64),
             "tokens": np.array([t for s in samples for t in s.tokens], dtype=np.int64),
             "old_logp": np.array([x for s in samples for x in s.old_logp], dtype=np.float32),
@@ -186,7 +190,7 @@ class Handover:
             shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _atomic_file(self.weights / "LATEST", lambda p: p.write_text(f"{version}\n"))
+        _atomic_file(self.weights / "LATEST", lambda p: _write_text(p, f"{version}\n"))
         return final
 
     def latest_weights(self) -> tuple[int, Path] | None:

@@ -129,7 +129,7 @@ class Handover:
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
+                np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy stubs: allow_pickle
                 f.flush()
                 os.fsync(f.fileno())
 

@@ -31,6 +31,35 @@ main.add_command(eval_cmd)
 main.add_command(report_cmd)
 
 
+@main.command("serve")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--max-batch", default=16, show_default=True,
+              help="Most requests generated together in one batch.")
+@click.option("--max-tokens", default=256, show_default=True,
+              help="Longest completion (a request's max_tokens may ask for fewer).")
+@click.option("--temperature", default=1.0, show_default=True,
+              help="Sampling temperature (0 = greedy); requests must match it.")
+@click.option("--served-model-name", default=None, help="Model name (default MODEL_DIR).")
+@click.option("--device", default=None, help="torch device (default cpu).")
+@click.option("--seed", default=None, type=int, help="Sampling seed.")
+def serve_cmd(model_dir, host, port, max_batch, max_tokens, temperature, served_model_name,
+              device, seed) -> None:
+    """Serve MODEL_DIR (a local transformers folder) over vLLM's HTTP subset: chat
+    completions with token ids and logprobs, pause/resume, filesystem weight updates
+    (see docs/inference.md). Prints the base URL once ready; serves until Ctrl-C."""
+    from tmax.inference.hf_server import ModelDirError, run_server
+
+    try:
+        run_server(model_dir, host=host, port=port, max_batch=max_batch,
+                   max_tokens=max_tokens, temperature=temperature,
+                   served_model_name=served_model_name, device=device, seed=seed,
+                   ready=lambda url: click.echo(url))
+    except ModelDirError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("demo")
 @click.option("--tasks", "tasks_dir", type=click.Path(exists=True, file_okay=False),
               default=str(Path(__file__).resolve().parents[1] / "examples" / "tasks"),

@@ -1,0 +1,188 @@
+"""The inference-engine seam: what training and rollouts ask of a generation engine.
+
+An engine answers chat completions with the sampled token ids and their log-probs, stamped
+with the weights version that produced them (``Completion.policy_version``); it reports
+health, pauses and resumes generation, and loads new weights from a versioned folder of
+Hugging Face safetensors on shared scratch (``update_weights_from_path``).
+
+Failures, sorted by whose they are:
+
+- the engine's transport failed or its server died: ``PolicyUnavailable`` (from
+  ``complete``) or ``EngineUnavailable`` (a ``PolicyUnavailable``, from control calls):
+  rollouts record an infrastructure failure, never a reward;
+- a weight update failed (bad folder, server refused, timed out): ``WeightSyncError`` with
+  the engine, the version and the reason; the trainer retries it with a bound and then
+  stops (it never trains on against a stale engine silently);
+- anything else the engine reports: ``EngineError``.
+
+Weights folders (``write_weights`` / ``read_weights``): ``<root>/v<version:08d>/`` holds
+``model.safetensors`` (and the config), and ``tmax-weights.json`` written last, after an
+fsync, as the marker that the folder is complete. Readers refuse a folder without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tmax.agent.policy import Completion, PolicyUnavailable
+
+MARKER = "tmax-weights.json"
+
+
+class EngineError(Exception):
+    """The engine reported a failure that is not a transport failure."""
+
+    def __init__(self, engine: str, reason: str):
+        self.engine, self.reason = engine, reason
+        super().__init__(f"engine {engine}: {reason}")
+
+
+class WeightSyncError(EngineError):
+    """Loading weights ``version`` into ``engine`` failed."""
+
+    def __init__(self, engine: str, version: int, reason: str):
+        self.version = version
+        super().__init__(engine, f"weight sync to version {version} failed: {reason}")
+
+
+class EngineStartError(EngineError):
+    """A server process did not come up (``log_tail``: the end of its log)."""
+
+    def __init__(self, engine: str, reason: str, log_tail: str = ""):
+        self.log_tail = log_tail
+        super().__init__(engine, reason + (f"\n--- log tail ---\n{log_tail}" if log_tail else ""))
+
+
+class EngineUnavailable(PolicyUnavailable):
+    """A control call (health, pause, resume, weights) could not reach the engine: an
+    infrastructure failure, like ``PolicyUnavailable`` from ``complete``."""
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """One generation engine (a server behind a client, or a model in this process)."""
+
+    name: str
+    supports_tools: bool
+
+    @property
+    def version(self) -> int:
+        """The weights version the engine serves now."""
+        ...
+
+    async def complete(self, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> Completion:
+        """The next assistant turn with ``prompt_ids``, ``completion_ids``, ``logprobs``
+        and ``policy_version`` filled in."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the engine answers; False (never an exception) when it does not."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop starting new generations (the ones in flight finish); new requests wait."""
+        ...
+
+    async def resume(self) -> None:
+        """Release the requests that waited while paused."""
+        ...
+
+    async def update_weights_from_path(self, path: str | Path, version: int) -> None:
+        """Load the weights folder ``path`` (see ``write_weights``) as ``version``; raises
+        ``WeightSyncError``. Generations after it returns use the new weights."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the client side (connections); a server process is owned elsewhere."""
+        ...
+
+
+def weights_dir(root: str | Path, version: int) -> Path:
+    """The folder of weights ``version`` under ``root``."""
+    return Path(root) / f"v{version:08d}"
+
+
+def write_weights(model: Any, root: str | Path, version: int) -> Path:
+    """Save ``model`` (a transformers ``PreTrainedModel``) as safetensors into
+    ``weights_dir(root, version)``; the marker file goes in last, after an fsync."""
+    path = weights_dir(root, version)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).unlink(missing_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    tmp = path / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps({"version": version}))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / MARKER)
+    return path
+
+
+def check_weights_dir(path: str | Path, *, engine: str = "?", version: int = -1) -> Path:
+    """``path`` as an absolute folder that ``write_weights`` finished (its marker is there
+    and names ``version`` when one is given); WeightSyncError otherwise."""
+    folder = Path(path).absolute()
+    marker = folder / MARKER
+    if not marker.is_file():
+        raise WeightSyncError(engine, version, f"{folder} has no {MARKER} (incomplete or "
+                              "not a weights folder)")
+    try:
+        written = json.loads(marker.read_text()).get("version")
+    except (OSError, ValueError, AttributeError) as e:
+        raise WeightSyncError(engine, version, f"{marker} unreadable: {e}") from None
+    if version >= 0 and written != version:
+        raise WeightSyncError(engine, version, f"{folder} holds version {written}")
+    return folder
+
+
+def read_weights(path: str | Path, *, engine: str = "?", version: int = -1,
+                 require_marker: bool = True) -> dict[str, Any]:
+    """The state dict saved in the weights folder ``path`` (CPU tensors); WeightSyncError
+    when the folder is incomplete (no marker, unless ``require_marker`` is off), is for
+    another version, or has no safetensors files."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if require_marker:
+        check_weights_dir(folder, engine=engine, version=version)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightSyncError(engine, version, f"{folder} has no safetensors files")
+    state: dict[str, Any] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+            raise WeightSyncError(engine, version, f"{f}: {e}") from None
+    return state
+
+
+def full_state(model: Any, state: dict[str, Any], *, engine: str, version: int
+               ) -> dict[str, Any]:
+    """``state`` completed for a strict ``load_state_dict`` into ``model``: a tied weight
+    the file leaves out (``lm_head.weight`` tied to the embeddings) takes the tensor of
+    the key it is tied to. WeightSyncError on missing or unexpected keys or shapes."""
+    own = model.state_dict()
+    by_storage: dict[int, list[str]] = {}
+    for key, tensor in own.items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(key)
+    full = dict(state)
+    for key in set(own) - set(state):
+        source = [k for k in by_storage[own[key].data_ptr()] if k in state]
+        if source:
+            full[key] = state[source[0]]
+    missing, unexpected = set(own) - set(full), set(full) - set(own)
+    if missing or unexpected:
+        raise WeightSyncError(engine, version, f"weights do not fit the model: missing "
+                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    wrong = [k for k in own if tuple(full[k].shape) != tuple(own[k].shape)]
+    if wrong:
+        raise WeightSyncError(engine, version, f"shape mismatch in {wrong[:5]}")
+    return full

@@ -1,0 +1,195 @@
+"""The vllm backend: the ``vllm serve`` command line, its weight-transfer payloads, and
+the process that owns the server. Nothing here imports vLLM (it is the ``gpu`` extra,
+needed only on the inference nodes, where ``vllm`` is on PATH).
+
+- ``vllm_serve_command(config)``: the argv, a pure function of ``VLLMConfig``. It always
+  asks for ``--logprobs-mode processed_logprobs`` (the log-probs of the distribution the
+  token was sampled from, after temperature: the ``mu`` of DPPO, as HFPolicy computes
+  it; vLLM's default is the raw logits' log-probs) and ``--generation-config vllm`` (the
+  model folder's generation_config.json must not change the sampling the request asks
+  for). ``fp32_head`` adds ``--hf-overrides '{"head_dtype": "float32"}'``.
+- ``vllm_env(config)``: ``VLLM_SERVER_DEV_MODE=1``, which mounts the dev routes
+  (``/pause``, ``/resume``, ``/is_paused``, ``/init_weight_transfer_engine``,
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+  ``/weight_info``) that ``HttpEngine`` drives.
+- ``nccl_init_info`` / ``nccl_update_info``: the ``init_info`` and ``update_info`` bodies of
+  vLLM's NCCL weight-transfer engine (``NCCLWeightTransferInitInfo``: master_address,
+  master_port, rank_offset, world_size; ``NCCLWeightTransferUpdateInfo``: names,
+  dtype_names, shapes, packed, packed_buffer_size_bytes, packed_num_buffers). The trainer
+  is rank 0 of the transfer group; vLLM worker ``w`` of this server joins as
+  ``rank_offset + w``, so ``world_size = 1 + sum of every server's TP x DP``.
+- ``VLLMServer``: ``ServerProcess`` over that argv and env, plus an ``HttpEngine`` client.
+
+The filesystem update posts ``{"update_info": {"path": ABS_DIR}}``: vLLM's shared-disk
+weight-transfer backend (``weight_transfer="disk"``) and hf-server read the same body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tmax.inference.http import HttpEngine
+from tmax.inference.process import ServerProcess
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# vLLM's packed-broadcast defaults (vllm/distributed/weight_transfer/packed_tensor.py)
+PACKED_BUFFER_SIZE_BYTES = 1 << 30
+PACKED_NUM_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """One ``vllm serve`` process (one server; data parallel ranks live inside it)."""
+
+    model: str
+    """Local model folder (HF layout) or a name vLLM can resolve offline."""
+    served_model_name: str = "policy"
+    """The name requests send as ``model`` (``--served-model-name``)."""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    """Weights and activations dtype (``--dtype``)."""
+    fp32_head: bool = True
+    """LM head in float32 (``--hf-overrides '{"head_dtype": "float32"}'``), as the
+    trainer's: the TMax recipe computes both sides' log-probs from an FP32 head."""
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None
+    """Most sequences in one batch (``--max-num-seqs``); vLLM's default when None."""
+    seed: int = 0
+    weight_transfer: Literal["nccl", "disk"] | None = "nccl"
+    """Backend of vLLM's native weight transfer (``--weight-transfer-config``): ``nccl``
+    (a broadcast from the trainer), ``disk`` (a safetensors folder on shared scratch), or
+    None (no weight updates)."""
+    enforce_eager: bool = False
+    """No CUDA graphs (faster start, slower decode; useful for smoke tests)."""
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    """Passed through at the end, verbatim."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.weight_transfer not in ("nccl", "disk", None):
+            raise ValueError(f"weight_transfer must be nccl, disk or None, not "
+                             f"{self.weight_transfer!r}")
+
+    @property
+    def gpus(self) -> int:
+        """vLLM worker processes (GPUs) of this server: TP x DP."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def vllm_serve_command(config: VLLMConfig, *, executable: str = "vllm") -> list[str]:
+    """The ``vllm serve`` argv for ``config`` (values as separate argv items: no shell)."""
+    c = config
+    argv = [executable, "serve", c.model, "--served-model-name", c.served_model_name,
+            "--host", c.host, "--port", str(c.port),
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
+            "--data-parallel-size", str(c.data_parallel_size),
+            "--dtype", c.dtype, "--gpu-memory-utilization", repr(c.gpu_memory_utilization),
+            "--seed", str(c.seed), "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm"]
+    if c.max_model_len is not None:
+        argv += ["--max-model-len", str(c.max_model_len)]
+    if c.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(c.max_num_seqs)]
+    if c.fp32_head:
+        argv += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
+    if c.weight_transfer is not None:
+        argv += ["--weight-transfer-config", json.dumps({"backend": c.weight_transfer})]
+    if c.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + list(c.extra_args)
+
+
+def vllm_env(config: VLLMConfig) -> dict[str, str]:
+    """Environment added for the server: dev mode (pause/resume and weight routes)."""
+    return {DEV_MODE_ENV: "1"}
+
+
+def nccl_init_info(master_address: str, master_port: int, *, rank_offset: int,
+                   world_size: int) -> dict[str, Any]:
+    """``/init_weight_transfer_engine``'s ``init_info`` for one server whose workers are
+    ranks ``rank_offset .. rank_offset + gpus - 1`` of the transfer group."""
+    if rank_offset < 1 or world_size <= rank_offset:
+        raise ValueError("the trainer is rank 0: need 1 <= rank_offset < world_size")
+    return {"master_address": master_address, "master_port": int(master_port),
+            "rank_offset": rank_offset, "world_size": world_size}
+
+
+def nccl_group(servers: Iterable[VLLMConfig], master_address: str, master_port: int
+               ) -> list[dict[str, Any]]:
+    """``init_info`` for each server of a pool, ranks laid out one server after another
+    after the trainer's rank 0."""
+    configs = list(servers)
+    world = 1 + sum(c.gpus for c in configs)
+    infos, offset = [], 1
+    for c in configs:
+        infos.append(nccl_init_info(master_address, master_port, rank_offset=offset,
+                                    world_size=world))
+        offset += c.gpus
+    return infos
+
+
+def nccl_update_info(params: Iterable[tuple[str, Any, Iterable[int]]], *,
+                     packed: bool = True,
+                     packed_buffer_size_bytes: int = PACKED_BUFFER_SIZE_BYTES,
+                     packed_num_buffers: int = PACKED_NUM_BUFFERS) -> dict[str, Any]:
+    """``/update_weights``'s ``update_info`` for an NCCL broadcast of ``params``: (name,
+    dtype, shape) in the order the trainer broadcasts them. ``dtype`` is a torch dtype or
+    its name (``"bfloat16"``, as vLLM reads it with ``getattr(torch, name)``)."""
+    names, dtypes, shapes = [], [], []
+    for name, dtype, shape in params:
+        names.append(name)
+        dtypes.append(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."))
+        shapes.append([int(d) for d in shape])
+    info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
+                            "packed": packed}
+    if packed:
+        info["packed_buffer_size_bytes"] = packed_buffer_size_bytes
+        info["packed_num_buffers"] = packed_num_buffers
+    return info
+
+
+def disk_update_info(path: str | Path) -> dict[str, Any]:
+    """``/update_weights``'s ``update_info`` for the shared-disk backend (and hf-server)."""
+    folder = Path(path)
+    if not folder.is_absolute():
+        raise ValueError(f"the weights folder must be an absolute path: {folder}")
+    return {"path": str(folder)}
+
+
+class VLLMServer:
+    """A ``vllm serve`` process (``process``) and its client (``engine``)."""
+
+    def __init__(self, config: VLLMConfig, *, log_path: str | Path,
+                 start_timeout_s: float = 900.0, executable: str = "vllm"):
+        self.config = config
+        self.process = ServerProcess(vllm_serve_command(config, executable=executable),
+                                     url=config.url, log_path=log_path, env=vllm_env(config),
+                                     name=f"vllm:{config.served_model_name}@{config.port}",
+                                     start_timeout_s=start_timeout_s)
+        self.engine = HttpEngine(config.url, config.served_model_name,
+                                 name=self.process.name)
+
+    async def start(self) -> HttpEngine:
+        await self.process.start()
+        await self.engine.refresh_version()
+        return self.engine
+
+    async def stop(self) -> None:
+        await self.engine.aclose()
+        await self.process.stop()

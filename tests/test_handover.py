@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -116,3 +118,23 @@ def test_a_reader_never_sees_half_a_batch(tmp_path):
     writer.join()
     assert writer.exitcode == 0 and reads > 0
     assert [p.name for p in h.batches.iterdir()] == ["step-00000000.npz"]
+
+
+def test_heartbeats_show_who_is_alive_and_done(tmp_path):
+    from tmax.train.handover import Heartbeat, alive, is_done, mark_done
+
+    h = Handover(tmp_path)
+    assert not alive(h, "trainer-0")
+    with Heartbeat(h, "trainer-0", every_s=0.01):
+        assert alive(h, "trainer-0") and not alive(h, "orchestrator")
+        path = h.root / "alive" / "trainer-0"
+        os.utime(path, (0, 0))  # as if it stopped beating long ago ...
+        assert not alive(h, "trainer-0", stale_s=60)
+        deadline = time.monotonic() + 30
+        while not alive(h, "trainer-0") and time.monotonic() < deadline:
+            time.sleep(0.01)  # ... until the next beat
+        assert alive(h, "trainer-0")
+    assert not alive(h, "trainer-0")  # a clean exit removes it
+    assert not is_done(h, "trainer")
+    mark_done(h, "trainer")
+    assert is_done(h, "trainer")

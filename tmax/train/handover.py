@@ -5,6 +5,8 @@ Both sides share the run folder (on shared scratch when they run on different no
     RUN/handover/batches/step-00000042.npz   one trainer step's samples (orchestrator -> trainer)
     RUN/handover/weights/v00000042/          the policy after 42 steps (trainer -> engines)
     RUN/handover/weights/LATEST              "42": the newest complete weights folder
+    RUN/handover/alive/<role>                touched every few seconds while <role> runs
+    RUN/handover/done/<role>                 written when <role> finished its work
 
 Every file and folder appears whole or not at all: it is written under a temporary name in
 the same folder, then renamed (``os.replace``), so a reader never sees half a batch or half
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,3 +222,55 @@ class Handover:
         folders = sorted(p for p in self.weights.glob("v*") if p.is_dir())
         for old in folders[:-keep] if keep else folders:
             shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- liveness (files, so that it works across nodes on shared scratch)
+
+
+class Heartbeat:
+    """``with Heartbeat(handover, "trainer-0"):`` touches ``alive/<role>`` every
+    ``every_s`` seconds from a daemon thread while the block runs."""
+
+    def __init__(self, handover: Handover, role: str, every_s: float = 5.0):
+        self.path = handover.root / "alive" / role
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _beat(self) -> None:
+        while True:
+            self.path.touch()
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.path.name}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+def alive(handover: Handover, role: str, stale_s: float = 60.0) -> bool:
+    """Whether ``role``'s heartbeat is fresher than ``stale_s`` seconds."""
+    try:
+        return time.time() - (handover.root / "alive" / role).stat().st_mtime < stale_s
+    except FileNotFoundError:
+        return False
+
+
+def mark_done(handover: Handover, role: str) -> None:
+    done = handover.root / "done"
+    done.mkdir(parents=True, exist_ok=True)
+    _atomic_file(done / role, lambda p: _write_text(p, f"{time.time()}\n"))
+
+
+def is_done(handover: Handover, role: str) -> bool:
+    return (handover.root / "done" / role).exists()

@@ -1,0 +1,248 @@
+"""The engine seam's pure parts: the vllm command line and weight-transfer payloads
+(checked exactly against hand-written lists), weights folders, the server-process owner
+(with real processes), and the client's behaviour against nothing at all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tmax.agent.policy import PolicyUnavailable
+from tmax.inference import (
+    EngineStartError,
+    InferenceEngine,
+    WeightSyncError,
+    make_engine,
+    read_weights,
+    weights_dir,
+    write_weights,
+)
+from tmax.inference.base import check_weights_dir, full_state
+from tmax.inference.process import ServerProcess, free_port, hf_server_command
+from tmax.inference.vllm import (
+    VLLMConfig,
+    VLLMServer,
+    disk_update_info,
+    nccl_group,
+    nccl_init_info,
+    nccl_update_info,
+    vllm_env,
+    vllm_serve_command,
+)
+from tmax.models.tiny import build_tiny_model, build_tokenizer, corpus_texts
+from tmax.tasks import find_tasks
+
+from .conftest import EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tokenizer(corpus_texts(find_tasks(EXAMPLES)))
+    return build_tiny_model(tokenizer, n_layers=1, d_model=32, n_heads=2, seed=0)
+
+
+# -- vllm: command line, environment, payloads ---------------------------------------------
+
+def test_vllm_serve_command_for_the_recipe_is_exact():
+    config = VLLMConfig(model="/scratch/run/weights/v00000000", served_model_name="qwen3.5-9b",
+                        host="0.0.0.0", port=8123, tensor_parallel_size=2,
+                        data_parallel_size=4, dtype="bfloat16", max_model_len=65536,
+                        gpu_memory_utilization=0.85, max_num_seqs=256, seed=3,
+                        weight_transfer="nccl")
+    assert vllm_serve_command(config) == [
+        "vllm", "serve", "/scratch/run/weights/v00000000",
+        "--served-model-name", "qwen3.5-9b", "--host", "0.0.0.0", "--port", "8123",
+        "--tensor-parallel-size", "2", "--data-parallel-size", "4",
+        "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85", "--seed", "3",
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--max-model-len", "65536", "--max-num-seqs", "256",
+        "--hf-overrides", '{"head_dtype": "float32"}',
+        "--weight-transfer-config", '{"backend": "nccl"}']
+    assert config.gpus == 8 and config.url == "http://127.0.0.1:8123"
+    assert vllm_env(config) == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_vllm_serve_command_minimal_and_disk_options_are_exact():
+    config = VLLMConfig(model="m", fp32_head=False, weight_transfer="disk", enforce_eager=True,
+                        extra_args=("--max-logprobs", "1"))
+    assert vllm_serve_command(config, executable="/opt/vllm/bin/vllm") == [
+        "/opt/vllm/bin/vllm", "serve", "m", "--served-model-name", "policy",
+        "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "1",
+        "--data-parallel-size", "1", "--dtype", "bfloat16",
+        "--gpu-memory-utilization", "0.9", "--seed", "0",
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--weight-transfer-config", '{"backend": "disk"}', "--enforce-eager",
+        "--max-logprobs", "1"]
+    no_sync = VLLMConfig(model="m", weight_transfer=None)
+    assert "--weight-transfer-config" not in vllm_serve_command(no_sync)
+    assert json.loads(vllm_serve_command(VLLMConfig(model="m"))[-3]) == {"head_dtype": "float32"}
+
+
+@pytest.mark.parametrize("bad", [{"tensor_parallel_size": 0}, {"gpu_memory_utilization": 0},
+                                 {"weight_transfer": "rdma"}])
+def test_vllm_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        VLLMConfig(model="m", **bad)
+
+
+def test_nccl_init_info_lays_ranks_out_after_the_trainer():
+    assert nccl_init_info("10.0.0.5", 29555, rank_offset=1, world_size=9) == {
+        "master_address": "10.0.0.5", "master_port": 29555, "rank_offset": 1,
+        "world_size": 9}
+    pool = [VLLMConfig(model="m", tensor_parallel_size=2), VLLMConfig(model="m"),
+            VLLMConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)]
+    assert nccl_group(pool, "trainer-0", 40000) == [
+        {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 1,
+         "world_size": 8},
+        {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 3,
+         "world_size": 8},
+        {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 4,
+         "world_size": 8}]
+    with pytest.raises(ValueError, match="rank 0"):
+        nccl_init_info("h", 1, rank_offset=0, world_size=2)
+
+
+def test_nccl_update_info_is_vllms_payload():
+    params = [("model.embed_tokens.weight", torch.bfloat16, torch.Size([32, 8])),
+              ("lm_head.weight", torch.float32, (32, 8)),
+              ("model.norm.weight", "bfloat16", [8])]
+    assert nccl_update_info(params) == {
+        "names": ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"],
+        "dtype_names": ["bfloat16", "float32", "bfloat16"],
+        "shapes": [[32, 8], [32, 8], [8]], "packed": True,
+        "packed_buffer_size_bytes": 1073741824, "packed_num_buffers": 2}
+    assert nccl_update_info(params[:1], packed=False) == {
+        "names": ["model.embed_tokens.weight"], "dtype_names": ["bfloat16"],
+        "shapes": [[32, 8]], "packed": False}
+    # every dtype name resolves as vLLM resolves it: getattr(torch, name)
+    assert all(isinstance(getattr(torch, d), torch.dtype)
+               for d in nccl_update_info(params)["dtype_names"])
+
+
+def test_disk_update_info_needs_an_absolute_folder(tmp_path):
+    assert disk_update_info(tmp_path) == {"path": str(tmp_path)}
+    with pytest.raises(ValueError, match="absolute"):
+        disk_update_info("relative/v00000001")
+
+
+def test_the_vllm_backend_imports_without_vllm():
+    code = ("import sys, tmax.inference.vllm, tmax.inference.hf_server, tmax.inference.http; "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]" and out.stderr == ""
+
+
+# -- weights folders -----------------------------------------------------------------------
+
+def test_weights_folder_round_trip_with_marker_last(tiny, tmp_path):
+    folder = write_weights(tiny, tmp_path, 12)
+    assert folder == weights_dir(tmp_path, 12) == tmp_path / "v00000012"
+    assert json.loads((folder / "tmax-weights.json").read_text()) == {"version": 12}
+    state = read_weights(folder, version=12)
+    full = full_state(tiny, state, engine="t", version=12)
+    assert set(full) == set(tiny.state_dict())
+    for key, tensor in tiny.state_dict().items():
+        assert torch.equal(full[key], tensor), key
+    assert check_weights_dir(folder, version=12) == folder
+    with pytest.raises(WeightSyncError, match="holds version 12"):
+        read_weights(folder, version=13)
+    (folder / "tmax-weights.json").unlink()
+    with pytest.raises(WeightSyncError, match="incomplete"):
+        read_weights(folder, engine="e", version=12)
+    assert read_weights(folder, require_marker=False).keys() == state.keys()
+
+
+def test_full_state_names_what_does_not_fit(tiny):
+    state = {k: v for k, v in tiny.state_dict().items() if "norm" not in k}
+    with pytest.raises(WeightSyncError, match="missing") as info:
+        full_state(tiny, state, engine="e", version=4)
+    assert info.value.version == 4 and info.value.engine == "e"
+    state = dict(tiny.state_dict())
+    key = next(k for k in state if k.endswith("norm.weight"))
+    state[key] = torch.zeros(3)
+    with pytest.raises(WeightSyncError, match="shape"):
+        full_state(tiny, state, engine="e", version=4)
+
+
+# -- the client with no server, the process owner with real processes ----------------------
+
+def test_a_client_without_a_server_is_unavailable_not_an_answer(tmp_path):
+    engine = make_engine("http", base_url=f"http://127.0.0.1:{free_port()}/v1", model="m",
+                         max_retries=1, backoff_s=0.01)
+    assert isinstance(engine, InferenceEngine) and engine.root.startswith("http://127.0.0.1:")
+
+    async def go():
+        try:
+            assert not await engine.health()
+            with pytest.raises(PolicyUnavailable):
+                await engine.complete([{"role": "user", "content": "hi"}])
+            with pytest.raises(PolicyUnavailable):
+                await engine.pause()
+            folder = write_weights(build_tiny_model(
+                build_tokenizer(["a b c"] * 4, vocab_size=300), n_layers=1, d_model=16,
+                n_heads=2), tmp_path, 1)
+            with pytest.raises(WeightSyncError) as info:
+                await engine.update_weights_from_path(folder, 1)
+            return info.value
+        finally:
+            await engine.aclose()
+
+    error = asyncio.run(go())
+    assert error.version == 1 and engine.version == 0
+    with pytest.raises(ValueError, match="choose one of: http, inprocess"):
+        make_engine("sglang")
+
+
+def test_server_process_that_exits_fails_fast_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('no GPU here', flush=True); sys.exit(3)"]
+    server = ServerProcess(argv, url=f"http://127.0.0.1:{free_port()}",
+                           log_path=tmp_path / "s.log", name="vllm:test", start_timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        asyncio.run(server.start())
+    assert time.monotonic() - started < 30
+    assert "exited with code 3" in str(info.value) and "no GPU here" in info.value.log_tail
+
+
+def test_server_process_past_its_deadline_is_stopped_with_its_group(tmp_path):
+    marker = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    server = ServerProcess([sys.executable, "-c", code], url=f"http://127.0.0.1:{free_port()}",
+                           log_path=tmp_path / "s.log", start_timeout_s=2, stop_grace_s=2)
+    with pytest.raises(EngineStartError, match="not healthy"):
+        asyncio.run(server.start())
+    assert not server.alive()
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the server's child {child} outlived the stop")
+
+
+def test_server_commands_are_argv_lists(tmp_path):
+    argv = hf_server_command(tmp_path / "m", port=8001, max_batch=4, max_tokens=32,
+                             temperature=0.7, served_model_name="tiny", seed=5)
+    assert argv[:2] == [sys.executable, "-c"] and argv[3:] == [
+        "serve", str(tmp_path / "m"), "--host", "127.0.0.1", "--port", "8001",
+        "--max-batch", "4", "--max-tokens", "32", "--temperature", "0.7",
+        "--served-model-name", "tiny", "--seed", "5"]
+    server = VLLMServer(VLLMConfig(model="m", port=8002), log_path=tmp_path / "v.log")
+    assert server.process.argv[:3] == ["vllm", "serve", "m"]
+    assert server.process.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert server.engine.root == "http://127.0.0.1:8002"

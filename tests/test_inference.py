@@ -24,6 +24,7 @@ from tmax.inference import (
     write_weights,
 )
 from tmax.inference.base import check_weights_dir, full_state
+from tmax.inference.http import HttpEngine
 from tmax.inference.process import ServerProcess, free_port, hf_server_command
 from tmax.inference.vllm import (
     VLLMConfig,
@@ -246,3 +247,100 @@ def test_server_commands_are_argv_lists(tmp_path):
     assert server.process.argv[:3] == ["vllm", "serve", "m"]
     assert server.process.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert server.engine.root == "http://127.0.0.1:8002"
+
+
+# -- the weight-sync request sequence, exactly (against a recorder: NCCL cannot run here) --
+
+class Recorder:
+    """Answers vLLM's dev routes as vLLM does and records each request; ``fail`` names a
+    route that answers 500, ``hold`` one that answers only once ``released`` is set."""
+
+    def __init__(self, fail: str | None = None, hold: str | None = None):
+        self.calls: list[tuple[str, str, dict]] = []
+        self.fail, self.hold, self.version = fail, hold, "0"
+        self.released: asyncio.Event | None = None
+
+    def app(self):
+        from aiohttp import web
+
+        async def handle(request):
+            body = await request.json() if request.can_read_body else {}
+            route = request.path + (f"?{request.query_string}" if request.query_string else "")
+            self.calls.append((request.method, route, body))
+            if request.path == self.fail:
+                return web.json_response({"error": "boom"}, status=500)
+            if request.path == self.hold:
+                await self.released.wait()
+            if request.path == "/finish_weight_update":
+                self.version = body["weight_version"]
+            if request.path == "/weight_info":
+                return web.json_response({"weight_version": self.version})
+            return web.json_response({"message": "ok"})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+
+async def serve(recorder: Recorder, body):
+    from aiohttp import web
+
+    recorder.released = asyncio.Event()
+    runner = web.AppRunner(recorder.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    engine = HttpEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=0)
+    try:
+        return await body(engine)
+    finally:
+        await engine.aclose()
+        await runner.cleanup()
+
+
+def test_filesystem_sync_is_vllms_four_phase_sequence(tiny, tmp_path):
+    folder = write_weights(tiny, tmp_path, 5)
+    recorder = Recorder()
+    asyncio.run(serve(recorder, lambda e: e.update_weights_from_path(folder, 5)))
+    assert recorder.calls == [
+        ("POST", "/pause?mode=wait", {}), ("POST", "/start_weight_update", {}),
+        ("POST", "/update_weights", {"update_info": {"path": str(folder)}}),
+        ("POST", "/finish_weight_update", {"weight_version": "5"}),
+        ("GET", "/weight_info", {}), ("POST", "/resume", {})]
+
+
+def test_nccl_sync_posts_update_weights_while_the_trainer_broadcasts():
+    recorder = Recorder(hold="/update_weights")
+    info = nccl_update_info([("w", torch.float32, (2, 2))])
+    order = []
+
+    async def broadcast():
+        await asyncio.sleep(0.2)  # the receivers are already waiting in /update_weights
+        order.append(len(recorder.calls))
+        recorder.released.set()
+
+    async def go(engine):
+        await engine.init_weight_transfer(nccl_init_info("h", 29500, rank_offset=1,
+                                                         world_size=2))
+        await engine.update_weights_from_broadcast(info, 2, broadcast)
+        return engine.version
+
+    assert asyncio.run(serve(recorder, go)) == 2
+    assert recorder.calls == [
+        ("POST", "/init_weight_transfer_engine", {"init_info": {
+            "master_address": "h", "master_port": 29500, "rank_offset": 1, "world_size": 2}}),
+        ("POST", "/pause?mode=wait", {}), ("POST", "/start_weight_update", {}),
+        ("POST", "/update_weights", {"update_info": info}),
+        ("POST", "/finish_weight_update", {"weight_version": "2"}),
+        ("GET", "/weight_info", {}), ("POST", "/resume", {})]
+    assert order == [4]  # the broadcast ran while /update_weights was open
+
+
+def test_a_failed_update_is_a_weight_sync_error_and_the_engine_is_resumed(tiny, tmp_path):
+    folder = write_weights(tiny, tmp_path, 1)
+    recorder = Recorder(fail="/update_weights")
+    with pytest.raises(WeightSyncError) as info:
+        asyncio.run(serve(recorder, lambda e: e.update_weights_from_path(folder, 1)))
+    assert info.value.version == 1 and "/update_weights" in info.value.reason
+    assert [c[1] for c in recorder.calls] == ["/pause?mode=wait", "/start_weight_update",
+                                              "/update_weights", "/resume"]

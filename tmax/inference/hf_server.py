@@ -303,8 +303,9 @@ class HFServer:
         return web.json_response({"message": "Weight transfer initialized"})
 
     async def start_update(self, request: web.Request) -> web.Response:
-        if self._session:
-            return _error(400, "A shared-disk weight update is already active")
+        if self._session:  # a client gave up mid-update (vLLM refuses; a retry must work)
+            log.warning("hf-server %s: a weight update was left open; starting over",
+                        self.model_name)
         self._session, self._staged = True, None
         return web.json_response({"message": "Weight update started"})
 

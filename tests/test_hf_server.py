@@ -245,6 +245,7 @@ class NoShell:
         raise AssertionError(f"no command should run, got {command!r}")
 
 
+@pytest.mark.slow  # a `tmax serve` subprocess: 11 s idle, 30 s on a loaded 2-core box
 def test_killing_the_server_mid_episode_is_policy_unavailable(model_dir, tmp_path):
     port = free_port()
     argv = hf_server_command(model_dir, port=port, max_tokens=1000, served_model_name=MODEL)

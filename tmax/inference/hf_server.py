@@ -221,11 +221,13 @@ class HFServer:
     def _unsupported(self, body: dict[str, Any]) -> str | None:
         if body.get("stream"):
             return "hf-server does not stream; send stream: false"
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             return "hf-server samples one choice per request (n = 1)"
         if body.get("top_logprobs"):
             return "hf-server returns the sampled token's logprob only (top_logprobs = 0)"
         temperature = body.get("temperature")
+        if temperature is not None and not isinstance(temperature, int | float):
+            return "temperature must be a number"
         if temperature is not None and float(temperature) != self.policy.temperature:
             return (f"hf-server samples at temperature {self.policy.temperature} (its "
                     f"--temperature); the request asks for {temperature}")

@@ -103,7 +103,8 @@ def resolve_config(config_path: Path | None, provider: str | None, state_dir: Pa
 def _ask(state_dir: Path, message, timeout: float = 30.0) -> dict:
     import asyncio
 
-    from sandfleet.protocol import Connection, read_controller_info
+    from sandfleet.discovery import read_controller_info
+    from sandfleet.wire.transport import Connection
 
     info = read_controller_info(state_dir)
     if info is None:
@@ -139,7 +140,7 @@ def up_cmd(ctx: click.Context, config_path: Path | None, provider: str | None,
     import time
 
     from sandfleet.controller import controller_alive
-    from sandfleet.protocol import read_controller_info
+    from sandfleet.discovery import read_controller_info
     from sandfleet.providers import LocalProvider, SlurmProvider, make_provider, worker_argv
 
     state_dir = state_dir.absolute()
@@ -226,8 +227,9 @@ def down_cmd(state_dir: Path, timeout: float) -> None:
     import time
 
     from sandfleet.controller import controller_alive
-    from sandfleet.protocol import Shutdown, new_id, read_controller_info
+    from sandfleet.discovery import read_controller_info
     from sandfleet.runtime.base import proc_start_time
+    from sandfleet.wire.messages import Shutdown, new_id
 
     state_dir = state_dir.absolute()
     info = read_controller_info(state_dir)
@@ -252,7 +254,7 @@ def down_cmd(state_dir: Path, timeout: float) -> None:
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
 def status_cmd(state_dir: Path, output: str) -> None:
     """Nodes, leases held and queued, recent failures by cause."""
-    from sandfleet.protocol import Status, new_id
+    from sandfleet.wire.messages import Status, StatusReply, new_id, parse_result
 
     try:
         status = _ask(state_dir.absolute(), Status(id=new_id()), timeout=10)
@@ -261,24 +263,24 @@ def status_cmd(state_dir: Path, output: str) -> None:
     if output == "json":
         click.echo(json.dumps(status, indent=2))
         return
-    leases = status["leases"]
-    click.echo(f"controller {status['address']} (pid {status['pid']}, provider "
-               f"{status['provider']}, up {status['uptime_s']:.0f}s)")
-    click.echo(f"leases: {leases['held']} held, {leases['starting']} starting, "
-               f"{leases['queued']} queued")
-    click.echo(f"nodes: {len(status['nodes'])}")
-    for n in status["nodes"]:
-        click.echo(f"  {n['worker_id']:24} {n['state']:9} {n['node']:16} {n['address']:22} "
-                   f"{n['used_cpus']}/{n['slots']} cpus  {n['leases']} leases  "
-                   f"job {n['job_id'] or '-'}"
-                   + (f"  ends in {n['ends_in_s'] / 60:.0f} min" if n.get("ends_in_s") is not None
+    st = parse_result(StatusReply, status)
+    leases = st.leases
+    click.echo(f"controller {st.address} (pid {st.pid}, provider {st.provider}, "
+               f"up {st.uptime_s:.0f}s)")
+    click.echo(f"leases: {leases.held} held, {leases.starting} starting, "
+               f"{leases.queued} queued")
+    click.echo(f"nodes: {len(st.nodes)}")
+    for n in st.nodes:
+        click.echo(f"  {n.worker_id:24} {n.state:9} {n.node:16} {n.address:22} "
+                   f"{n.used_cpus}/{n.slots} cpus  {n.leases} leases  "
+                   f"job {n.job_id or '-'}"
+                   + (f"  ends in {n.ends_in_s / 60:.0f} min" if n.ends_in_s is not None
                       else ""))
-    if status["jobs"]:
-        click.echo("jobs: " + ", ".join(f"{j['job_id']} ({j['name']}, {j['state']})"
-                                        for j in status["jobs"]))
-    click.echo("failures: " + (", ".join(f"{k} {v}" for k, v in status["failures"].items())
+    if st.jobs:
+        click.echo("jobs: " + ", ".join(f"{j.job_id} ({j.name}, {j.state})" for j in st.jobs))
+    click.echo("failures: " + (", ".join(f"{k} {v}" for k, v in st.failures.items())
                                or "none"))
-    for f in status["recent_failures"][-5:]:
+    for f in st.recent_failures[-5:]:
         click.echo(f"  {f['cause']:14} {f.get('lease_id') or '-':24} {f['message'][:100]}")
 
 
@@ -288,7 +290,7 @@ def gc_cmd(state_dir: Path) -> None:
     """Remove this user's orphans of a fleet: jobs and state when its controller is dead,
     and on this node the sandboxes and work dirs of workers that are gone. Safe from cron."""
     from sandfleet.controller import controller_alive
-    from sandfleet.protocol import read_controller_info
+    from sandfleet.discovery import read_controller_info
     from sandfleet.worker import fleet_key, reap_dead_workers
 
     state_dir = state_dir.absolute()

@@ -38,36 +38,46 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Self
 
+from pydantic import ValidationError
+
 from sandfleet.config import FleetConfig
-from sandfleet.errors import ControllerUnreachable, InfraError, NodeLost
-from sandfleet.protocol import (
-    MAX_HEADER_BYTES,
+from sandfleet.discovery import read_controller_info
+from sandfleet.errors import (
+    ControllerUnreachable,
+    InfraError,
+    LeaseClosed,
+    NodeLost,
+    ProtocolError,
+    RemoteError,
+    UnknownLease,
+    error_from_dict,
+)
+from sandfleet.runtime.base import ExecResult
+from sandfleet.wire.frames import (
     MAX_PAYLOAD_BYTES,
     PREAUTH_HEADER_BYTES,
     PREFIX,
+    encode_frame,
+    recv_frame,
+)
+from sandfleet.wire.messages import (
     Acquire,
-    Connection,
     Exec,
     ExecReply,
     Get,
     Grant,
-    LeaseClosed,
     Ping,
     Put,
     Release,
-    RemoteError,
     Renew,
     Reply,
     Status,
-    UnknownLease,
     Verify,
     VerifyReply,
-    encode_frame,
-    error_from_dict,
     new_id,
-    read_controller_info,
+    parse_result,
 )
-from sandfleet.runtime.base import ExecResult
+from sandfleet.wire.transport import Connection, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +173,7 @@ class AsyncFleetClient:
                           max_lifetime_s=max_lifetime_s)
         timeout = wait + self.config.sandbox_start_timeout_s + 30
         result = await self.request(message, timeout=timeout, retry_s=max(self.retry_s, 5))
-        lease = AsyncLease(self, Grant.model_validate(
-            {k: v for k, v in result.items() if k in Grant.model_fields}))
+        lease = AsyncLease(self, parse_result(Grant, result))  # unknown fields kept
         self._leases.add(lease)
         lease.start_renewal()
         return lease
@@ -179,6 +188,7 @@ class AsyncFleetClient:
             await lease.release(quiet=True)
 
     async def status(self) -> dict:
+        """The controller's ``StatusReply``, as its JSON (``parse_result`` types it)."""
         return await self.request(Status(id=new_id()), retry_s=5)
 
     async def close(self) -> None:
@@ -236,7 +246,7 @@ class AsyncLease:
         """Push the expiry to now + ttl; raises why the lease ended if it did."""
         result = await self.client.request(Renew(id=new_id(), lease_id=self.lease_id),
                                            timeout=10, retry_s=retry_s)
-        self.expires_at = result["expires_at"]
+        self.expires_at = parse_result(Grant, result).expires_at
 
     async def release(self, *, quiet: bool = False) -> None:
         """Release the lease (idempotent); its sandbox is destroyed."""
@@ -322,7 +332,7 @@ class AsyncLease:
         result, data = await self._call(Exec(id=new_id(), lease_id=self.lease_id,
                                              command=command, timeout=timeout),
                                         timeout=timeout + EXEC_MARGIN_S)
-        reply = ExecReply.model_validate(result)
+        reply = parse_result(ExecReply, result)
         return ExecResult(data.decode("utf-8", "replace"), reply.exit_code, reply.timed_out,
                           reply.oom, reply.duration_s)
 
@@ -353,7 +363,7 @@ class AsyncLease:
                          command=list(command), cwd=cwd, env=env or {}, timeout=timeout,
                          agent_system=agent_system)
         result, logs = await self._call(message, data, timeout=timeout + 120)
-        reply = VerifyReply.model_validate(result)
+        reply = parse_result(VerifyReply, result)
         out = await asyncio.to_thread(_untar_to, logs, Path(dest))
         return ExecResult(reply.output, reply.exit_code, reply.timed_out, reply.oom,
                           reply.duration_s), out
@@ -487,7 +497,7 @@ class Lease:
         except Exception as e:  # noqa: BLE001 - mapped to what the caller should see
             self._drop()
             raise self._client._run(self.aio.explain(e)) from None
-        reply = ExecReply.model_validate(result)
+        reply = parse_result(ExecReply, result)
         return ExecResult(data.decode("utf-8", "replace"), reply.exit_code, reply.timed_out,
                           reply.oom, reply.duration_s)
 
@@ -506,8 +516,8 @@ class Lease:
                 and self._stale(self._sock):
             self._drop()  # the worker closed it, or will: reconnect instead
         if self._sock is None:
-            host, _, port = self.aio.worker_address.rpartition(":")
-            self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+            self._sock = socket.create_connection(parse_address(self.aio.worker_address),
+                                                  timeout=10)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(frame) - PREFIX.size > PREAUTH_HEADER_BYTES:  # too large to authenticate
                 ping = new_id("p")
@@ -516,11 +526,11 @@ class Lease:
         sock.settimeout(timeout)
         sock.sendall(frame)
         while True:
-            header_len, payload_len = PREFIX.unpack(_recv_exactly(sock, PREFIX.size))
-            if not 2 <= header_len <= MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
-                raise ConnectionResetError("bad frame from the worker")
-            reply = Reply.model_validate_json(_recv_exactly(sock, header_len))
-            data = _recv_exactly(sock, payload_len) if payload_len else b""
+            try:  # the frames of every connection: sandfleet.wire.frames
+                header, data = recv_frame(sock)
+                reply = Reply.model_validate(header)
+            except (ProtocolError, ValidationError) as e:
+                raise ConnectionResetError(f"bad frame from the worker: {e}") from None
             if reply.id == message.id:
                 break
             if reply.id != ping or not ping:
@@ -563,16 +573,6 @@ class Lease:
     def release(self, *, quiet: bool = False) -> None:
         self._drop()
         self._client._run(self.aio.release(quiet=quiet))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionResetError("the worker closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 __all__ = ["AsyncFleetClient", "AsyncLease", "FleetClient", "Lease"]

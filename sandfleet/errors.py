@@ -1,4 +1,7 @@
-"""Infrastructure failures: one exception family, each instance carrying its cause.
+"""Sandfleet's exceptions, one family under ``SandfleetError``, and their wire form.
+
+Two branches: ``InfraError`` (infrastructure) and ``RemoteError`` (a request the fleet
+refused: a bad request, a bad token, a released lease, broken framing).
 
 An ``InfraError`` is a failure the policy did not cause: rollouts record it as
 ``infra_failure`` with its ``cause`` and the trainer masks it instead of scoring a zero.
@@ -8,7 +11,9 @@ never exceptions.
 Every error carries plain data (strings, numbers) named by ``fields``, so it pickles
 across processes and crosses the wire as ``to_dict()``; ``InfraError.from_dict`` rebuilds
 it on the other side from the allow-list ``ERRORS`` (an unknown name becomes a plain
-``InfraError`` that keeps the message and cause).
+``InfraError`` that keeps the message and cause). A ``RemoteError`` crosses as
+``{"error": <name>, "message": ...}`` and is rebuilt from ``REMOTE_ERRORS``;
+``error_to_dict`` and ``error_from_dict`` are the two ends of an error reply.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, ClassVar
 
 class SandfleetError(Exception):
     """The root of every error sandfleet raises: ``InfraError`` (infrastructure) and
-    ``sandfleet.protocol.RemoteError`` (a request the fleet refused)."""
+    ``RemoteError`` (a request the fleet refused)."""
 
 
 class InfraError(SandfleetError):
@@ -31,7 +36,7 @@ class InfraError(SandfleetError):
         self.message = message
         super().__init__(message)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[InfraError], tuple[Any, ...]]:
         return (type(self), tuple(getattr(self, f) for f in self.fields))
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,3 +147,71 @@ class ControllerUnreachable(_WithReason):
 ERRORS: dict[str, type[InfraError]] = {cls.__name__: cls for cls in (
     InfraError, SandboxLost, LeaseExpired, SandboxStartError, ImageMissing, NodeLost,
     CapacityTimeout, ControllerUnreachable)}
+
+
+# ---- errors that are not infrastructure failures
+
+
+class RemoteError(SandfleetError):
+    """An error reply that is not an infrastructure failure (a bad request, a bad token)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": type(self).__name__, "message": self.message}
+
+
+class ProtocolError(RemoteError):
+    """Broken framing: the connection is closed."""
+
+
+class BadRequest(RemoteError):
+    """A message that does not parse or validate, or asks for something impossible."""
+
+
+class Unauthorized(RemoteError):
+    """A missing or wrong fleet token."""
+
+
+class UnknownLease(RemoteError):
+    """A worker that holds no such lease (the controller knows why: ask it)."""
+
+
+class LeaseClosed(RemoteError):
+    """A lease its holder already released."""
+
+
+REMOTE_ERRORS: dict[str, type[Exception]] = {
+    **{cls.__name__: cls for cls in (RemoteError, BadRequest, Unauthorized, UnknownLease,
+                                     LeaseClosed)},
+    "FileNotFoundError": FileNotFoundError,
+    "TimeoutError": TimeoutError,
+}
+"""The error replies other than ``ERRORS`` that are rebuilt as themselves (ProtocolError is
+not among them: it is raised where the framing breaks, never sent)."""
+
+
+def error_to_dict(exc: BaseException) -> dict[str, Any]:
+    """The wire form of an exception raised by a handler (a pydantic ValidationError is a
+    ValueError: BadRequest)."""
+    if isinstance(exc, (InfraError, RemoteError)):
+        return exc.to_dict()
+    if isinstance(exc, (FileNotFoundError, TimeoutError)):
+        return {"error": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, (ValueError, KeyError)):
+        return {"error": "BadRequest", "message": str(exc)[:2000]}
+    return {"error": "RemoteError", "message": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def error_from_dict(data: dict[str, Any]) -> Exception:
+    """Rebuild an error reply: infra errors from ``ERRORS``, others from ``REMOTE_ERRORS``."""
+    name = str(data.get("error", ""))
+    if name in ERRORS:
+        return InfraError.from_dict(data)
+    cls = REMOTE_ERRORS.get(name, RemoteError)
+    message = str(data.get("message", name))
+    if cls is RemoteError and name not in REMOTE_ERRORS:
+        message = f"{name}: {message}"
+    return cls(message)

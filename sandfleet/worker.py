@@ -49,37 +49,36 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from sandfleet.config import FleetConfig, fleet_config_of, fleet_key
-from sandfleet.errors import InfraError, SandboxLost
-from sandfleet.protocol import (
-    MAX_PAYLOAD_BYTES,
-    BadRequest,
-    Connection,
-    Exec,
-    ExecReply,
-    Get,
-    Heartbeat,
-    LeaseActivity,
-    Peer,
-    Ping,
-    Put,
-    Register,
-    RemoteError,
-    Server,
-    Shutdown,
-    StartSandbox,
-    StopSandbox,
-    UnknownLease,
-    Verify,
-    VerifyReply,
-    new_id,
-    parse_address,
-    read_controller_info,
-    run_event_loop,
-    write_private,
-)
+from sandfleet.discovery import read_controller_info, write_private
+from sandfleet.errors import BadRequest, InfraError, RemoteError, SandboxLost, UnknownLease
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import ExecResult, SandboxSpec, proc_start_time
 from sandfleet.shell import AsyncShellSession
+from sandfleet.wire.frames import MAX_PAYLOAD_BYTES
+from sandfleet.wire.messages import (
+    Exec,
+    ExecReply,
+    FileReply,
+    Get,
+    Heartbeat,
+    HeartbeatReply,
+    LeaseActivity,
+    Ping,
+    Put,
+    Register,
+    RegisterReply,
+    Shutdown,
+    ShutdownReply,
+    StartReply,
+    StartSandbox,
+    StopReply,
+    StopSandbox,
+    Verify,
+    VerifyReply,
+    new_id,
+    parse_result,
+)
+from sandfleet.wire.transport import Connection, Peer, Server, parse_address, run_event_loop
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +274,7 @@ class Worker:
             node=self.node, slots=self.config.cpus_per_node,
             memory_mb=self.config.memory_mb_per_node, job_id=self.job_id,
             ends_at=self.ends_at, leases=self._activity()), timeout=10)
-        keep = set(reply.get("keep", []))
+        keep = set(parse_result(RegisterReply, reply).keep)
         for lease_id in list(self.leases):
             if lease_id not in keep:
                 self._spawn(self._stop(lease_id, "the controller does not know its lease"))
@@ -291,18 +290,19 @@ class Worker:
                     await self._register(conn)
                     registered = True
                 lost = dict(self.lost)
-                reply, _ = await conn.request(Heartbeat(
+                result, _ = await conn.request(Heartbeat(
                     id=new_id(), worker_id=self.worker_id, leases=self._activity(), lost=lost),
                     timeout=max(2.0, 2 * self.config.heartbeat_s))
+                reply = parse_result(HeartbeatReply, result)
                 last_ok = time.monotonic()
                 for lease_id, reason in lost.items():
                     if self.lost.get(lease_id) == reason:
                         del self.lost[lease_id]
                         self._spawn(self._stop(lease_id, "lost"))
-                if not reply.get("known", True):
+                if not reply.known:
                     registered = False
                     continue
-                for lease_id in reply.get("stop", []):
+                for lease_id in reply.stop:
                     self._spawn(self._stop(lease_id, "the controller ended its lease"))
             except (ConnectionError, OSError, RemoteError) as e:
                 registered = registered and not isinstance(e, RemoteError)
@@ -351,12 +351,12 @@ class Worker:
             return await self._start(req)
         if isinstance(req, StopSandbox):
             await self._stop(req.lease_id, req.reason)
-            return {"stopped": True}
+            return StopReply()
         if isinstance(req, Ping):
             return {"role": "worker", "worker_id": self.worker_id, "leases": len(self.leases)}
         if isinstance(req, Shutdown):
             self._stopping.set()
-            return {"stopping": True}
+            return ShutdownReply()
         raise BadRequest(f"a worker does not serve {req.type!r}")
 
     def _held(self, lease_id: str) -> Held:
@@ -368,15 +368,15 @@ class Worker:
             raise SandboxLost(lease_id, held.lost)
         return held
 
-    async def _start(self, req: StartSandbox) -> dict:
+    async def _start(self, req: StartSandbox) -> StartReply:
         held = self.leases.get(req.lease_id)
         if held is not None:  # a retried start: wait for the first one
             await asyncio.shield(held.ready)
-            return {"started": True}
+            return StartReply()
         if self._stopping.is_set():
             raise BadRequest("worker shutting down")
         try:
-            spec = SandboxSpec.from_dict(req.spec)
+            spec = SandboxSpec.from_dict(req.spec.model_dump())
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad sandbox spec: {e}") from None
         held = Held(req.lease_id, spec, ready=asyncio.get_running_loop().create_future())
@@ -397,7 +397,7 @@ class Worker:
         held.ready.set_result(True)
         if self.leases.get(req.lease_id) is not held:  # stopped while starting
             await self._teardown(held)
-        return {"started": True}
+        return StartReply()
 
     async def _stop(self, lease_id: str, reason: str) -> None:
         held = self.leases.pop(lease_id, None)
@@ -429,7 +429,7 @@ class Worker:
                 held.touch()
         reply = ExecReply(exit_code=result.exit_code, timed_out=result.timed_out,
                           oom=result.oom, duration_s=result.duration_s)
-        return reply.model_dump(), result.output.encode("utf-8", "replace")
+        return reply, result.output.encode("utf-8", "replace")
 
     async def _pinned(self, held: Held, work):
         """``work()`` in the executor as the lease's one operation at a time, pinning it
@@ -460,7 +460,7 @@ class Worker:
         self._mark_lost(held, lost.reason)
         return lost
 
-    async def _put(self, req: Put, payload: bytes) -> dict:
+    async def _put(self, req: Put, payload: bytes) -> FileReply:
         dest = _abs_path(req.path)
         if "/" in req.name or req.name in (".", ".."):
             raise BadRequest(f"put: bad name {req.name!r}")
@@ -473,7 +473,7 @@ class Worker:
                 self.runtime.copy_in(req.lease_id, src, dest)
 
         await self._pinned(held, work)
-        return {"path": dest, "bytes": len(payload)}
+        return FileReply(path=dest, bytes=len(payload))
 
     async def _get(self, req: Get):
         src = _abs_path(req.path)
@@ -488,7 +488,7 @@ class Worker:
                 return tar_bounded(local, name, MAX_PAYLOAD_BYTES)
 
         data = await self._pinned(held, work)
-        return {"path": src, "bytes": len(data)}, data
+        return FileReply(path=src, bytes=len(data)), data
 
     async def _verify(self, req: Verify, payload: bytes):
         if "/" in req.name or req.name in (".", ".."):
@@ -510,7 +510,7 @@ class Worker:
         reply = VerifyReply(exit_code=result.exit_code, timed_out=result.timed_out,
                             oom=result.oom, duration_s=result.duration_s,
                             output=result.output[-65536:])
-        return reply.model_dump(), data
+        return reply, data
 
     def _xfer_dir(self) -> Path:
         path = self.work / "xfer"

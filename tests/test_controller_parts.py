@@ -26,7 +26,7 @@ from sandfleet.controller.journal import (
 from sandfleet.controller.placement import Queues, best_fit, desired_nodes
 from sandfleet.controller.scaler import Scaler
 from sandfleet.controller.state import Job, Lease, Node, Registry, Waiter
-from sandfleet.protocol import Acquire
+from sandfleet.wire.messages import Acquire
 
 SPEC = {"image": "/i.sif", "cpus": 2, "memory_mb": 512, "storage_mb": 1024,
         "network": False, "max_lifetime_s": 3600.0, "env": {}, "workdir": "/",

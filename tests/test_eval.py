@@ -321,8 +321,7 @@ def test_an_interrupted_eval_resumes_to_the_same_summary(example_store, example_
 @pytest.mark.sandbox
 def test_a_private_fleet_is_stopped_even_when_the_block_fails(example_store, example_fleet,
                                                               tmp_path):
-    from sandfleet.controller import controller_alive
-    from sandfleet.protocol import read_controller_info
+    from sandfleet import controller_alive, read_controller_info
     from tmax.rollout.run import rollout
 
     seen = {}

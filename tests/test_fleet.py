@@ -24,33 +24,24 @@ import yaml
 
 from sandfleet.client import AsyncFleetClient, FleetClient
 from sandfleet.config import FleetConfig, load_config
+from sandfleet.discovery import read_controller_info
 from sandfleet.errors import (
+    BadRequest,
     CapacityTimeout,
     ControllerUnreachable,
     ImageMissing,
+    LeaseClosed,
     LeaseExpired,
     NodeLost,
-    SandboxLost,
-)
-from sandfleet.protocol import (
-    PREFIX,
-    Acquire,
-    BadRequest,
-    Connection,
-    Exec,
-    LeaseClosed,
-    Ping,
     ProtocolError,
-    Put,
-    Status,
+    SandboxLost,
     Unauthorized,
-    encode_frame,
     error_from_dict,
-    new_id,
-    read_controller_info,
-    read_frame,
 )
 from sandfleet.runtime.base import proc_start_time
+from sandfleet.wire.frames import PREFIX, encode_frame, read_frame
+from sandfleet.wire.messages import Acquire, Exec, Ping, Put, Status, new_id
+from sandfleet.wire.transport import Connection
 
 REPO = Path(__file__).resolve().parents[1]
 SANDFLEET = [sys.executable, "-m", "sandfleet.cli"]

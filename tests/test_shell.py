@@ -14,7 +14,6 @@ import time
 import pytest
 
 from sandfleet.errors import SandboxLost
-from sandfleet.protocol import new_event_loop
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.local import LocalRuntime
 from sandfleet.shell import (
@@ -25,6 +24,7 @@ from sandfleet.shell import (
     _Scanner,
     spawned_since,
 )
+from sandfleet.wire.transport import new_event_loop
 
 OWNER = f"sh{os.getpid()}"
 

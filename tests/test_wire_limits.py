@@ -24,19 +24,9 @@ from typing import Self
 import pytest
 
 from sandfleet.client import FleetClient
-from sandfleet.protocol import (
-    MAX_PAYLOAD_BYTES,
-    PREAUTH_HEADER_BYTES,
-    PREFIX,
-    Connection,
-    Exec,
-    Ping,
-    Put,
-    Server,
-    WireLimits,
-    new_id,
-    read_frame,
-)
+from sandfleet.wire.frames import MAX_PAYLOAD_BYTES, PREAUTH_HEADER_BYTES, PREFIX, read_frame
+from sandfleet.wire.messages import Exec, Ping, Put, new_id
+from sandfleet.wire.transport import Connection, Server, WireLimits
 from tests.test_fleet import Fleet
 
 TOKEN = "the-fleets-token"
@@ -126,16 +116,16 @@ async def _probe(port: int, server: Server, *, token: str = "wrong-token",
 @pytest.fixture
 def counted(monkeypatch):
     """Bytes the servers' transports handed to their connections, in all."""
-    from sandfleet import protocol
+    from sandfleet.wire import transport
 
     total = [0]
-    original = protocol._Served.data_received
+    original = transport._Served.data_received
 
     def data_received(self, data: bytes) -> None:
         total[0] += len(data)
         original(self, data)
 
-    monkeypatch.setattr(protocol._Served, "data_received", data_received)
+    monkeypatch.setattr(transport._Served, "data_received", data_received)
     return total
 
 
@@ -265,7 +255,7 @@ def test_the_per_peer_caps_refuse_the_next_connection_and_log_once(caplog):
             for conn in [*good, extra, again]:
                 await conn.close()
 
-    with caplog.at_level(logging.WARNING, logger="sandfleet.protocol"):
+    with caplog.at_level(logging.WARNING, logger="sandfleet.wire"):
         asyncio.run(go())
     rejected = [r for r in caplog.records if "rejected" in r.getMessage()]
     assert len(rejected) == 1, [r.getMessage() for r in rejected]  # 9 refusals, one line

@@ -40,30 +40,31 @@ from sandfleet.controller.placement import Queues
 from sandfleet.controller.pool import WorkerPool
 from sandfleet.controller.scaler import Scaler
 from sandfleet.controller.state import Job, Lease, Node, Registry, Waiter
-from sandfleet.errors import CapacityTimeout, InfraError, NodeLost, SandboxLost
-from sandfleet.protocol import (
-    Acquire,
+from sandfleet.discovery import ControllerInfo, read_controller_info, write_private
+from sandfleet.errors import (
     BadRequest,
-    ControllerInfo,
+    CapacityTimeout,
+    InfraError,
+    LeaseClosed,
+    NodeLost,
+    SandboxLost,
+)
+from sandfleet.providers.base import Provider
+from sandfleet.runtime.base import proc_start_time
+from sandfleet.wire.messages import (
+    Acquire,
     Heartbeat,
     LeaseActivity,
-    LeaseClosed,
-    Peer,
     Ping,
     Register,
     Release,
     Renew,
-    Server,
     Shutdown,
     StartSandbox,
     Status,
     new_id,
-    read_controller_info,
-    run_event_loop,
-    write_private,
 )
-from sandfleet.providers.base import Provider
-from sandfleet.runtime.base import proc_start_time
+from sandfleet.wire.transport import Peer, Server, run_event_loop
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from pydantic_core import to_json
 
-from sandfleet.protocol import settle
+from sandfleet.wire.frames import settle
 
 log = logging.getLogger(__name__)
 

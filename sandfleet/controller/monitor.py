@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 from sandfleet.controller.state import Lease, Node, Registry
 from sandfleet.errors import LeaseExpired, SandboxLost
-from sandfleet.protocol import LeaseActivity
+from sandfleet.wire.messages import LeaseActivity
 
 FORGET_LOST_AFTER_S = 600.0
 """A lost node stays in the status this long."""

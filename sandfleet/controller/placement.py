@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from sandfleet.config import FleetConfig
 from sandfleet.controller.state import Node, Waiter
-from sandfleet.protocol import Acquire
+from sandfleet.wire.messages import Acquire
 
 
 def desired_nodes(queued_cpus: int, held_cpus: int, config: FleetConfig) -> int:

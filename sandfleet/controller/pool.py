@@ -7,7 +7,8 @@ import functools
 import logging
 
 from sandfleet.controller.state import Node
-from sandfleet.protocol import Connection, StopSandbox, new_id
+from sandfleet.wire.messages import StopSandbox, new_id
+from sandfleet.wire.transport import Connection
 
 log = logging.getLogger(__name__)
 

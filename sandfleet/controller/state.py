@@ -23,7 +23,7 @@ from sandfleet.controller.journal import (
     Replayed,
 )
 from sandfleet.errors import NodeLost
-from sandfleet.protocol import Acquire
+from sandfleet.wire.messages import Acquire
 
 ENDED_KEEP = 100_000
 """Ended leases remembered (so a late renew learns why its lease ended)."""

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tmax.train.backends.config import TrainerSection
+
 
 class TrainConfigError(Exception):
     def __init__(self, source: str, problems: list[str]):
@@ -127,6 +129,7 @@ class TrainConfig(_Strict):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     algo: AlgoSection = Field(default_factory=AlgoSection)
     optim: OptimSection = Field(default_factory=OptimSection)
+    trainer: TrainerSection = TrainerSection()
 
     @property
     def run_dir(self) -> Path:

@@ -142,35 +142,41 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     model, tokenizer = prepare_model(config, tasks, run_dir, agent_config, progress)
     if config.model.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    run_event_loop(_rl(config, run_dir, tasks, model, tokenizer, agent_config, progress))
+    # The torch backend trains ``model`` in place; another backend may take its parameters
+    # over (ZeRO-3 partitions them), so the engine and the final save use a whole copy.
+    whole = model if config.trainer.backend == "torch" else copy.deepcopy(model)
+    final = run_event_loop(_rl(config, run_dir, tasks, model, whole, tokenizer, agent_config,
+                               progress))
     from tmax.models.tiny import save_pretrained_dir
 
-    save_pretrained_dir(model, tokenizer, run_dir / "final")  # for `tmax eval --policy hf:...`
+    if whole is not model:
+        whole.load_state_dict(final)
+    save_pretrained_dir(whole, tokenizer, run_dir / "final")  # for `tmax eval --policy hf:...`
     return run_dir
 
 
-async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent_config,
-              progress: bool) -> None:
+async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer,
+              agent_config, progress: bool) -> dict[str, torch.Tensor]:
+    """The RL steps; returns the final weights. ``model`` goes to the trainer backend,
+    ``whole`` (``model`` itself with the torch backend) seeds the inference engine."""
     from tqdm.auto import tqdm
 
     from tmax.fleet import open_fleet
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
+    from tmax.train.backends import make_trainer
     from tmax.train.rollouts import GroupSampler
-    from tmax.train.trainer import Trainer, samples_of
+    from tmax.train.trainer import samples_of
 
-    trainer = Trainer(model, algo=config.algo, optim=config.optim, total_steps=config.steps,
-                      temperature=config.rollout.temperature,
-                      fp32_head=config.model.fp32_lm_head,
-                      pad_id=tokenizer.pad_token_id or 0,
-                      max_len=model.config.max_position_embeddings)
+    trainer = make_trainer(config, model, pad_id=tokenizer.pad_token_id or 0,
+                           max_len=model.config.max_position_embeddings)
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         trainer.load(ckpt)
         log.info("resumed from %s (step %d)", ckpt, trainer.step_count)
         keep_metrics_until(run_dir / "metrics.jsonl", trainer.step_count)
-    engine = make_engine(config, model, tokenizer)
-    engine.update_weights(model.state_dict(), trainer.step_count)
+    engine = make_engine(config, whole, tokenizer)
+    engine.update_weights(trainer.export_weights(), trainer.step_count)
     images = TaskImages(config.tasks.image_store or default_store())
     rollouts_path, metrics_path = run_dir / "rollouts.jsonl", run_dir / "metrics.jsonl"
     step0 = trainer.step_count
@@ -202,7 +208,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent
                     raise TrainError("the step's rollouts carry no token ids: the inference "
                                      "engine must report them (engine=transformers does)")
                 metrics = await asyncio.to_thread(trainer.step, samples)
-                await asyncio.to_thread(engine.update_weights, model.state_dict(),
+                await asyncio.to_thread(engine.update_weights, trainer.export_weights(),
                                         trainer.step_count)
                 metrics.update(step_metrics(sampler.take_stats(), groups, step))
                 metrics.update(step=trainer.step_count, wait_seconds=waited,
@@ -218,6 +224,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, tokenizer, agent
             bar.close()
             await sampler.stop()
     write_plots(run_dir)
+    return trainer.export_weights()
 
 
 def step_metrics(stats, groups, step: int) -> dict[str, float]:

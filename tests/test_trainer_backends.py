@@ -256,8 +256,17 @@ def scenario_head(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"seen": seen, **results}
 
 
+def scenario_stages(rank: int, world: int, out: Path) -> dict[str, Any]:
+    weights = {}
+    for stage in (1, 2):
+        trainer = make_ds(zero_stage=stage)
+        trainer.step(shard(batch(1), rank, world))
+        weights[stage] = trainer.export_weights()
+    return weights
+
+
 SCENARIOS = {"step": scenario_step, "dropped": scenario_dropped, "resume": scenario_resume,
-             "head": scenario_head}
+             "head": scenario_head, "stages": scenario_stages}
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
@@ -347,6 +356,16 @@ def test_weights_after_one_step_agree_with_torch(ds_runs, world):
     runs = ds_runs(world)
     assert_close(runs[0]["step"]["weights"], weights, 1e-5)
     assert all(run["step"]["weights"] == {} for run in runs[1:])  # rank 0 only
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero_stages_1_and_2_make_the_same_update(ds_runs, world):
+    _, _, weights = torch_reference(batch(1))
+    for stage, exported in ds_runs(world)[0]["stages"].items():
+        assert set(exported) == set(weights), stage
+        assert_close(exported, weights, 1e-5)
 
 
 @needs_deepspeed

@@ -209,8 +209,13 @@ class DeepSpeedTrainer:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The step's full gradient of every parameter (collective; between
-        ``forward_backward`` and ``optimizer_step``), float32 on CPU, by name."""
+        ``forward_backward`` and ``optimizer_step``), float32 on CPU, by name. ZeRO-3 only:
+        stages 0-2 reduce gradients inside ``engine.step()``."""
         from deepspeed.utils import safe_get_full_grad
+
+        if self.trainer_cfg.zero_stage != 3:
+            raise NotImplementedError("full_gradients needs zero_stage 3 (stages 0-2 reduce "
+                                      "the gradients inside the optimizer step)")
 
         out = {}
         for name, p in self.model.named_parameters():

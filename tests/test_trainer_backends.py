@@ -130,6 +130,14 @@ def test_deepspeed_config_is_built_exactly():
                                  "bf16": {"enabled": True}, "steps_per_print": 10}
 
 
+def test_precision_auto_is_bf16_on_gpu_only():
+    from tmax.train.backends.config import uses_bf16
+
+    auto, fp32, bf16 = (TrainerSection(precision=p) for p in ("auto", "fp32", "bf16"))
+    assert [uses_bf16(t, cuda=c) for t in (auto, fp32, bf16) for c in (True, False)] == \
+        [True, False, False, False, True, True]
+
+
 def test_trainer_section_loads_strictly_and_defaults_to_torch():
     assert load_train_config(None).trainer == TrainerSection()
     config = load_train_config(None, ["trainer.backend=deepspeed", "trainer.zero_stage=3",

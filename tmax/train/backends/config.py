@@ -44,6 +44,11 @@ class TrainerSection(BaseModel):
         "built DeepSpeed config (a mapping merges key by key, any other value replaces).")
 
 
+def uses_bf16(trainer: TrainerSection, *, cuda: bool) -> bool:
+    """``trainer.precision`` resolved: auto is bf16 on GPU (``cuda``), fp32 on CPU."""
+    return trainer.precision == "bf16" or (trainer.precision == "auto" and cuda)
+
+
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``override`` merged in (new dict; nested mappings merge key by key)."""
     out = copy.deepcopy(base)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tmax.train.backends.base import weights_dir, write_weights_folder
-from tmax.train.backends.config import TrainerSection, build_deepspeed_config
+from tmax.train.backends.config import TrainerSection, build_deepspeed_config, uses_bf16
 from tmax.train.config import AlgoSection, OptimSection
 from tmax.train.trainer import (
     Sample,
@@ -131,8 +131,8 @@ class DeepSpeedTrainer:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        bf16 = trainer.precision == "bf16" or (trainer.precision == "auto" and cuda)
-        self.ds_config = build_deepspeed_config(trainer, optim, bf16=bf16)
+        self.ds_config = build_deepspeed_config(trainer, optim,
+                                                bf16=uses_bf16(trainer, cuda=cuda))
         if fp32_head:
             install_fp32_head(model)
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, total_steps)

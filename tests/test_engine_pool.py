@@ -77,6 +77,14 @@ def test_turns_spread_over_engines_and_a_dead_one_is_an_infra_failure(model_dir)
                 await pool.complete(CHAT)
             with pytest.raises(PolicyUnavailable, match="no inference engine is up"):
                 await pool.complete(CHAT)
+            # with a replacement on its way, a new turn waits for it instead of failing
+            pool.wait_for_engine_s = 60
+            with Served(model_dir, 1) as again:
+                waiting = asyncio.ensure_future(pool.complete(CHAT))
+                await asyncio.sleep(0.3)
+                assert not waiting.done()
+                pool.add(engine(again.servers[0]))
+                assert (await waiting).completion_ids
             await ea.aclose()
             await eb.aclose()
 
@@ -103,9 +111,9 @@ def test_a_sync_reaches_every_engine_and_a_refused_one_stops_the_run(model_dir, 
             (tmp_path / "bad" / "v00000002").mkdir(parents=True)  # no marker: incomplete
             with pytest.raises(WeightSyncError, match="2 attempts failed"):
                 await pool.sync(tmp_path / "bad" / "v00000002", 2)
-            assert pool.version == 1 and len(pool.live) == 2
+            assert (pool.version, pool.target) == (1, 1) and len(pool.live) == 2
             with pytest.raises(WeightSyncError, match="sync it before adding it"):
-                pool.add(HttpEngine(a.url, "tiny"))
+                pool.add(HttpEngine(a.url, "tiny"))  # it knows version 0 only
             await ea.aclose()
             await eb.aclose()
 

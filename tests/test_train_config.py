@@ -41,3 +41,39 @@ def test_shipped_gpu_config_without_scratch_is_a_clear_error(monkeypatch):
 def test_overrides_expand_too(monkeypatch):
     monkeypatch.setenv("RUNS", "/r")
     assert load_train_config(None, ["out_dir=${RUNS}/{name}"]).run_dir == Path("/r/tiny-cpu")
+
+
+def test_the_shipped_gpu_configs_print_their_exact_launch(monkeypatch):
+    """--dry-run shows each vLLM server's command line and the DeepSpeed config exactly as
+    the launch runs them."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from tmax.train.cli import main
+    from tmax.train.processes import launch_plan
+
+    monkeypatch.setenv("SCRATCH", "/scratch/u")
+    config = load_train_config(REPO / "configs" / "qwen3.5-9b.yaml")
+    plan = launch_plan(config)
+    run = "/scratch/u/tmax/runs/qwen3.5-9b"
+    assert len(plan["inference"]) == 6
+    assert plan["inference"][1] == {"env": {"VLLM_SERVER_DEV_MODE": "1"}, "command": (
+        f"vllm serve {run}/init --served-model-name qwen3.5-9b --host 0.0.0.0 --port 8001 "
+        "--tensor-parallel-size 1 --data-parallel-size 8 --dtype bfloat16 "
+        "--gpu-memory-utilization 0.85 --seed 1 --logprobs-mode processed_logprobs "
+        "--generation-config vllm --max-model-len 65536 "
+        "--hf-overrides '{\"head_dtype\": \"float32\"}' "
+        "--weight-transfer-config '{\"backend\": \"disk\"}'")}
+    trainer = plan["trainer"]
+    assert trainer["command"] == f"{sys.executable} -m tmax.train.processes trainer {run}"
+    assert (trainer["ranks"], trainer["backend"], trainer["precision"]) == \
+        (16, "deepspeed", "bf16")
+    ds = trainer["deepspeed_config"]
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["params"]["lr"] == 1e-6 and ds["gradient_clipping"] == 1.0
+    out = CliRunner().invoke(main, ["--config", str(REPO / "configs" / "qwen3.6-27b.yaml"),
+                                    "--dry-run"])
+    assert out.exit_code == 0, out.output
+    assert "--tensor-parallel-size 2 --data-parallel-size 4" in out.output
+    assert "ranks: 32" in out.output and "stage: 3" in out.output

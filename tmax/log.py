@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUIET = ("httpx", "httpcore", "aiohttp.access")
+"""Libraries that log every request at INFO: shown from -vv (DEBUG) only."""
 
 
 def setup(verbose: int = 0, *, default: int = logging.WARNING) -> None:
@@ -16,3 +18,6 @@ def setup(verbose: int = 0, *, default: int = logging.WARNING) -> None:
     if not root.handlers:
         logging.basicConfig(format=FORMAT)
     root.setLevel(level)
+    for chatty in QUIET:  # one line per HTTP request is noise unless debugging
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING) if level > logging.DEBUG
+                                           else level)

@@ -90,7 +90,7 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
     log: list[str] = []
     rewards: dict[str, float | None] = {"nop": None, "oracle": None}
     starts, reason, note = True, "", ""
-    modes = ("nop", "oracle")
+    modes: tuple[str, ...] = ("nop", "oracle")
     if not task.has_solution:
         modes, note = ("nop",), f"no reference solution ({SOLVE_SCRIPT}): oracle not checked"
         log.append(f"## oracle: {note}")

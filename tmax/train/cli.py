@@ -46,7 +46,9 @@ def env_report(output: str) -> None:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               default=None, help="Training config (YAML), e.g. configs/tiny-cpu.yaml; "
               "default: the embedded tiny CPU defaults.")
-@click.option("--dry-run", is_flag=True, help="Print the resolved config and exit.")
+@click.option("--dry-run", is_flag=True, help="Print the resolved config (and with "
+              "distributed.enabled each server's and the trainer's command line and the "
+              "DeepSpeed config) and exit.")
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
               help="For `tmax-train env`.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
@@ -75,15 +77,28 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
     if dry_run:
         import yaml
 
+        from tmax.train.processes import launch_plan
+
         click.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        if config.distributed.enabled:
+            click.echo("# --- the launch (distributed.enabled): every command as it runs\n"
+                       + yaml.safe_dump({"launch": launch_plan(config)}, sort_keys=False,
+                                        width=1000))
         return
     log.setup(default=logging.INFO)
+    from tmax.inference.base import EngineError
+    from tmax.train.handover import HandoverError
     from tmax.train.loop import TrainError, read_metrics, train
+    from tmax.train.processes import TrainProcessError, run_processes
     from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
 
     try:
-        run_dir = train(config, progress=not quiet)
-    except (TrainError, RolloutsFailing, NoUsableGroups) as e:
+        if config.distributed.enabled:
+            run_dir = run_processes(config, progress=not quiet)
+        else:
+            run_dir = train(config, progress=not quiet)
+    except (TrainError, RolloutsFailing, NoUsableGroups, TrainProcessError, HandoverError,
+            EngineError) as e:
         raise click.ClickException(str(e)) from None
     rows = read_metrics(run_dir)
     curve = " ".join(f"{r['reward_mean']:.2f}" for r in rows)

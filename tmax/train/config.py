@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tmax.train.backends.config import TrainerSection
 
@@ -108,6 +108,49 @@ class OptimSection(_Strict):
                                   "gradients accumulate over the step's batch.")
 
 
+class DistributedSection(_Strict):
+    enabled: bool = Field(False, description="Run the inference servers, the trainer's "
+                          "ranks and the orchestrator as separate processes that hand over "
+                          "batches and weights through files in the run folder (off: one "
+                          "process holds everything, the embedded default).")
+    inference_servers: int = Field(1, ge=1, description="Inference servers (hf-server for "
+                                   "engine=transformers).")
+    trainer_ranks: int = Field(1, ge=1, description="Trainer processes (torch.distributed "
+                               "ranks; more than 1 needs trainer.backend=deepspeed).")
+    max_batch: int = Field(16, ge=1, description="Requests one hf-server generates together.")
+    batch_timeout_s: float = Field(3600.0, gt=0, description="How long the trainer waits "
+                                   "for a step's batch before it gives up.")
+    weights_timeout_s: float = Field(1800.0, gt=0, description="How long the orchestrator "
+                                     "waits for weights the staleness bound needs.")
+    server_start_timeout_s: float = Field(600.0, gt=0, description="Deadline for an "
+                                          "inference server to answer /health.")
+    stale_after_s: float = Field(120.0, gt=0, description="A process whose heartbeat file "
+                                 "is older than this is taken for dead.")
+    max_restarts: int = Field(3, ge=0, description="Trainer restarts (from its last "
+                              "checkpoint) before the run stops.")
+    keep_weights: int = Field(3, ge=1, description="Weights folders kept in the run's "
+                              "handover folder (engines may still be loading older ones).")
+
+
+class VLLMSection(_Strict):
+    """How each vLLM inference server runs (engine=vllm); the model path, dtype, FP32 head
+    and seed come from the rest of the config."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1, description="vLLM engines inside one server "
+                                    "(one server per node: TP x DP = the node's GPUs).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=64)
+    max_num_seqs: int | None = Field(None, ge=1)
+    weight_transfer: Literal["nccl", "disk"] = Field(
+        "disk", description="disk: the trainer writes a versioned safetensors folder on "
+        "shared scratch, the servers load it (works between any jobs); nccl: a broadcast "
+        "from the trainer (needs NCCL between the jobs' nodes).")
+    port: int = Field(8000, ge=1, le=65535, description="First server's port (+1 each).")
+    enforce_eager: bool = False
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim.")
+
+
 class TrainConfig(_Strict):
     """A TMax training run."""
 
@@ -130,6 +173,16 @@ class TrainConfig(_Strict):
     algo: AlgoSection = Field(default_factory=AlgoSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     trainer: TrainerSection = TrainerSection()
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    vllm: VLLMSection = Field(default_factory=VLLMSection)
+
+    @model_validator(mode="after")
+    def _ranks_need_deepspeed(self):
+        if self.distributed.trainer_ranks > 1 and self.trainer.backend != "deepspeed":
+            raise ValueError(f"distributed.trainer_ranks = {self.distributed.trainer_ranks} "
+                             "needs trainer.backend = deepspeed (the torch backend is one "
+                             "process)")
+        return self
 
     @property
     def run_dir(self) -> Path:

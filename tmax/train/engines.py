@@ -5,13 +5,16 @@ engine whose call fails on infrastructure (``PolicyUnavailable``: its server die
 transport broke) and that then fails its health check is taken out of rotation and handed
 to ``on_lost`` (a launcher restarts it and ``add``s it back once it serves the current
 weights); the turn's exception propagates, so that episode is recorded as an
-infrastructure failure (masked in training), never a reward. With no live engine left,
-turns fail the same way at once.
+infrastructure failure (masked in training), never a reward. With no live engine left, a
+new turn waits up to ``wait_for_engine_s`` for one to be added (0: it fails the same way
+at once).
 
 ``sync`` loads a weights folder into every live engine, each with a bounded number of
 attempts; an engine that dies meanwhile is dropped as lost, one that is alive but keeps
 refusing stops the run with ``WeightSyncError``: training on against an engine left on old
-weights would be silent staleness.
+weights would be silent staleness. ``target`` is the newest version handed to ``sync``; an
+engine joins (``add``) only once it serves at least that version. ``version`` is the
+oldest version a live engine serves (each turn is stamped by the engine that sampled it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class EnginePool:
 
     def __init__(self, engines: list[InferenceEngine], *, name: str = "pool",
                  on_lost: Callable[[InferenceEngine], None] | None = None,
-                 sync_attempts: int = 3, sync_backoff_s: float = 1.0):
+                 sync_attempts: int = 3, sync_backoff_s: float = 1.0,
+                 wait_for_engine_s: float = 0.0):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.name, self.on_lost = name, on_lost
@@ -44,24 +48,41 @@ class EnginePool:
         self.in_flight: dict[int, int] = {id(e): 0 for e in engines}
         self.served: dict[int, int] = {id(e): 0 for e in engines}
         """Turns each engine answered."""
-        self._version = min(e.version for e in engines)
+        self.target = min(e.version for e in engines)
+        self.wait_for_engine_s = wait_for_engine_s
+        self._added: asyncio.Event | None = None
 
     @property
     def version(self) -> int:
-        """The weights version every live engine serves (the last completed ``sync``)."""
-        return self._version
+        """The oldest weights version a live engine serves (``target`` with none live)."""
+        return min((e.version for e in self.live), default=self.target)
 
     def add(self, engine: InferenceEngine) -> None:
-        """Put a (restarted) engine into rotation; it must serve ``version`` already."""
-        if engine.version != self._version:
-            raise WeightSyncError(engine.name, self._version, f"it serves version "
+        """Put a (restarted) engine into rotation; it must serve ``target`` or newer."""
+        if engine.version < self.target:
+            raise WeightSyncError(engine.name, self.target, f"it serves version "
                                   f"{engine.version}; sync it before adding it")
         self.live.append(engine)
         self.in_flight.setdefault(id(engine), 0)
         self.served.setdefault(id(engine), 0)
+        if self._added is not None:
+            self._added.set()
+
+    async def _an_engine(self) -> None:
+        """Wait (bounded) until an engine is live."""
+        if self.live or self.wait_for_engine_s <= 0:
+            return
+        if self._added is None:
+            self._added = asyncio.Event()
+        self._added.clear()
+        try:
+            await asyncio.wait_for(self._added.wait(), self.wait_for_engine_s)
+        except TimeoutError:
+            pass
 
     async def complete(self, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None = None) -> Completion:
+        await self._an_engine()
         if not self.live:
             raise PolicyUnavailable(self.name, "no inference engine is up "
                                     f"({len(self.lost)} lost)")
@@ -93,9 +114,10 @@ class EnginePool:
     async def sync(self, path: str | Path, version: int) -> None:
         """Load weights ``version`` from ``path`` into every live engine (at once)."""
         await asyncio.gather(*(self._sync_one(e, path, version) for e in list(self.live)))
+        self.target = max(self.target, version)
         if not self.live:
-            raise WeightSyncError(self.name, version, "no inference engine is up to load it")
-        self._version = version
+            log.warning("weights version %d: no inference engine is up to load it; a "
+                        "replacement loads it before it joins", version)
 
     async def _sync_one(self, engine: InferenceEngine, path: str | Path, version: int) -> None:
         reason = ""

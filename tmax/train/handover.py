@@ -193,8 +193,18 @@ class Handover:
             shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        return self.set_latest(version)
+
+    def set_latest(self, version: int, path: Path | None = None) -> Path:
+        """Name ``v<version>`` (written whole by someone else, e.g. a trainer backend's
+        ``export_to_path(weights, version)``) as the newest weights."""
+        folder = self.weights_path(version)
+        if path is not None and Path(path).resolve() != folder.resolve():
+            raise HandoverError(Path(path), f"weights version {version} belong in {folder}")
+        if not folder.is_dir():
+            raise HandoverError(folder, "no such weights folder")
         _atomic_file(self.weights / "LATEST", lambda p: _write_text(p, f"{version}\n"))
-        return final
+        return folder
 
     def latest_weights(self) -> tuple[int, Path] | None:
         """The newest complete weights: ``(version, folder)``, or None before any."""

@@ -392,10 +392,9 @@ def launch_plan(config: TrainConfig) -> dict[str, Any]:
                        "ranks": config.distributed.trainer_ranks,
                        "backend": config.trainer.backend}
     if config.trainer.backend == "deepspeed":
-        from tmax.train.backends.config import build_deepspeed_config
+        from tmax.train.backends.config import build_deepspeed_config, uses_bf16
 
-        bf16 = config.trainer.precision == "bf16" or (
-            config.trainer.precision == "auto" and config.engine == "vllm")
+        bf16 = uses_bf16(config.trainer, cuda=config.engine == "vllm")  # vLLM: GPU nodes
         plan["trainer"]["deepspeed_config"] = build_deepspeed_config(
             config.trainer, config.optim, bf16=bf16)
         plan["trainer"]["precision"] = "bf16" if bf16 else "fp32"

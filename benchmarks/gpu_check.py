@@ -76,8 +76,10 @@ def trainer_logprobs(backend, samples) -> list[list[float]]:
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.tokens], device=device)
+            # the deepspeed backend's head module computes in float32 itself (ZeRO-3
+            # gathers its weight there): no second upcast outside it
             logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=1.0,
-                                        fp32_head=True)
+                                        fp32_head=False)
             out.append([float(x) for x, m in zip(logp[0].tolist(), s.mask[1:]) if m])
     return out
 

@@ -148,6 +148,7 @@ async def run(args) -> dict:
             t0 = time.monotonic()
             metrics = backend.step(samples)
             train_s = time.monotonic() - t0
+            shift = gap(backend, samples)  # what a sync that never reached the engine leaves
             t0 = time.monotonic()
             folder = backend.export_to_path(work / "weights", backend.step_count)
             await engine.update_weights_from_path(folder, backend.step_count)
@@ -156,6 +157,7 @@ async def run(args) -> dict:
             after = gap(backend, again)
             row = {"step": backend.step_count, "engine_version": engine.version,
                    "gap_before_step": before, "gap_after_sync": after,
+                   "gap_without_sync": shift,
                    "generation_tokens_per_s": tok_s, "completion_tokens": tokens,
                    "train_seconds": train_s,
                    "trainer_tokens_per_s": metrics.get("tokens", 0) / max(train_s, 1e-9),

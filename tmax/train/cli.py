@@ -49,17 +49,25 @@ def env_report(output: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the resolved config (and with "
               "distributed.enabled each server's and the trainer's command line and the "
               "DeepSpeed config) and exit.")
+@click.option("--launcher", type=click.Choice(["local", "slurm"]), default="local",
+              show_default=True, help="With distributed.enabled: where the inference "
+              "servers and the trainer run (local processes, or Slurm jobs from the "
+              "slurm/ templates; the orchestrator runs here either way).")
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
               help="For `tmax-train env`.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.argument("overrides", nargs=-1)
-def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
+def main(config_path: str | None, dry_run: bool, launcher: str, output: str, quiet: bool,
          overrides: tuple[str, ...]) -> None:
-    """Train a terminal agent with DPPO: tmax-train --config FILE [key=value ...]
+    """Train a terminal agent with DPPO: tmax-train --config FILE [--launcher slurm]
+    [key=value ...]
 
     Overrides use dotted keys (rollout.group_size=4 optim.lr=1e-5). The resolved config is
-    saved as RUN_DIR/config.yaml; a run dir with checkpoints resumes from the latest.
-    `tmax-train env` reports the torch build, GPUs, vLLM and DeepSpeed.
+    saved as RUN_DIR/config.yaml; a run dir with checkpoints resumes from the latest (the
+    same command again). `tmax-train env` reports the torch build, GPUs, vLLM and
+    DeepSpeed; `tmax-train status RUN_DIR` each job's state, the step, reward and the
+    engines' weights version; `tmax-train stop RUN_DIR` cancels the run's jobs by id and
+    stops its processes.
     """
     import logging
 
@@ -68,12 +76,36 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
     if overrides[:1] == ("env",):
         env_report(output)
         return
+    if overrides[:1] in (("status",), ("stop",)):
+        if len(overrides) != 2:
+            raise click.UsageError(f"usage: tmax-train {overrides[0]} RUN_DIR")
+        from tmax.train.slurm import run_status, stop_run
+
+        if overrides[0] == "status":
+            report = run_status(overrides[1])
+            click.echo(json.dumps(report, indent=1) if output == "json"
+                       else format_status(report))
+        else:
+            for line in stop_run(overrides[1]):
+                click.echo(line)
+        return
     from tmax.train.config import TrainConfigError, load_train_config
 
     try:
         config = load_train_config(config_path, list(overrides))
     except TrainConfigError as e:
         raise click.ClickException(str(e)) from None
+    if launcher == "slurm" and not config.distributed.enabled:
+        raise click.ClickException("--launcher slurm runs the inference servers and the "
+                                   "trainer as separate jobs: it needs distributed.enabled"
+                                   "=true (in the config, or as an override)")
+    if dry_run and launcher == "slurm":
+        from tmax.train.slurm import slurm_plan
+
+        for name, script in slurm_plan(config).items():
+            click.echo(f"# ===== {config.run_dir / 'slurm' / name}")
+            click.echo(script, nl=not script.endswith("\n"))
+        return
     if dry_run:
         import yaml
 
@@ -91,16 +123,32 @@ def main(config_path: str | None, dry_run: bool, output: str, quiet: bool,
     from tmax.train.loop import TrainError, read_metrics, train
     from tmax.train.processes import TrainProcessError, run_processes
     from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
+    from tmax.train.slurm import SlurmError
 
     try:
         if config.distributed.enabled:
-            run_dir = run_processes(config, progress=not quiet)
+            run_dir = run_processes(config, progress=not quiet, launcher=launcher)
         else:
             run_dir = train(config, progress=not quiet)
     except (TrainError, RolloutsFailing, NoUsableGroups, TrainProcessError, HandoverError,
-            EngineError) as e:
+            EngineError, SlurmError) as e:
         raise click.ClickException(str(e)) from None
     rows = read_metrics(run_dir)
     curve = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
     click.echo(f"reward per step: {curve}")
     click.echo(f"run folder {run_dir}: metrics.jsonl, rollouts.jsonl, reward.png, checkpoints/")
+
+
+def format_status(report: dict) -> str:
+    """``tmax-train status`` as text."""
+    lines = [f"run {report['run_dir']}: step {report['step']}/{report['steps']}"
+             + (f", reward {report['reward']:.2f}" if report.get("reward") is not None else "")
+             + (f", weights v{report['weights']}" if report.get("weights") is not None
+                else "") + (" (done)" if report.get("done") else "")]
+    for job in report["jobs"]:
+        lines.append(f"  {job['name']:14} job {job['job_id']:>8}  {job['state']:12} "
+                     f"{job['log']}")
+    for name, proc in report["processes"].items():
+        lines.append(f"  {name:14} pid {proc['pid']:>8}  "
+                     f"{'alive' if proc['alive'] else 'gone'}")
+    return "\n".join(lines)

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tmax.train.backends.config import TrainerSection
 
@@ -151,6 +158,52 @@ class VLLMSection(_Strict):
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim.")
 
 
+class SlurmRole(_Strict):
+    """The sbatch options of one role's jobs (``--launcher slurm``); None: Slurm's default."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    gres: str | None = Field(None, description="e.g. gpu:8 (per node).")
+    time: str | None = Field(None, description="Walltime as sbatch takes it: minutes, "
+                             "HH:MM:SS or D-HH:MM:SS.")
+    cpus: int | None = Field(None, ge=1, description="CPUs per task (--cpus-per-task).")
+    mem: str | int | None = Field(None, description="Memory per node, e.g. 64G, or 0 (all "
+                                  "of it) (--mem).")
+    extra: list[str] = Field(default_factory=list, description="More sbatch options, each "
+                             "--key=value, written as #SBATCH lines verbatim.")
+    setup: list[str] = Field(default_factory=list, description="Shell lines run before the "
+                             "role's command (module loads, venv activation).")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_is_text(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str):
+            raise ValueError("write the walltime as a quoted string, e.g. \"24:00:00\" "
+                             "(YAML reads an unquoted 24:00:00 as a number of seconds)")
+        return value
+
+
+class SlurmSection(_Strict):
+    """Where ``--launcher slurm`` runs each role. The orchestrator runs in the launching
+    process (see ``tmax.train.slurm``)."""
+
+    inference: SlurmRole = Field(default_factory=SlurmRole, description="One job per "
+                                 "inference server (one node, one task).")
+    trainer: SlurmRole = Field(default_factory=SlurmRole, description="The trainer job: "
+                               "trainer_nodes nodes x (ranks / nodes) tasks per node.")
+    trainer_nodes: int = Field(1, ge=1, description="Nodes of the trainer job; "
+                               "distributed.trainer_ranks must be a multiple of it.")
+    python: str | None = Field(None, description="The Python the jobs run (default: the "
+                               "launcher's own, sys.executable); a path on the nodes.")
+    preempt_signal_s: int = Field(90, ge=10, description="USR2 this many seconds before the "
+                                  "trainer job's time limit: it checkpoints and requeues.")
+    poll_s: float = Field(5.0, gt=0, description="Least seconds between two squeue calls.")
+    command_timeout_s: float = Field(60.0, gt=0, description="Timeout of each sbatch, "
+                                     "squeue, scontrol or scancel call.")
+
+
 class TrainConfig(_Strict):
     """A TMax training run."""
 
@@ -175,6 +228,7 @@ class TrainConfig(_Strict):
     trainer: TrainerSection = TrainerSection()
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
 
     @model_validator(mode="after")
     def _ranks_need_deepspeed(self):
@@ -182,6 +236,14 @@ class TrainConfig(_Strict):
             raise ValueError(f"distributed.trainer_ranks = {self.distributed.trainer_ranks} "
                              "needs trainer.backend = deepspeed (the torch backend is one "
                              "process)")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_fill_the_nodes(self):
+        ranks, nodes = self.distributed.trainer_ranks, self.slurm.trainer_nodes
+        if ranks % nodes:
+            raise ValueError(f"distributed.trainer_ranks = {ranks} is not a multiple of "
+                             f"slurm.trainer_nodes = {nodes}")
         return self
 
     @property

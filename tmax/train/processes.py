@@ -13,10 +13,18 @@ orchestrator; they meet only in the run folder (``tmax.train.handover``) and ove
   serves weights of version >= k - rollout.async_steps; every new version is loaded into
   the engines as soon as it appears.
 
-``run_processes`` is the local launcher: it starts all of them on this machine, supervises
-them (a dead inference server is replaced and its in-flight episodes are infrastructure
+``run_processes`` is the launcher: it starts all of them (``launcher="local"``: child
+processes on this machine; ``"slurm"``: Slurm jobs, ``tmax.train.slurm``), supervises them
+(a dead inference server is replaced and its in-flight episodes are infrastructure
 failures; a dead trainer is restarted from its checkpoint, ``distributed.max_restarts``
-times) and stops every process it started, by process group, on the way out.
+times) and stops every process or job it started, by process group or job id, on the way
+out. Where the trainer runs is a ``TrainerRunner``, where the servers run a
+``ServerRunner``: one small class of each per launcher.
+
+Preemption: a trainer rank that gets SIGUSR2 (Slurm's ``--signal=USR2@90`` before the time
+limit) finishes the step it is on, checkpoints, and exits with ``REQUEUE_EXIT``; under
+Slurm rank 0 first requeues its job (``scontrol requeue``), which resumes from that
+checkpoint, so no step is lost or repeated.
 """
 
 from __future__ import annotations
@@ -32,11 +40,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.config import TrainConfig, load_train_config, save_config
-from tmax.train.handover import Handover, Heartbeat, alive, is_done, mark_done
+from tmax.train.handover import Handover, Heartbeat, PeerGone, alive, is_done, mark_done
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +87,23 @@ def trainer_main(run_dir: Path) -> None:
         if rank == 0:
             keep_metrics_until(run_dir / "metrics.jsonl", backend.step_count)
     d = config.distributed
-    with Heartbeat(handover, trainer_role(rank)):
+    preempted = Preemption()
+    with Heartbeat(handover, trainer_role(rank)), preempted:
         latest = handover.latest_weights()
         if latest is None or latest[0] != backend.step_count:
             publish(handover, backend, backend.step_count)
         while backend.step_count < config.steps:
             step = backend.step_count
-            batch = handover.get_batch(step, timeout=d.batch_timeout_s,
-                                       alive=lambda: alive(handover, ORCHESTRATOR,
-                                                           d.stale_after_s))
+            path = handover.batch_path(step)
+            with contextlib.suppress(PeerGone):  # PeerGone: USR2 (or the orchestrator) ...
+                handover.get_batch(step, timeout=d.batch_timeout_s, alive=lambda: (
+                    not preempted.is_set() and alive(handover, ORCHESTRATOR, d.stale_after_s)))
+            if preempted.agreed(world):  # every rank at the same step: checkpoint, requeue
+                requeue(backend, run_dir, config, rank)
+            if not path.exists():  # ... the orchestrator is gone: its own error
+                handover.get_batch(step, timeout=0.0, alive=lambda: alive(
+                    handover, ORCHESTRATOR, d.stale_after_s))
+            batch = handover.read_batch(step)
             t0 = time.monotonic()
             metrics = backend.step(batch.samples[rank::world])
             publish(handover, backend, backend.step_count)
@@ -111,6 +127,73 @@ def trainer_main(run_dir: Path) -> None:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             mark_done(handover, "trainer")
+
+
+class Preemption:
+    """SIGUSR2 (Slurm's warning before the time limit or a preemption) sets a flag the
+    trainer reads between steps; ``with`` installs and restores the handler."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._old: Any = None
+
+    def __enter__(self) -> Preemption:
+        def handle(signum: int, frame: Any) -> None:
+            log.warning("rank %s: SIGUSR2: checkpoint and requeue after this step",
+                        os.environ.get("RANK", "0"))
+            self.flag = True
+
+        self._old = signal.signal(signal.SIGUSR2, handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGUSR2, self._old or signal.SIG_DFL)
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def agreed(self, world: int) -> bool:
+        """Whether any rank got the signal (an all-reduce with several ranks: every rank
+        calls this once per step, at the same point, so they decide together)."""
+        if world <= 1:
+            return self.flag
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return self.flag
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        flag = torch.tensor([1 if self.flag else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+REQUEUE_EXIT = 3
+"""A trainer rank's exit code after it checkpointed for a requeue."""
+
+
+class Requeue(SystemExit):
+    def __init__(self) -> None:
+        super().__init__(REQUEUE_EXIT)
+
+
+def requeue(backend: Any, run_dir: Path, config: TrainConfig, rank: int) -> None:
+    """Checkpoint now (between steps), requeue this Slurm job (rank 0), exit."""
+    from tmax.train.loop import latest_checkpoint, save_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None or int(ckpt.name.split("-")[1]) != backend.step_count:
+        save_checkpoint(backend, run_dir, config.keep_checkpoints)
+    if rank == 0:
+        Handover(run_dir).drop_batches_before(backend.step_count)
+        job = os.environ.get("SLURM_JOB_ID")
+        log.warning("checkpointed at step %d; %s", backend.step_count,
+                    f"requeueing job {job}" if job else "not a Slurm job: exiting")
+        if job:
+            subprocess.run(["scontrol", "requeue", job], timeout=60, check=False,
+                           stdin=subprocess.DEVNULL)
+    raise Requeue()
 
 
 def publish(handover: Handover, backend: Any, version: int) -> None:
@@ -230,6 +313,38 @@ class TrainProcessError(Exception):
     """A process of the run failed in a way the launcher cannot repair; names its log."""
 
 
+# --------------------------------------------------------------------------- where roles run
+
+
+class TrainerRunner(Protocol):
+    """Where the trainer's ranks run: local processes (``TrainerGroup``) or a Slurm job
+    (``tmax.train.slurm.SlurmTrainer``)."""
+
+    starts: int
+
+    def start(self) -> None: ...
+    def running(self) -> bool: ...
+    def failed(self) -> bool: ...
+    def wait(self, timeout_s: float = 120.0) -> None: ...
+    def stop(self) -> None: ...
+    @property
+    def log_path(self) -> Path: ...
+    def log_tail(self, n: int = 3000) -> str: ...
+    def pids(self) -> list[int]: ...
+    def ids(self) -> list[str]: ...
+
+
+class ServerRunner(Protocol):
+    """Where the inference servers run: local processes (``InferenceServers``) or one
+    Slurm job each (``tmax.train.slurm.SlurmInferenceServers``)."""
+
+    async def start_one(self) -> Any: ...
+    async def stop(self, engine: Any) -> None: ...
+    async def stop_all(self) -> None: ...
+    def pids(self) -> dict[str, int]: ...
+    def ids(self) -> dict[str, str]: ...
+
+
 # --------------------------------------------------------------------------- local launcher
 
 
@@ -261,9 +376,21 @@ class TrainerGroup:
         log.info("trainer: %d rank(s) started (pids %s)", self.world,
                  [p.pid for p in self.procs[-self.world:]])
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
         for p in list(self.procs):
-            p.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is None]
+
+    def ids(self) -> list[str]:
+        return []
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "logs" / "trainer-0.log"
 
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
@@ -283,9 +410,8 @@ class TrainerGroup:
         self.procs = [p for p in self.procs if p.poll() is None]
 
     def log_tail(self, n: int = 3000) -> str:
-        path = self.run_dir / "logs" / "trainer-0.log"
         try:
-            return path.read_bytes()[-n:].decode(errors="replace")
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
         except OSError:
             return ""
 
@@ -336,13 +462,17 @@ class InferenceServers:
     def pids(self) -> dict[str, int]:
         return {s.name: s.pid for s in self.servers.values() if s.pid is not None}
 
+    def ids(self) -> dict[str, str]:
+        return {}
 
-def vllm_config_of(config: TrainConfig, model: str, index: int, port: int) -> Any:
+
+def vllm_config_of(config: TrainConfig, model: str, index: int, port: int,
+                   host: str = "0.0.0.0") -> Any:
     """The ``VLLMConfig`` of inference server ``index`` of the run."""
     from tmax.inference.vllm import VLLMConfig
 
     v = config.vllm
-    return VLLMConfig(model=model, served_model_name=config.name, port=port,
+    return VLLMConfig(model=model, served_model_name=config.name, host=host, port=port,
                       tensor_parallel_size=v.tensor_parallel_size,
                       data_parallel_size=v.data_parallel_size, dtype=config.model.dtype,
                       fp32_head=config.model.fp32_lm_head, max_model_len=v.max_model_len,
@@ -352,8 +482,8 @@ def vllm_config_of(config: TrainConfig, model: str, index: int, port: int) -> An
                       extra_args=tuple(v.extra_args))
 
 
-def server_command(config: TrainConfig, run_dir: Path, index: int, port: int
-                   ) -> tuple[list[str], dict[str, str]]:
+def server_command(config: TrainConfig, run_dir: Path, index: int, port: int, *,
+                   host: str | None = None) -> tuple[list[str], dict[str, str]]:
     """Inference server ``index``'s argv and added environment: ``vllm serve`` for
     engine=vllm, ``tmax serve`` (hf-server) for engine=transformers. Both start from the
     run's initial weights (``RUN/init``)."""
@@ -362,11 +492,12 @@ def server_command(config: TrainConfig, run_dir: Path, index: int, port: int
     if config.engine == "vllm":
         from tmax.inference.vllm import vllm_env, vllm_serve_command
 
-        vc = vllm_config_of(config, init, index, port)
+        vc = vllm_config_of(config, init, index, port, *([host] if host else []))
         return vllm_serve_command(vc), {**env, **vllm_env(vc)}
     from tmax.inference.process import hf_server_command
 
-    return hf_server_command(init, port=port, max_batch=config.distributed.max_batch,
+    return hf_server_command(init, host=host or "127.0.0.1", port=port,
+                             max_batch=config.distributed.max_batch,
                              max_tokens=config.rollout.max_new_tokens,
                              temperature=config.rollout.temperature,
                              served_model_name=config.name, seed=config.seed + index), env
@@ -401,19 +532,19 @@ def launch_plan(config: TrainConfig) -> dict[str, Any]:
     return plan
 
 
-def write_processes(run_dir: Path, trainers: TrainerGroup, servers: InferenceServers) -> None:
-    """``RUN/processes.json``: the pid of every process this launcher runs now (for status,
-    stop and tests), rewritten atomically."""
-    doc = {"launcher": os.getpid(),
-           "trainer": [p.pid for p in trainers.procs if p.poll() is None],
-           "inference": servers.pids()}
+def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunner) -> None:
+    """``RUN/processes.json``: the pid of every process this launcher runs now and the id
+    of every Slurm job (for status, stop and tests), rewritten atomically."""
+    doc = {"launcher": os.getpid(), "trainer": trainers.pids(), "inference": servers.pids(),
+           "jobs": {"trainer": trainers.ids(), "inference": servers.ids()}}
     tmp = run_dir / ".processes.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, run_dir / "processes.json")
 
 
-def run_processes(config: TrainConfig, *, progress: bool = True) -> Path:
-    """The local launcher (``distributed.enabled``): see the module docstring."""
+def run_processes(config: TrainConfig, *, progress: bool = True,
+                  launcher: str = "local") -> Path:
+    """The launcher (``distributed.enabled``): see the module docstring."""
     from sandfleet import run_event_loop
     from tmax.agent.config import load_agent_config
     from tmax.train.loop import load_training_tasks, prepare_model, seed_everything, write_plots
@@ -433,20 +564,35 @@ def run_processes(config: TrainConfig, *, progress: bool = True) -> Path:
         else:
             prepare_model(config, tasks, run_dir, agent_config_of(config, load_agent_config),
                           progress)
-    run_event_loop(_launch(config, run_dir, progress))
+    trainers, servers = runners(config, run_dir, launcher)
+    run_event_loop(_launch(config, run_dir, progress, trainers, servers))
     write_plots(run_dir)
     return run_dir
 
 
-async def _launch(config: TrainConfig, run_dir: Path, progress: bool) -> None:
+def runners(config: TrainConfig, run_dir: Path, launcher: str
+            ) -> tuple[TrainerRunner, ServerRunner]:
+    """Where the trainer and the servers run, by launcher name (``local`` | ``slurm``)."""
+    if launcher == "local":
+        return (TrainerGroup(run_dir, config.distributed.trainer_ranks, config.torch_threads),
+                InferenceServers(config, run_dir))
+    if launcher == "slurm":
+        from tmax.train.slurm import Slurm, SlurmInferenceServers, SlurmTrainer
+
+        slurm = Slurm(config.slurm.command_timeout_s, config.slurm.poll_s)
+        return (SlurmTrainer(config, run_dir, slurm),
+                SlurmInferenceServers(config, run_dir, slurm))
+    raise ValueError(f"unknown launcher {launcher!r}; valid: local, slurm")
+
+
+async def _launch(config: TrainConfig, run_dir: Path, progress: bool,
+                  trainers: TrainerRunner, servers: ServerRunner) -> None:
     from tmax.agent.policy import PolicyUnavailable
     from tmax.inference.base import EngineError
     from tmax.train.engines import EnginePool
 
     d = config.distributed
     handover = Handover(run_dir)
-    trainers = TrainerGroup(run_dir, d.trainer_ranks, config.torch_threads)
-    servers = InferenceServers(config, run_dir)
     replacing: set[asyncio.Task] = set()
     restarts = {"trainer": 0}
 
@@ -457,7 +603,7 @@ async def _launch(config: TrainConfig, run_dir: Path, progress: bool) -> None:
             return False
         restarts["trainer"] += 1
         log.warning("the trainer exited (see %s); restart %d/%d from its last checkpoint",
-                    run_dir / "logs" / "trainer-0.log", restarts["trainer"], d.max_restarts)
+                    trainers.log_path, restarts["trainer"], d.max_restarts)
         trainers.stop()
         trainers.start()
         write_processes(run_dir, trainers, servers)
@@ -507,10 +653,10 @@ async def _launch(config: TrainConfig, run_dir: Path, progress: bool) -> None:
         await orchestrate(config, run_dir, pool, trainer_alive=trainer_alive,
                           progress=progress)
         with contextlib.suppress(TimeoutError):  # rank 0 writes final/ after the last step
-            await asyncio.wait_for(asyncio.to_thread(trainers.wait), 120)
+            await asyncio.wait_for(asyncio.to_thread(trainers.wait, 120), 130)
         if trainers.failed() or not is_done(handover, "trainer"):
             raise TrainProcessError(f"the trainer did not finish cleanly; its log: "
-                                    f"{run_dir / 'logs' / 'trainer-0.log'}\n"
+                                    f"{trainers.log_path}\n"
                                     f"{trainers.log_tail()}")
     finally:
         for task in list(replacing):
@@ -534,6 +680,9 @@ def main(argv: list[str] | None = None) -> None:
     tmax_log.setup(default=logging.INFO)
     try:
         trainer_main(Path(args[1]))
+    except Requeue:
+        sys.stdout.flush()
+        raise
     except Exception as e:
         log.exception("trainer rank %s failed", os.environ.get("RANK", "0"))
         sys.exit(f"trainer: {type(e).__name__}: {e}")

@@ -1,0 +1,171 @@
+"""`--launcher slurm` for real: the inference server and the trainer as jobs of the local
+Slurm cluster (`local_slurm`), the orchestrator in the test's process, real sandboxes; and
+the batch scripts a launch of configs/qwen3.5-9b.yaml submits, against golden files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_processes import config_for, sft_init  # noqa: F401  (a fixture)
+from tmax.train.config import TrainConfigError, load_train_config
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "data" / "golden"
+
+
+def golden_config():
+    return load_train_config(REPO / "configs" / "qwen3.5-9b.yaml", [
+        "slurm.python=/opt/tmax/venv/bin/python", "slurm.trainer_nodes=2",
+        "slurm.inference.partition=gpu", "slurm.inference.account=rl",
+        "slurm.inference.gres=gpu:8", 'slurm.inference.time="12:00:00"',
+        'slurm.inference.setup=["module load cuda/12.4", "source /opt/tmax/venv/bin/activate"]',
+        "slurm.trainer.partition=gpu", "slurm.trainer.account=rl", "slurm.trainer.qos=high",
+        "slurm.trainer.gres=gpu:8", "slurm.trainer.constraint=h100", "slurm.trainer.cpus=12",
+        "slurm.trainer.mem=0", 'slurm.trainer.time="24:00:00"',
+        "slurm.trainer.extra=[--exclusive]",
+        'slurm.trainer.setup=["module load cuda/12.4", "source /opt/tmax/venv/bin/activate"]'])
+
+
+def test_the_dry_run_scripts_of_the_paper_config_match_the_golden_files(monkeypatch):
+    from tmax.train.slurm import slurm_plan
+
+    monkeypatch.setenv("SCRATCH", "/scratch/alice")
+    plan = slurm_plan(golden_config())
+    assert sorted(plan) == [f"inference-{i}.sbatch" for i in range(6)] + ["trainer.sbatch"]
+    for name in ("inference-0.sbatch", "trainer.sbatch"):
+        if os.environ.get("TMAX_UPDATE_GOLDEN"):
+            (GOLDEN / name).write_text(plan[name])
+        assert plan[name] == (GOLDEN / name).read_text(), name
+    assert plan["inference-5.sbatch"] == plan["inference-0.sbatch"].replace(
+        "inference-0", "inference-5").replace("server 0 on", "server 5 on").replace(
+        "/qwen3.5-9b 0\n", "/qwen3.5-9b 5\n")
+
+
+def test_the_cli_dry_run_prints_the_scripts_and_slurm_needs_distributed(monkeypatch):
+    monkeypatch.setenv("SCRATCH", "/scratch/alice")
+    cli = [str(REPO / ".venv" / "bin" / "tmax-train")]
+    out = subprocess.run([*cli, "--config", str(REPO / "configs" / "qwen3.5-9b.yaml"),
+                          "--launcher", "slurm", "--dry-run"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.count("#!/bin/bash") == 7
+    assert "# ===== /scratch/alice/tmax/runs/qwen3.5-9b/slurm/trainer.sbatch" in out
+    bad = subprocess.run([*cli, "--launcher", "slurm", "--dry-run"], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode != 0 and "needs distributed.enabled" in bad.stderr
+
+
+def test_slurm_options_are_checked_at_load_time():
+    with pytest.raises(TrainConfigError, match="quoted string"):
+        load_train_config(None, ["slurm.trainer.time=24:00:00"])
+    with pytest.raises(TrainConfigError, match="not a multiple of slurm.trainer_nodes"):
+        load_train_config(None, ["trainer.backend=deepspeed", "distributed.trainer_ranks=3",
+                                 "slurm.trainer_nodes=2"])
+    with pytest.raises(TrainConfigError, match="slurm.trainer.nodes"):
+        load_train_config(None, ["slurm.trainer.nodes=2"])
+
+
+def squeue_ids(env: dict[str, str]) -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    return set(out.split())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+class CancelInference(threading.Thread):
+    """scancel of the inference job once the first step is done; records what it saw."""
+
+    def __init__(self, run_dir: Path, env: dict[str, str]):
+        super().__init__(daemon=True)
+        self.run_dir, self.env, self.stop = run_dir, env, threading.Event()
+        self.cancelled: str | None = None
+        self.seen: dict[str, set[str]] = {}  # job id -> states seen in squeue
+        self.first_step_s: float | None = None
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        from tmax.train.slurm import read_jobs
+
+        while not self.stop.wait(0.5):
+            out = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, text=True,
+                                 capture_output=True, timeout=30, check=False).stdout
+            for line in out.splitlines():
+                job, state = line.split()
+                self.seen.setdefault(job, set()).add(state)
+            metrics = self.run_dir / "metrics.jsonl"
+            steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if steps and self.first_step_s is None:
+                self.first_step_s = time.monotonic() - self.t0
+            if steps >= 1 and self.cancelled is None:
+                jobs = [j for j in read_jobs(self.run_dir) if j["role"] == "inference"]
+                if jobs:
+                    self.cancelled = jobs[0]["job_id"]
+                    subprocess.run(["scancel", self.cancelled], env=self.env, timeout=30,
+                                   check=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_a_run_on_slurm_jobs_survives_a_cancelled_inference_job(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.processes import run_processes
+    from tmax.train.slurm import read_jobs, run_status, stop_run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    config = config_for(run_dir, example_fleet, example_store, "steps=3",
+                        "checkpoint_every=2", "slurm.inference.cpus=1",
+                        "slurm.trainer.cpus=1", "slurm.poll_s=1")
+    watcher = CancelInference(run_dir, local_slurm.env)
+    watcher.start()
+    try:
+        run_processes(config, progress=False, launcher="slurm")
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    jobs = read_jobs(run_dir)
+    print("jobs:", json.dumps(jobs, indent=1), "\nseen in squeue:", watcher.seen,
+          "\nfirst step after", watcher.first_step_s, "s")
+    by_name = {j["name"]: j["job_id"] for j in jobs}
+    assert set(by_name) == {"inference-0", "inference-1", "trainer"}, jobs
+    assert watcher.cancelled == by_name["inference-0"]
+    for job_id in by_name.values():  # each was a real job, seen running in squeue
+        assert "RUNNING" in watcher.seen.get(job_id, set()), (job_id, watcher.seen)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text()
+                .splitlines()]
+    infra = [r for r in rollouts if r["infra_failure"]]
+    assert all(r["reward"] is None for r in infra)  # masked, never a zero
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert json.loads((run_dir / "servers" / "1.json").read_text())["job_id"] == \
+        by_name["inference-1"]
+    assert "registered" in (run_dir / "logs" / f"slurm-inference-1-{by_name['inference-1']}"
+                            ".out").read_text()
+    # afterwards: no job of the run in squeue, no process of processes.json alive
+    deadline = time.monotonic() + 30
+    while set(by_name.values()) & squeue_ids(local_slurm.env):
+        assert time.monotonic() < deadline, squeue_ids(local_slurm.env)
+        time.sleep(0.5)
+    procs = json.loads((run_dir / "processes.json").read_text())
+    assert procs["trainer"] == [] and procs["inference"] == {}
+    status = run_status(run_dir)
+    assert status["step"] == 3 and status["weights"] == 3 and status["done"]
+    states = {j["name"]: j["state"] for j in status["jobs"]}
+    assert states["trainer"] == "COMPLETED" and states["inference-0"] == "CANCELLED", states
+    assert stop_run(run_dir) == [f"{run_dir}: nothing of this run is running"]

@@ -1,0 +1,583 @@
+"""The Slurm launcher (``tmax-train --launcher slurm``): the run's inference servers and its
+trainer as Slurm jobs, the orchestrator in the launching process.
+
+Each job is a batch script rendered from a template in ``slurm/`` (``tmax-inference.sbatch``,
+``tmax-trainer.sbatch``) into ``RUN/slurm/`` and submitted with ``sbatch --parsable``. Why
+rendered scripts and not submitit's pickled functions: the script a user reads in
+``--dry-run``, the one in ``RUN/slurm/`` and the one Slurm runs are the same file, usable by
+hand (``sbatch RUN/slurm/trainer.sbatch``) and needing nothing of the launcher's memory;
+submitit's own script runs ``python -m submitit.core._submit`` on a pickle. Every sbatch
+option is a keyword of one pure function (``sbatch_lines``); every Slurm call is an argv
+list with a timeout; its stderr goes to the log, never the terminal.
+
+- **inference**: one job per server. The job runs ``python -m tmax.train.slurm server RUN
+  I`` (``serve_main``): the server (hf-server or vLLM) on a free port of its node, then, once
+  ``/health`` answers, ``RUN/servers/I.json`` (url, job id; written atomically). The
+  launcher waits for that file (``distributed.server_start_timeout_s``); a job that ends
+  first or never registers is a ``TrainProcessError`` naming the job id and its log. A lost
+  server's job is cancelled by id and a new job (a new index) is submitted.
+- **trainer**: one job, ``slurm.trainer_nodes`` nodes x (ranks / nodes) tasks per node, each
+  task one rank (``RANK=$SLURM_PROCID`` ...). ``--signal=USR2@<preempt_signal_s>`` and
+  ``--requeue``: before the time limit every rank gets USR2, finishes its step, checkpoints,
+  and rank 0 requeues the job (``scontrol requeue``); the requeued job resumes from the
+  checkpoint. A pending or requeued job counts as running; a job that ended otherwise is
+  resubmitted (``distributed.max_restarts`` times).
+- **the orchestrator** stays in the launching process: it is the one process that must live
+  exactly as long as the run and no longer, it holds the live progress view, and it stops
+  every job of the run (by id) when it ends or is interrupted. A run that must outlive the
+  login shell runs the launch command itself in a CPU job or tmux.
+
+``RUN/jobs.json`` records every job the launcher submitted (role, name, id, log), so
+``tmax-train status`` and ``stop`` act on exactly this run's jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tmax.train.config import SlurmRole, TrainConfig
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = REPO / "slurm"
+REQUEUE_EXIT = 3
+"""A trainer rank's exit code after a checkpoint-and-requeue (the job comes back)."""
+
+SBATCH_OPTIONS = ("job_name", "output", "nodes", "ntasks_per_node", "cpus_per_task", "mem",
+                  "time", "partition", "account", "qos", "constraint", "gres", "signal",
+                  "open_mode")
+SBATCH_FLAGS = ("requeue",)
+_JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
+ACTIVE = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+          "RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "PREEMPTED"}
+"""Job states of a job that is (or will be again) running."""
+
+
+def sbatch_lines(extra: Sequence[str] = (), flags: Sequence[str] = (),
+                 **options: Any) -> list[str]:
+    """``#SBATCH`` lines for ``options`` (keywords of ``SBATCH_OPTIONS``; None skipped),
+    ``flags`` (of ``SBATCH_FLAGS``) and ``extra`` (``--key=value`` strings, verbatim).
+    Unknown keywords fail with the valid list."""
+    unknown = (set(options) - set(SBATCH_OPTIONS)) | (set(flags) - set(SBATCH_FLAGS))
+    if unknown:
+        raise ValueError(f"unknown sbatch options {sorted(unknown)}; valid: "
+                         f"{', '.join(SBATCH_OPTIONS + SBATCH_FLAGS)}")
+    lines = []
+    for key in SBATCH_OPTIONS:
+        value = options.get(key)
+        if value is None:
+            continue
+        text = str(value)
+        if "\n" in text or not text.strip() or " " in text:
+            raise ValueError(f"bad sbatch value for {key}: {text!r}")
+        lines.append(f"#SBATCH --{key.replace('_', '-')}={text}")
+    lines += [f"#SBATCH --{f}" for f in SBATCH_FLAGS if f in flags]
+    for item in extra:
+        if not item.startswith("--") or "\n" in item:
+            raise ValueError(f"extra sbatch option must look like --key=value: {item!r}")
+        lines.append(f"#SBATCH {item}")
+    return lines
+
+
+def render_template(template: str, values: dict[str, str]) -> str:
+    """Fill ``{{key}}`` placeholders; a placeholder without a value is an error."""
+    def sub(match: re.Match) -> str:
+        key = match.group(1)
+        if key not in values:
+            raise ValueError(f"template placeholder {{{{{key}}}}} has no value")
+        return values[key]
+
+    return re.sub(r"\{\{(\w+)\}\}", sub, template)
+
+
+def _role_options(role: SlurmRole) -> dict[str, Any]:
+    return {"partition": role.partition, "account": role.account, "qos": role.qos,
+            "constraint": role.constraint, "gres": role.gres, "time": role.time,
+            "cpus_per_task": role.cpus, "mem": role.mem}
+
+
+def _exports(env: dict[str, str]) -> str:
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())) \
+        or "# (no added environment)"
+
+
+def _python(config: TrainConfig) -> str:
+    return config.slurm.python or sys.executable
+
+
+def job_prefix(config: TrainConfig) -> str:
+    return f"tmax-{config.name}"
+
+
+def inference_script(config: TrainConfig, run_dir: Path, index: int) -> str:
+    """The exact batch script of inference server ``index`` (what ``--dry-run`` prints)."""
+    from tmax.train.processes import server_command
+
+    role = config.slurm.inference
+    run = Path(run_dir).absolute()
+    lines = sbatch_lines(role.extra, job_name=f"{job_prefix(config)}-inference-{index}",
+                         output=str(run / "logs" / f"slurm-inference-{index}-%j.out"),
+                         nodes=1, ntasks_per_node=1, open_mode="append", **_role_options(role))
+    _, env = server_command(config, run, index, 0)  # the port is chosen on the node
+    return render_template((TEMPLATES / "tmax-inference.sbatch").read_text(), {
+        "sbatch_options": "\n".join(lines),
+        "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
+        "env": _exports(env), "index": str(index), "run_dir": shlex.quote(str(run)),
+        "command": shlex.join([_python(config), "-m", "tmax.train.slurm", "server",
+                               str(run), str(index)])})
+
+
+def trainer_script(config: TrainConfig, run_dir: Path) -> str:
+    """The exact batch script of the trainer job."""
+    from tmax.train.processes import trainer_command
+
+    s, role = config.slurm, config.slurm.trainer
+    run = Path(run_dir).absolute()
+    lines = sbatch_lines(role.extra, ("requeue",), job_name=f"{job_prefix(config)}-trainer",
+                         output=str(run / "logs" / "slurm-trainer-%j.out"),
+                         nodes=s.trainer_nodes,
+                         ntasks_per_node=config.distributed.trainer_ranks // s.trainer_nodes,
+                         signal=f"USR2@{s.preempt_signal_s}", open_mode="append",
+                         **_role_options(role))
+    env = {"OMP_NUM_THREADS": str(config.torch_threads)} if config.torch_threads else {}
+    argv = trainer_command(run)
+    argv[0] = _python(config)
+    return render_template((TEMPLATES / "tmax-trainer.sbatch").read_text(), {
+        "sbatch_options": "\n".join(lines),
+        "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
+        "env": _exports(env), "command": shlex.join(argv)})
+
+
+def slurm_plan(config: TrainConfig) -> dict[str, str]:
+    """Every script a launch submits first, by file name (for ``--dry-run``)."""
+    run = config.run_dir
+    plan = {f"inference-{i}.sbatch": inference_script(config, run, i)
+            for i in range(config.distributed.inference_servers)}
+    plan["trainer.sbatch"] = trainer_script(config, run)
+    return plan
+
+
+# --------------------------------------------------------------------------- slurm calls
+
+
+class SlurmError(Exception):
+    """A Slurm command failed; carries its stderr."""
+
+
+class Slurm:
+    """sbatch, squeue/scontrol, scancel as argv lists with a timeout; their stderr goes to
+    the log (never to the terminal)."""
+
+    def __init__(self, timeout_s: float = 60.0, poll_s: float = 5.0):
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._states: dict[str, str] = {}
+        self._polled = 0.0
+
+    def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s,
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SlurmError(f"{shlex.join(argv)}: {e}") from None
+        if out.stderr.strip():
+            log.debug("%s: %s", argv[0], out.stderr.strip()[-1000:])
+        return out
+
+    def submit(self, script: Path) -> str:
+        out = self._run(["sbatch", "--parsable", str(script)])
+        match = _JOB_ID.match(out.stdout.strip())
+        if out.returncode != 0 or not match:
+            raise SlurmError(f"sbatch {script} failed ({out.returncode}): "
+                             f"{out.stderr.strip()[-2000:] or out.stdout.strip()}")
+        self._polled = 0.0
+        return match.group(1)
+
+    def states(self, job_ids: Sequence[str], *, fresh: bool = False) -> dict[str, str]:
+        """Each job's Slurm state (``RUNNING``, ``PENDING``, ``COMPLETED``, ``FAILED`` ...;
+        ``UNKNOWN`` when Slurm no longer knows it): one squeue for all, scontrol (then
+        sacct) for those squeue no longer lists. At most one poll per ``poll_s``."""
+        ids = [j for j in job_ids if j]
+        if not fresh and time.monotonic() - self._polled < self.poll_s \
+                and all(j in self._states for j in ids):
+            return {j: self._states[j] for j in ids}
+        self._polled = time.monotonic()
+        found: dict[str, str] = {}
+        if ids:
+            out = self._run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"])
+            for line in out.stdout.splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[0] in ids:
+                    found[parts[0]] = parts[1]
+        for j in (j for j in ids if j not in found):
+            out = self._run(["scontrol", "-o", "show", "job", j])
+            m = re.search(r"\bJobState=(\S+)", out.stdout)
+            if m:
+                found[j] = m.group(1)
+                continue
+            out = self._run(["sacct", "-n", "-X", "-P", "-j", j, "-o", "State"])
+            lines = out.stdout.split() if out.returncode == 0 else []
+            found[j] = lines[0] if lines else "UNKNOWN"
+        self._states.update(found)
+        return found
+
+    def cancel(self, job_id: str) -> None:
+        if not job_id.isdigit():
+            raise ValueError(f"not a Slurm job id: {job_id!r}")
+        out = self._run(["scancel", job_id])
+        self._polled = 0.0
+        if out.returncode != 0 and "Invalid job id" not in out.stderr \
+                and "already completing" not in out.stderr:
+            log.warning("scancel %s failed (%d): %s", job_id, out.returncode,
+                        out.stderr.strip()[-500:])
+
+
+# --------------------------------------------------------------------------- jobs.json
+
+
+def read_jobs(run_dir: Path) -> list[dict[str, Any]]:
+    """Every job a launcher submitted for this run: ``{role, name, job_id, log, script}``."""
+    try:
+        return list(json.loads((Path(run_dir) / "jobs.json").read_text())["jobs"])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def record_job(run_dir: Path, **job: Any) -> None:
+    jobs = read_jobs(run_dir) + [{**job, "submitted": time.time()}]
+    tmp = Path(run_dir) / ".jobs.json.tmp"
+    tmp.write_text(json.dumps({"jobs": jobs}, indent=1) + "\n")
+    os.replace(tmp, Path(run_dir) / "jobs.json")
+
+
+def _write_script(run_dir: Path, name: str, text: str) -> Path:
+    folder = run_dir / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    tmp = path.with_name(f".{name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def job_log(run_dir: Path, role: str, job_id: str) -> Path:
+    return Path(run_dir).absolute() / "logs" / f"slurm-{role}-{job_id}.out"
+
+
+# --------------------------------------------------------------------------- the roles
+
+
+class SlurmTrainer:
+    """The trainer as one Slurm job (the launcher's ``Trainer`` role)."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, slurm: Slurm):
+        self.config, self.run_dir, self.slurm = config, Path(run_dir).absolute(), slurm
+        self.job_id: str | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        script = _write_script(self.run_dir, "trainer.sbatch",
+                               trainer_script(self.config, self.run_dir))
+        self.job_id = self.slurm.submit(script)
+        self.starts += 1
+        record_job(self.run_dir, role="trainer", name="trainer", job_id=self.job_id,
+                   log=str(self.log_path), script=str(script))
+        log.info("trainer: job %s submitted (%s)", self.job_id, script)
+
+    def state(self) -> str:
+        return self.slurm.states([self.job_id])[self.job_id] if self.job_id else "NONE"
+
+    def running(self) -> bool:
+        return self.state() in ACTIVE
+
+    def failed(self) -> bool:
+        state = self.state()
+        return state not in ACTIVE and state not in ("COMPLETED", "NONE")
+
+    def wait(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.job_id and self.slurm.states([self.job_id], fresh=True)[self.job_id] in ACTIVE:
+            self.slurm.cancel(self.job_id)
+
+    @property
+    def log_path(self) -> Path:
+        return job_log(self.run_dir, "trainer", self.job_id or "%j")
+
+    def ids(self) -> list[str]:
+        return [self.job_id] if self.job_id and self.running() else []
+
+    def pids(self) -> list[int]:
+        return []
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class SlurmInferenceServers:
+    """The run's inference servers as Slurm jobs, one each (the launcher's ``Servers``)."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, slurm: Slurm):
+        self.config, self.run_dir, self.slurm = config, Path(run_dir).absolute(), slurm
+        self.jobs: dict[int, tuple[str, str]] = {}  # id(engine) -> (name, job id)
+        self.started = 0
+
+    async def start_one(self) -> Any:
+        """Submit a server job, wait for its registration, return its engine."""
+        from tmax.inference.http import HttpEngine
+        from tmax.train.processes import TrainProcessError
+
+        i = self.started
+        self.started += 1
+        name = f"inference-{i}"
+        reg = self.run_dir / "servers" / f"{i}.json"
+        reg.unlink(missing_ok=True)  # a previous launch's
+        script = _write_script(self.run_dir, f"{name}.sbatch",
+                               inference_script(self.config, self.run_dir, i))
+        job_id = await asyncio.to_thread(self.slurm.submit, script)
+        logfile = job_log(self.run_dir, name, job_id)
+        record_job(self.run_dir, role="inference", name=name, job_id=job_id,
+                   log=str(logfile), script=str(script))
+        log.info("inference: %s is job %s", name, job_id)
+        try:
+            url = await self._registered(reg, job_id, logfile)
+        except BaseException:
+            await asyncio.to_thread(self.slurm.cancel, job_id)
+            raise
+        engine = HttpEngine(url, self.config.name, name=name,
+                            temperature=self.config.rollout.temperature,
+                            max_tokens=self.config.rollout.max_new_tokens,
+                            max_retries=1, backoff_s=0.2)
+        if not await engine.health():
+            await asyncio.to_thread(self.slurm.cancel, job_id)
+            raise TrainProcessError(f"inference server {name} (job {job_id}) registered "
+                                    f"{url} but does not answer there; its log: {logfile}")
+        if self.config.engine == "vllm":
+            await engine.refresh_version()
+        self.jobs[id(engine)] = (name, job_id)
+        return engine
+
+    async def _registered(self, reg: Path, job_id: str, logfile: Path) -> str:
+        from tmax.train.processes import TrainProcessError
+
+        deadline = time.monotonic() + self.config.distributed.server_start_timeout_s
+        while True:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                doc = json.loads(await asyncio.to_thread(reg.read_text))
+                if str(doc["job_id"]) == job_id:
+                    return str(doc["url"])
+            state = (await asyncio.to_thread(self.slurm.states, [job_id]))[job_id]
+            if state not in ACTIVE:
+                raise TrainProcessError(f"inference job {job_id} ended ({state}) before its "
+                                        f"server registered; its log: {logfile}\n"
+                                        f"{_tail(logfile)}")
+            if time.monotonic() > deadline:
+                raise TrainProcessError(
+                    f"inference job {job_id} ({state}) did not register a server in {reg} "
+                    f"within {self.config.distributed.server_start_timeout_s:.0f} s; its "
+                    f"log: {logfile}")
+            await asyncio.sleep(1.0)
+
+    async def stop(self, engine: Any) -> None:
+        entry = self.jobs.pop(id(engine), None)
+        with contextlib.suppress(Exception):
+            await engine.aclose()
+        if entry is not None:
+            await asyncio.to_thread(self.slurm.cancel, entry[1])
+
+    async def stop_all(self) -> None:
+        for _, job_id in list(self.jobs.values()):
+            await asyncio.to_thread(self.slurm.cancel, job_id)
+        self.jobs.clear()
+
+    def pids(self) -> dict[str, int]:
+        return {}
+
+    def ids(self) -> dict[str, str]:
+        return dict(self.jobs.values())
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- status, stop
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _processes(run_dir: Path) -> dict[str, int]:
+    try:
+        doc = json.loads((run_dir / "processes.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    procs = {"launcher": int(doc["launcher"])} if doc.get("launcher") else {}
+    procs.update({f"trainer-{i}": int(p) for i, p in enumerate(doc.get("trainer", []))})
+    procs.update({k: int(v) for k, v in doc.get("inference", {}).items()})
+    return procs
+
+
+def run_status(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> dict[str, Any]:
+    """``tmax-train status``: each recorded job's Slurm state (one squeue for all), each
+    recorded local process, the last step and its reward, the newest weights version."""
+    from tmax.train.handover import Handover, is_done
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise SlurmError(f"{run}: not a run folder (no config.yaml)")
+    from tmax.train.config import load_train_config
+
+    config = load_train_config(run / "config.yaml")
+    jobs = read_jobs(run)
+    states = (slurm or Slurm()).states([j["job_id"] for j in jobs], fresh=True) if jobs else {}
+    rows = []
+    with contextlib.suppress(OSError):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
+    handover = Handover(run)
+    latest = handover.latest_weights()
+    return {"run_dir": str(run), "steps": config.steps,
+            "step": rows[-1]["step"] if rows else 0,
+            "reward": rows[-1].get("reward_mean") if rows else None,
+            "weights": latest[0] if latest else None, "done": is_done(handover, "trainer"),
+            "jobs": [{**j, "state": states.get(j["job_id"], "UNKNOWN")} for j in jobs],
+            "processes": {k: {"pid": p, "alive": _alive(p)}
+                          for k, p in _processes(run).items()}}
+
+
+def stop_run(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> list[str]:
+    """``tmax-train stop``: SIGTERM to the launcher (it stops what it started), scancel of
+    every job recorded in ``RUN/jobs.json`` that is still queued or running (by id, nothing
+    else), and SIGTERM then SIGKILL to the process groups recorded in processes.json."""
+    run = Path(run_dir)
+    slurm = slurm or Slurm()
+    said = []
+    procs = _processes(run)
+    launcher = procs.pop("launcher", None)
+    if launcher and _alive(launcher) and launcher != os.getpid():
+        os.kill(launcher, signal.SIGTERM)
+        said.append(f"launcher pid {launcher}: SIGTERM")
+        deadline = time.monotonic() + 30
+        while _alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    jobs = read_jobs(run)
+    states = slurm.states([j["job_id"] for j in jobs], fresh=True) if jobs else {}
+    for job in jobs:
+        if states.get(job["job_id"]) in ACTIVE:
+            slurm.cancel(job["job_id"])
+            said.append(f"{job['name']}: scancel {job['job_id']}")
+    for name, pid in procs.items():
+        with contextlib.suppress(OSError):
+            if _alive(pid) and os.getpgid(pid) == pid:  # our child led its own group
+                os.killpg(pid, signal.SIGTERM)
+                said.append(f"{name} pid {pid}: SIGTERM")
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for name, pid in procs.items():
+        with contextlib.suppress(OSError):
+            if _alive(pid) and os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+                said.append(f"{name} pid {pid}: SIGKILL")
+    return said or [f"{run}: nothing of this run is running"]
+
+
+# --------------------------------------------------------------------------- on the node
+
+
+def node_address() -> str:
+    """This node's address as Slurm knows it (NodeAddr), else its fully qualified name."""
+    node = os.environ.get("SLURMD_NODENAME")
+    if node:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            out = subprocess.run(["scontrol", "-o", "show", "node", node],
+                                 capture_output=True, text=True, timeout=30, check=False)
+            m = re.search(r"\bNodeAddr=(\S+)", out.stdout)
+            if m:
+                return m.group(1)
+    return socket.getfqdn()
+
+
+async def serve(run_dir: Path, index: int) -> int:
+    """Inference server ``index`` on this node until it dies or the job ends; registers
+    ``RUN/servers/<index>.json`` once healthy. Returns the exit code."""
+    from tmax.inference.process import ServerProcess, free_port
+    from tmax.train.config import load_train_config
+    from tmax.train.processes import server_command
+
+    config = load_train_config(run_dir / "config.yaml")
+    host = os.environ.get("TMAX_SERVER_HOST") or node_address()
+    port = free_port(host)
+    argv, env = server_command(config, run_dir, index, port, host=host)
+    url = f"http://{host}:{port}"
+    server = ServerProcess(argv, url=url, env=env, name=f"inference-{index}",
+                           log_path=run_dir / "logs" / f"inference-{index}.log",
+                           start_timeout_s=config.distributed.server_start_timeout_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        reg = run_dir / "servers" / f"{index}.json"
+        reg.parent.mkdir(parents=True, exist_ok=True)
+        tmp = reg.with_name(f".{reg.name}.tmp")
+        tmp.write_text(json.dumps({"url": url, "job_id": os.environ.get("SLURM_JOB_ID", ""),
+                                   "host": host, "port": port, "pid": server.pid,
+                                   "index": index}) + "\n")
+        os.replace(tmp, reg)
+        log.info("inference-%d: serving at %s, registered in %s", index, url, reg)
+        while not stop.is_set() and server.alive():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        return 0 if stop.is_set() else 1
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tmax.train.slurm server RUN_DIR INDEX``: one inference job's payload."""
+    from tmax import log as tmax_log
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "server" or not args[2].isdigit():
+        sys.exit("usage: python -m tmax.train.slurm server RUN_DIR INDEX")
+    tmax_log.setup(default=logging.INFO)
+    from sandfleet import run_event_loop
+
+    sys.exit(run_event_loop(serve(Path(args[1]), int(args[2]))))
+
+
+if __name__ == "__main__":
+    main()

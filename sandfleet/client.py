@@ -527,8 +527,7 @@ class Lease:
         sock.sendall(frame)
         while True:
             try:  # the frames of every connection: sandfleet.wire.frames
-                header, data = recv_frame(sock)
-                reply = Reply.model_validate(header)
+                reply, data = recv_frame(sock, decode=Reply.model_validate_json)
             except (ProtocolError, ValidationError) as e:
                 raise ConnectionResetError(f"bad frame from the worker: {e}") from None
             if reply.id == message.id:

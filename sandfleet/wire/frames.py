@@ -24,7 +24,8 @@ import asyncio
 import logging
 import socket
 import struct
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 from pydantic_core import from_json, to_json
@@ -47,6 +48,7 @@ LARGE_PAYLOAD = 1 << 16
 """Payloads larger than this are written beside their prefix, not copied into one buffer."""
 
 Header = dict[str, Any]
+T = TypeVar("T")
 
 
 def frame_lengths(data: bytes, offset: int = 0, *, max_header: int = MAX_HEADER_BYTES,
@@ -129,12 +131,16 @@ async def write_frame(writer: asyncio.StreamWriter, header: Header | BaseModel,
 
 
 def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
-               max_payload: int = MAX_PAYLOAD_BYTES) -> tuple[Header, bytes]:
-    """The next frame from a blocking socket (its own timeout applies to each read).
-    ProtocolError on broken framing; ConnectionResetError when the peer closes first."""
+               max_payload: int = MAX_PAYLOAD_BYTES,
+               decode: Callable[[bytes], T] = decode_header,  # type: ignore[assignment]
+               ) -> tuple[T, bytes]:
+    """The next frame from a blocking socket (its own timeout applies to each read), its
+    header read by ``decode`` (``decode_header``; a model's ``model_validate_json`` parses
+    it straight into the model). ProtocolError on broken framing (or whatever ``decode``
+    raises on a bad header); ConnectionResetError when the peer closes first."""
     header_len, payload_len = frame_lengths(_recv_exactly(sock, PREFIX.size),
                                             max_header=max_header, max_payload=max_payload)
-    header = decode_header(_recv_exactly(sock, header_len))
+    header = decode(_recv_exactly(sock, header_len))
     return header, _recv_exactly(sock, payload_len) if payload_len else b""
 
 

@@ -169,3 +169,57 @@ def test_a_run_on_slurm_jobs_survives_a_cancelled_inference_job(
     states = {j["name"]: j["state"] for j in status["jobs"]}
     assert states["trainer"] == "COMPLETED" and states["inference-0"] == "CANCELLED", states
     assert stop_run(run_dir) == [f"{run_dir}: nothing of this run is running"]
+
+
+class SignalTrainer(threading.Thread):
+    """USR2 to the trainer job's ranks (as Slurm sends before the time limit) once the
+    first step is done."""
+
+    def __init__(self, run_dir: Path, env: dict[str, str]):
+        super().__init__(daemon=True)
+        self.run_dir, self.env, self.stop = run_dir, env, threading.Event()
+        self.signalled: str | None = None
+        self.at_step = 0
+
+    def run(self) -> None:
+        from tmax.train.slurm import read_jobs
+
+        while not self.stop.wait(0.3):
+            metrics = self.run_dir / "metrics.jsonl"
+            steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            jobs = [j for j in read_jobs(self.run_dir) if j["role"] == "trainer"]
+            if steps >= 1 and jobs:
+                self.signalled, self.at_step = jobs[0]["job_id"], steps
+                subprocess.run(["scancel", "--signal=USR2", self.signalled], env=self.env,
+                               timeout=30, check=True)
+                return
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_a_trainer_job_warned_by_usr2_checkpoints_requeues_and_resumes(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.processes import run_processes
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    config = config_for(run_dir, example_fleet, example_store, "steps=4",
+                        "checkpoint_every=10", "slurm.inference.cpus=1",
+                        "slurm.trainer.cpus=1", "slurm.poll_s=1")
+    warn = SignalTrainer(run_dir, local_slurm.env)
+    warn.start()
+    try:
+        run_processes(config, progress=False, launcher="slurm")
+    finally:
+        warn.stop.set()
+        warn.join()
+    trainers = [j for j in read_jobs(run_dir) if j["role"] == "trainer"]
+    assert len(trainers) == 1 and warn.signalled == trainers[0]["job_id"]  # requeued, same id
+    out = Path(trainers[0]["log"]).read_text()
+    print(out[-3000:])
+    assert "requeueing job" in out and "resumed from" in out and "(restart 1)" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # none lost, none repeated
+    assert (run_dir / "final" / "model.safetensors").exists()

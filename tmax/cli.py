@@ -11,6 +11,7 @@ import click
 
 from tmax import log
 from tmax.agent.cli import serve_scripted
+from tmax.data.cli import data_group, gen_cmd
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
 from tmax.tasks.cli import tasks_group
@@ -29,6 +30,8 @@ main.add_command(images_group)
 main.add_command(serve_scripted)
 main.add_command(eval_cmd)
 main.add_command(report_cmd)
+main.add_command(gen_cmd)
+main.add_command(data_group)
 
 
 @main.command("serve")

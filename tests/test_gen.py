@@ -1,0 +1,288 @@
+"""tmax gen: axes, task drafts, the generation loop with the scripted server as the teacher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tmax.agent.scripted_server import ScriptedServer
+from tmax.cli import main
+from tmax.data.axes import AXIS_NAMES, Axes, sample_axes
+from tmax.data.config import DEFAULT_CONFIG, GenConfigError, load_gen_config
+from tmax.data.gen import (
+    RECORDS,
+    Generator,
+    TaskReply,
+    draft_of,
+    drop_reasons,
+    format_yield,
+    yield_table,
+)
+from tmax.tasks import load_task, validate_task, write_task
+
+CACHE = Path.home() / ".cache" / "tmax"
+DOCKERFILE = "FROM python:3.11-slim\nWORKDIR /app\nRUN printf '3\\n5\\n7\\n' > /app/numbers.txt\n"
+TEST_SH = """#!/bin/bash
+mkdir -p /logs/verifier
+got=$(cat /app/sum.txt 2>/dev/null | tr -d '[:space:]')
+if [ "$got" = "15" ]; then r=1; else r=0; fi
+printf '{"reward": %s, "exact": %s}\\n' "$r" "$r" > /logs/verifier/reward.json
+"""
+SOLVE_SH = "#!/bin/bash\nawk '{s+=$1} END {print s}' /app/numbers.txt > /app/sum.txt\n"
+
+
+def task_json(**over) -> str:
+    """A realistic teacher reply: a tiny task as the prompt asks for it."""
+    reply = {"instruction": "Add up the numbers in /app/numbers.txt (one per line) and write "
+                            "the total, as a bare integer, to /app/sum.txt.",
+             "difficulty": "easy", "skills": ["awk", "file reading"],
+             "dockerfile": DOCKERFILE, "test_sh": TEST_SH, "solve_sh": SOLVE_SH} | over
+    return json.dumps(reply)
+
+
+def item(**over) -> dict:
+    return {"content": task_json(**over)}
+
+
+def gen_config(server_url: str, tmp: Path, **generation):
+    config = load_gen_config()
+    teacher = config.teacher.model_copy(update={
+        "base_url": server_url, "api_key_env": None, "backoff_s": 0.0, "parse_retries": 1,
+        "cache_dir": str(tmp / "teacher-cache")})
+    gen = config.generation.model_copy(update={"repair_rounds": 1, **generation})
+    return config.model_copy(update={"teacher": teacher, "generation": gen})
+
+
+# --------------------------------------------------------------------------- axes, config
+
+
+def test_shipped_config_parses_and_rejects_unknown_keys(tmp_path):
+    config = load_gen_config(DEFAULT_CONFIG)
+    assert len(config.axes.domains) == 9 and config.generation.repair_rounds == 3
+    for d in config.axes.domains.values():
+        assert 4 <= len(d.skill_types) <= 7 and 6 <= len(d.personas) <= 18
+    bad = tmp_path / "gen.yaml"
+    bad.write_text(DEFAULT_CONFIG.read_text().replace("repair_rounds:", "repair_round:"))
+    with pytest.raises(GenConfigError, match="generation.repair_round"):
+        load_gen_config(bad)
+    bad.write_text(DEFAULT_CONFIG.read_text().replace("api_key_env:", "api_key:"))
+    with pytest.raises(GenConfigError, match="teacher.api_key"):
+        load_gen_config(bad)
+
+
+def test_axes_are_a_pure_function_of_the_seed():
+    axes = load_gen_config().axes
+    a = sample_axes(axes, 12345)
+    assert a == sample_axes(axes, 12345)
+    assert tuple(a)[:9] == AXIS_NAMES and set(a) == {*AXIS_NAMES, "difficulty"}
+    assert a != sample_axes(axes, 12346)
+    skills = a["primitive_skills"].split("; ")
+    assert 3 <= len(skills) <= 5 and set(skills) <= set(axes.domains[a["domain"]].skills)
+    # uniform over domains and difficulty buckets, weighted languages
+    draws = [sample_axes(axes, s) for s in range(2700)]
+    domains = {d: sum(x["domain"] == d for x in draws) for d in axes.domains}
+    assert min(domains.values()) > 220 and max(domains.values()) < 380  # 300 expected
+    python = sum(x["language"] == "python" for x in draws) / len(draws)
+    assert abs(python - 0.30) < 0.05  # weight 30 of 100
+
+
+def test_axes_reject_unknown_domains_and_short_pools():
+    base = {"languages": {"bash": 1}, "task_complexity": ["a"], "command_complexity": ["b"],
+            "verifier_kind": ["c"], "fixture_kind": ["d"]}
+    one = {"skill_types": ["x"], "skills": ["a", "b", "c", "d", "e"], "personas": ["p"]}
+    assert Axes.model_validate({**base, "domains": {"security": one}})
+    with pytest.raises(ValueError, match="unknown domains"):
+        Axes.model_validate({**base, "domains": {"cooking": one}})
+    with pytest.raises(ValueError, match="fewer than primitive_skills.max"):
+        Axes.model_validate({**base, "domains": {"security": one | {"skills": ["a"]}}})
+
+
+def test_a_reply_becomes_a_valid_native_task_with_its_axes(tmp_path):
+    config = load_gen_config()
+    axes = sample_axes(config.axes, 7)
+    reply = TaskReply.model_validate_json(task_json(
+        environment_files={"data/in.txt": "x\n"}, test_files={"tests/helper.py": "pass\n"}))
+    task = write_task(draft_of(reply, 7, axes, config), tmp_path)
+    assert task.task_id == "gen-000007" and validate_task(task.root) == []
+    loaded = load_task(task.root)
+    assert loaded.config.metadata.axes == axes
+    assert loaded.config.metadata.domain == axes["domain"]
+    assert loaded.config.metadata.extra == {"gen_seed": 7}
+    assert (task.root / "environment" / "data" / "in.txt").read_text() == "x\n"
+    assert (task.root / "tests" / "helper.py").is_file()
+    assert (task.root / "tests" / "test.sh").stat().st_mode & 0o111
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"dockerfile": "RUN echo hi\n"}, "must start with a FROM line"),
+    ({"test_sh": "#!/bin/bash\nexit 0\n"}, "reward.json or reward.txt"),
+    ({"environment_files": {"../escape": "x"}}, "must be relative"),
+    ({"instruction": "short"}, "at least 20 characters"),
+])
+def test_reply_schema_rejects_unusable_tasks(over, message):
+    with pytest.raises(ValueError, match=message):
+        TaskReply.model_validate_json(task_json(**over))
+
+
+def test_yield_table_and_drop_reasons_by_hand():
+    def rec(domain, outcome, *flags, failed=None):
+        stages = [{"name": failed, "ok": False}] if failed else []
+        return {"axes": {"domain": domain}, "outcome": outcome, "stages": stages,
+                **dict(zip(("parsed", "built", "checked", "kept"), flags, strict=True))}
+
+    records = [rec("security", "kept", 1, 1, 1, 1),
+               rec("security", "dropped", 1, 1, 0, 0, failed="check"),
+               rec("debugging", "dropped", 0, 0, 0, 0, failed="parse"),
+               rec("debugging", "dropped", 1, 0, 0, 0, failed="build"),
+               rec("debugging", "error", 0, 0, 0, 0)]
+    table = yield_table(records)
+    assert table == {
+        "debugging": {"attempted": 2, "parsed": 1, "built": 0, "checked": 0, "kept": 0},
+        "security": {"attempted": 2, "parsed": 2, "built": 2, "checked": 1, "kept": 1},
+        "all": {"attempted": 4, "parsed": 3, "built": 2, "checked": 1, "kept": 1}}
+    assert list(table) == ["debugging", "security", "all"]
+    assert format_yield(table).splitlines()[-1].split() == ["all", "4", "3", "2", "1", "1"]
+    assert drop_reasons(records) == {"check": 1, "parse": 1, "build": 1}
+
+
+class NoBuilds:
+    """Stands in for ImageBuilds where the teacher fails before anything is built."""
+
+    store = None
+    checker = staticmethod(lambda *a: None)
+
+    def build(self, task):
+        raise AssertionError("nothing should be built")
+
+
+def test_unparsable_replies_are_dropped_and_a_dead_teacher_is_retried_on_rerun(tmp_path):
+    with ScriptedServer([{"content": "Sure! I will write the task now."},
+                         {"content": task_json(dockerfile="no from line")},
+                         {"status": 503}, {"status": 503}]) as server:
+        config = gen_config(server.url, tmp_path)
+        config = config.model_copy(update={"teacher": config.teacher.model_copy(
+            update={"max_retries": 1})})
+        gen = Generator(config, tmp_path / "run", NoBuilds())  # type: ignore[arg-type]
+        records = asyncio.run(gen.run([0, 1], jobs=1, progress=False))
+        assert len(server.requests) == 4
+    assert [r["outcome"] for r in records] == ["dropped", "error"]
+    assert records[0]["reason"].startswith("unparsable: the JSON does not match")
+    assert "must start with a FROM line" in records[0]["reason"]
+    assert "teacher unavailable" in records[1]["reason"]
+    assert gen.teacher.usage.dropped == 1 and gen.teacher.usage.parse_failures == 2
+    # the rerun skips the dropped seed and retries the one the teacher never answered
+    with ScriptedServer([{"content": "still not json"}, {"content": "nope"}]) as server:
+        gen = Generator(gen_config(server.url, tmp_path), tmp_path / "run", NoBuilds())  # type: ignore[arg-type]
+        records = asyncio.run(gen.run([0, 1], jobs=1, progress=False))
+        assert len(server.requests) == 2
+        assert "Sure!" not in json.dumps(server.requests)  # seed 0 was not asked again
+    assert [r["outcome"] for r in records] == ["dropped", "dropped"]
+    lines = (tmp_path / "run" / RECORDS).read_text().splitlines()
+    assert len(lines) == 3  # one per finished attempt, the latest wins
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def gen_builds(image_store):
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+
+    return ImageBuilds(image_store, LocalBuilder(CACHE), checker=image_checker(CACHE, "local"))
+
+
+BROKEN_DOCKERFILE = ("FROM python:3.11-slim\nWORKDIR /app\n"
+                     "RUN sort /app/raw-numbers.txt > /app/numbers.txt\n")
+LAX_TEST = ("#!/bin/bash\nmkdir -p /logs/verifier\n"
+            "test -f /app/numbers.txt && r=1 || r=0\necho $r > /logs/verifier/reward.txt\n")
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_generation_end_to_end_with_repairs_drops_and_the_cache(tmp_path, gen_builds):
+    script = [
+        item(),                                            # seed 0: good at once
+        {"content": "Here is your task!"}, {"content": "{not json"},  # seed 1: unparsable
+        item(dockerfile=BROKEN_DOCKERFILE), item(),        # seed 2: build fails, repaired
+        item(test_sh=LAX_TEST), item(test_sh=LAX_TEST),    # seed 3: nop passes twice
+        item(solve_sh="#!/bin/bash\necho 14 > /app/sum.txt\n"), item(),  # seed 4: bad oracle
+    ]
+    with ScriptedServer(script) as server:
+        gen = Generator(gen_config(server.url, tmp_path), tmp_path / "run", gen_builds)
+        records = asyncio.run(gen.run(range(5), jobs=1, progress=False))
+        requests = server.requests
+    by_seed = {r["seed"]: r for r in records}
+    assert {s: r["outcome"] for s, r in by_seed.items()} == {
+        0: "kept", 1: "dropped", 2: "kept", 3: "dropped", 4: "kept"}
+    assert by_seed[1]["reason"].startswith("unparsable")
+    assert by_seed[3]["reason"] == ("after 1 repair rounds: check: the untouched environment "
+                                    "already scores 1.0")
+    assert [(s["name"], s["ok"]) for s in by_seed[2]["stages"]] == [
+        ("parse", True), ("validate", True), ("build", False),
+        ("parse", True), ("validate", True), ("build", True), ("check", True), ("write", True)]
+    # the teacher saw the failing build's error tail in the repair request
+    repair = requests[4]["messages"][-1]["content"]
+    assert "failed at the build stage" in repair and "raw-numbers.txt" in repair
+    assert "No such file or directory" in repair
+    oracle_repair = requests[8]["messages"][-1]["content"]
+    assert "the reference solution scores 0.0, not 1" in oracle_repair
+    # kept tasks validate and their images passed the checks
+    kept = sorted(p.name for p in (tmp_path / "run" / "tasks").iterdir())
+    assert kept == ["gen-000000", "gen-000002", "gen-000004"]
+    manifest = gen_builds.store.read()
+    for name in kept:
+        assert validate_task(tmp_path / "run" / "tasks" / name) == []
+        checks = manifest.tasks[name].checks
+        assert (checks.ok, checks.nop_reward, checks.oracle_reward) == (True, 0.0, 1.0)
+        assert load_task(tmp_path / "run" / "tasks" / name).config.metadata.axes == \
+            sample_axes(gen.config.axes, int(name[-6:]))
+    assert yield_table(records)["all"] == {"attempted": 5, "parsed": 4, "built": 4,
+                                           "checked": 3, "kept": 3}
+    u = gen.teacher.usage
+    assert (u.requests, u.cache_hits, u.parse_failures, u.dropped) == (9, 0, 2, 1)
+    prompt_words = sum(len(" ".join(m["content"] for m in r["messages"]).split())
+                       for r in requests)
+    assert u.prompt_tokens == prompt_words
+    assert u.completion_tokens == sum(len(str(i["content"]).split()) for i in script)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["yield"]["all"]["kept"] == 3
+
+    # rerun into the same folder: every seed is done, nothing is asked
+    with ScriptedServer([]) as empty:
+        again = Generator(gen_config(empty.url, tmp_path), tmp_path / "run", gen_builds)
+        asyncio.run(again.run(range(5), jobs=1, progress=False))
+        assert empty.requests == []
+    # a fresh run folder with the same teacher cache: every reply from the cache
+    with ScriptedServer([]) as empty:
+        fresh = Generator(gen_config(empty.url, tmp_path), tmp_path / "run2", gen_builds)
+        records2 = asyncio.run(fresh.run(range(5), jobs=1, progress=False))
+        assert empty.requests == []
+    assert [r["outcome"] for r in records2] == [r["outcome"] for r in records]
+    assert (fresh.teacher.usage.requests, fresh.teacher.usage.cache_hits) == (0, 9)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_gen_cli_runs_with_several_jobs_and_prints_the_yield(tmp_path, image_store,
+                                                             monkeypatch):
+    monkeypatch.setenv("TMAX_CACHE", str(CACHE))
+    config = tmp_path / "gen.yaml"
+    config.write_text(DEFAULT_CONFIG.read_text().replace("api_key_env: OPENAI_API_KEY",
+                                                         "api_key_env: null"))
+    with ScriptedServer([item(), item()]) as server:
+        res = CliRunner().invoke(main, [
+            "gen", "--config", str(config), "--out", str(tmp_path / "run"), "-n", "2",
+            "--jobs", "2", "--base-url", server.url, "--store", str(image_store.root),
+            "--builder", "local", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    last = [line for line in res.output.splitlines() if line.startswith("all")]
+    assert last and last[0].split() == ["all", "2", "2", "2", "2", "2"]
+    assert "teacher: 2 requests, 0 from cache" in res.output
+    res = CliRunner().invoke(main, ["data", "yield", str(tmp_path / "run"), "-o", "json"])
+    assert json.loads(res.output)["all"]["kept"] == 2

@@ -1,0 +1,1 @@
+"""Synthetic task data: sampling axes, generation (``tmax gen``), and what follows it."""

@@ -58,7 +58,13 @@ class RuntimeBox:
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")
         self.log += ["$ verify: /bin/bash /tests/test.sh", result.output.rstrip(), status]
-        return read_reward(logs, task.task_id)
+        try:
+            return read_reward(logs, task.task_id)
+        except VerifierError as e:
+            if result.timed_out:  # the cause, not only its consequence
+                raise VerifierError(task.task_id, f"timed out after {verifier.timeout_sec:g} s "
+                                    f"([verifier] timeout_sec) and {e.reason}") from None
+            raise
 
 
 def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:

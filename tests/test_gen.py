@@ -286,3 +286,83 @@ def test_gen_cli_runs_with_several_jobs_and_prints_the_yield(tmp_path, image_sto
     assert "teacher: 2 requests, 0 from cache" in res.output
     res = CliRunner().invoke(main, ["data", "yield", str(tmp_path / "run"), "-o", "json"])
     assert json.loads(res.output)["all"]["kept"] == 2
+
+
+# --------------------------------------------------------------------------- decontam, stats
+
+
+BENCH = ("Find every file larger than ten megabytes under /data and write their paths, one "
+         "per line, sorted by size, to /app/big.txt.")
+
+
+def write_instruction_task(root: Path, name: str, instruction: str, axes: dict | None = None,
+                           seed: int = 0) -> Path:
+    config = load_gen_config()
+    axes = axes or sample_axes(config.axes, seed)
+    reply = TaskReply.model_validate_json(task_json(instruction=instruction))
+    draft = draft_of(reply, seed, axes, config)
+    draft.task_id = name
+    return write_task(draft, root).root
+
+
+def test_decontam_counts_shared_ngrams_by_hand(tmp_path):
+    from tmax.data.decontam import build_index, instructions, overlap, report, tokens
+
+    write_instruction_task(tmp_path / "bench", "find-big-files", BENCH)
+    write_instruction_task(tmp_path / "bench", "other", "Compress the logs in /var/log nightly.")
+    a = ("Please FIND every file larger than ten megabytes under /data and write their paths, "
+         "one per line, to /out.txt")
+    b = "Count the lines of /var/log/syslog and print the number of lines."
+    assert tokens(a)[:3] == ["please", "find", "every"] and len(tokens(a)) == 20
+    index = build_index(tmp_path / "bench")
+    assert index.tasks == 2
+    # a shares the 16-token run find..line: 4 of its 8 13-grams, 9 of its 13 8-grams
+    o13, o8 = overlap(a, index, 13), overlap(a, index, 8)
+    assert (o13.hits, o13.ngrams, o13.matches) == (4, 8, ["find-big-files"])
+    assert (o8.hits, o8.ngrams) == (9, 13) and o8.fraction == pytest.approx(9 / 13)
+    assert overlap(b, index, 8).hits == 0
+    write_instruction_task(tmp_path / "gen", "a", a, seed=1)
+    write_instruction_task(tmp_path / "gen", "b", b, seed=2)
+    rows = report(instructions(tmp_path / "gen"), index)
+    assert [(r.task_id, r.contaminated) for r in rows] == [("a", True), ("b", False)]
+    res = CliRunner().invoke(main, ["data", "decontam", str(tmp_path / "gen"), "--against",
+                                    str(tmp_path / "bench"), "--write-clean",
+                                    str(tmp_path / "clean")])
+    assert res.exit_code == 0, res.output
+    assert "1/2 tasks share a 13-gram" in res.output and "n13 4/8  n8 9/13" in res.output
+    assert sorted(p.name for p in (tmp_path / "clean").iterdir()) == ["b"]
+
+
+def test_balance_by_hand():
+    from tmax.data.stats import balance
+
+    # H = -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335; exp(H) = 1.754765
+    assert balance({"a": 3, "b": 1}) == pytest.approx(1.754765 / 2, abs=1e-6)
+    assert balance({"a": 3, "b": 1}, ["a", "b", "c"]) == pytest.approx(1.754765 / 3, abs=1e-6)
+    assert balance({"a": 2, "b": 2, "c": 2, "d": 2}) == pytest.approx(1.0)
+    assert balance({"a": 5}) == 1.0 and balance({"a": 5}, ["a", "b"]) == 0.5
+    assert balance({}) == 0.0
+
+
+def test_data_stats_counts_axes_side_by_side(tmp_path):
+    from tmax.data.stats import dataset_stats
+
+    base = sample_axes(load_gen_config().axes, 0)
+    for i, (domain, kind) in enumerate([("security", "text"), ("security", "text"),
+                                        ("debugging", "text"), ("debugging", "vendored package")]):
+        axes = base | {"domain": domain, "fixture_kind": kind}
+        write_instruction_task(tmp_path / "one", f"t{i}", BENCH + f" Variant {i}.", axes, i)
+    write_instruction_task(tmp_path / "two", "only", BENCH, base | {"domain": "security"})
+    s = dataset_stats(tmp_path / "one")
+    assert s["tasks"] == 4 and s["counts"]["domain"] == {"debugging": 2, "security": 2}
+    assert s["balance"]["domain"] == 1.0
+    assert s["balance"]["fixture_kind"] == pytest.approx(1.754765 / 2, abs=1e-4)
+    assert s["instruction_words"]["mean"] == len(BENCH.split()) + 2
+    assert s["verifier_lines"]["max"] == len(TEST_SH.splitlines())
+    res = CliRunner().invoke(main, ["data", "stats", str(tmp_path / "one"),
+                                    str(tmp_path / "two")])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].split() == ["one", "two"]
+    assert [line.split() for line in lines if line.startswith("tasks")] == [["tasks", "4", "1"]]
+    assert ["domain=security", "2", "1"] in [line.split() for line in lines]

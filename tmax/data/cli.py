@@ -82,3 +82,51 @@ def yield_cmd(run_dir, output) -> None:
     latest = {r["seed"]: r for r in records}
     table = yield_table(list(latest.values()))
     click.echo(json.dumps(table, indent=2) if output == "json" else format_yield(table))
+
+
+@data_group.command("stats")
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
+def stats_cmd(dirs, output) -> None:
+    """Counts by axis, balance (exp(entropy) / categories), instruction and verifier lengths
+    of one or more task folders, side by side."""
+    from tmax.data.stats import dataset_stats, format_stats
+
+    all_stats = [dataset_stats(d) for d in dirs]
+    click.echo(json.dumps(all_stats, indent=2) if output == "json" else format_stats(all_stats))
+
+
+@data_group.command("decontam")
+@click.argument("tasks_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--against", "benchmarks", multiple=True, required=True,
+              type=click.Path(exists=True, file_okay=False),
+              help="A benchmark task folder (repeatable), any supported layout.")
+@click.option("--flag-n", default=13, show_default=True,
+              help="A task is contaminated when one of its n-grams of this size matches.")
+@click.option("--write-clean", "clean_dir", type=click.Path(file_okay=False), default=None,
+              help="Copy the tasks that are not contaminated into this folder.")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
+def decontam_cmd(tasks_dir, benchmarks, flag_n, clean_dir, output) -> None:
+    """Word 13- and 8-gram overlap (lower-cased alphanumeric tokens) of each instruction in
+    TASKS_DIR against the benchmark folders: a report, and optionally the clean subset."""
+    import shutil
+
+    from tmax.data.decontam import NS, build_index, instructions, report
+
+    ns = tuple(sorted({*NS, flag_n}, reverse=True))
+    rows = report(instructions(tasks_dir), build_index(*benchmarks, ns=ns), ns, flag_n)
+    if clean_dir:
+        for row in rows:
+            if not row.contaminated:
+                shutil.copytree(Path(tasks_dir) / row.task_id, Path(clean_dir) / row.task_id,
+                                dirs_exist_ok=True)
+    if output == "json":
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+        return
+    for r in rows:
+        parts = [f"n{n} {o.hits}/{o.ngrams}" for n, o in r.overlaps.items()]
+        matched = sorted({m for o in r.overlaps.values() for m in o.matches})
+        click.echo(f"{'CONTAMINATED' if r.contaminated else 'clean':12} {r.task_id:30} "
+                   f"{'  '.join(parts)}  {', '.join(matched[:5])}")
+    bad = sum(r.contaminated for r in rows)
+    click.echo(f"{bad}/{len(rows)} tasks share a {flag_n}-gram with the benchmarks")

@@ -122,12 +122,12 @@ def test_strict_refuses_before_running_and_lists_every_reason(tmp_path):
     tasks = tmp_path / "tasks"
     copy_task("hello-world-file", tasks / "hello-world-file")  # not built in this store
     copy_task("hello-world-file", tasks / "odd-base", dockerfile=UNMAPPED)
-    copy_task("hello-world-file", tasks / "bad-toml", toml_extra="bogus_key = 1\n")
+    copy_task("hello-world-file", tasks / "bad-toml", toml_extra="memory_mbb = 1\n")
     common = ["--tasks", str(tasks), "--policy", "oracle", "--store", str(tmp_path / "store"),
               "--fleet", str(tmp_path / "no-fleet")]  # never reached
     out = invoke(*common, "--strict", "--out", str(tmp_path / "strict"))
     assert out.exit_code != 0 and "3 of 3 tasks cannot run (--strict" in out.output
-    assert "bad-toml [invalid_task]" in out.output and "bogus_key" in out.output
+    assert "bad-toml [invalid_task]" in out.output and "memory_mbb" in out.output
     assert "odd-base [unmapped_base]: no local base for image" in out.output
     assert "hello-world-file [image_missing]" in out.output
     assert "tmax tasks validate" in out.output and "tmax images build" in out.output
@@ -152,7 +152,7 @@ def test_eval_skips_what_cannot_run_and_runs_the_rest(example_store, example_fle
     for name in ("hello-world-file", "count-log-lines", "sha256-digest", "sqlite-count-rows"):
         copy_task(name, tasks / name)
     copy_task("hello-world-file", tasks / "odd-base", dockerfile=UNMAPPED)
-    copy_task("hello-world-file", tasks / "bad-toml", toml_extra="bogus_key = 1\n")
+    copy_task("hello-world-file", tasks / "bad-toml", toml_extra="memory_mbb = 1\n")
     failed = {"ok": False, "reason": "the reference solution scores 0.0, not 1"}
     store = store_with(tmp_path / "store", example_store, {
         "hello-world-file": {}, "count-log-lines": {},

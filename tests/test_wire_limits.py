@@ -191,8 +191,10 @@ def test_silent_and_idle_connections_are_closed_after_their_timeouts():
             good = await Connection.open(f"{LOOPBACK}:{port}", TOKEN, idle_s=None)
             assert (await good.request(Ping(id=new_id())))[0]["type"] == "ping"
             busy = await Connection.open(f"{LOOPBACK}:{port}", TOKEN, idle_s=None)
-            long = busy.request(Exec(id=new_id(), lease_id="L", command="sleep 1.6",
-                                     timeout=5))
+            # started now (a bare coroutine would first run at its await, after the loop
+            # below: busy would then be a connection that never sent anything)
+            long = asyncio.ensure_future(busy.request(Exec(
+                id=new_id(), lease_id="L", command="sleep 1.6", timeout=5)))
             for reader, writer in [*silent, (slow_reader, slow)]:
                 assert await _ended(reader)
                 writer.transport.abort()

@@ -40,7 +40,7 @@ from typing import Any
 
 from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
 
-from sandfleet.protocol import run_event_loop
+from sandfleet import run_event_loop
 
 log = logging.getLogger("rollout_bench")
 

@@ -98,10 +98,10 @@ def bench_exec(root: Path, n: int, rounds: int = 10) -> None:
     """Acquire latency, then the exec round trip of every way in ``rounds`` interleaved
     blocks (``n`` samples each in all), so a slow spell of the machine hits all alike."""
     from sandfleet.client import AsyncFleetClient, FleetClient
-    from sandfleet.protocol import new_event_loop
     from sandfleet.runtime.base import SandboxSpec
     from sandfleet.runtime.local import LocalRuntime
     from sandfleet.shell import ShellSession
+    from sandfleet.wire.transport import new_event_loop
 
     state = fleet_up(root / "exec", min_nodes=1, max_nodes=1, cpus_per_node=4)
     rt = LocalRuntime(root / "rt-state", CACHE, owner="bench")
@@ -225,7 +225,7 @@ async def episodes(state: Path, leases: int, commands: int) -> dict:
 
 
 def bench_episodes(root: Path, leases: int, commands: int) -> None:
-    from sandfleet.protocol import run_event_loop
+    from sandfleet import run_event_loop
 
     state = fleet_up(root / "ep", min_nodes=1, max_nodes=1, cpus_per_node=2 * leases,
                      memory_mb_per_node=256 * leases, lease_ttl_s=300)
@@ -240,16 +240,9 @@ def bench_episodes(root: Path, leases: int, commands: int) -> None:
 
 
 async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients: int) -> dict:
-    from sandfleet.protocol import (
-        Acquire,
-        Connection,
-        Heartbeat,
-        Register,
-        Release,
-        Server,
-        new_id,
-        read_controller_info,
-    )
+    from sandfleet.discovery import read_controller_info
+    from sandfleet.wire.messages import Acquire, Heartbeat, Register, Release, new_id
+    from sandfleet.wire.transport import Connection, Server
 
     info = read_controller_info(state)
 

@@ -44,7 +44,9 @@ import yaml
 from common import emit, machine  # benchmarks/common.py (scripts run from benchmarks/)
 
 from sandfleet.client import FleetClient
-from sandfleet.protocol import MAX_PAYLOAD_BYTES, PREFIX, new_id, read_controller_info
+from sandfleet.discovery import read_controller_info
+from sandfleet.wire.frames import MAX_PAYLOAD_BYTES, PREFIX
+from sandfleet.wire.messages import new_id
 
 log = logging.getLogger("wire_abuse_bench")
 SANDFLEET = [sys.executable, "-m", "sandfleet.cli"]

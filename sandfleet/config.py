@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sandfleet.protocol import IDLE_TIMEOUT_S, WireLimits
 from sandfleet.runtime.base import default_owner
+from sandfleet.wire.transport import IDLE_TIMEOUT_S, WireLimits
 
 
 class Strict(BaseModel):

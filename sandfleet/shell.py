@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple, Self, TypeVar
 
 from sandfleet.errors import SandboxLost, SandboxStartError
-from sandfleet.protocol import new_event_loop
 from sandfleet.runtime.base import (
     MAX_OUTPUT_BYTES,
     TIMEOUT_EXIT_CODE,
@@ -41,6 +40,7 @@ from sandfleet.runtime.base import (
     kill_process_group,
     read_small,
 )
+from sandfleet.wire.transport import new_event_loop
 
 log = logging.getLogger(__name__)
 

@@ -223,3 +223,56 @@ def test_a_trainer_job_warned_by_usr2_checkpoints_requeues_and_resumes(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # none lost, none repeated
     assert (run_dir / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_tmax_train_status_and_stop_of_a_run_launched_from_the_command_line(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    cli = str(REPO / ".venv" / "bin" / "tmax-train")
+    args = [f"out_dir={run_dir}", f"fleet.state_dir={example_fleet.state}",
+            f"tasks.image_store={example_store.root}", "fleet.concurrency=4",
+            f"tasks.paths=[{REPO / 'examples' / 'tasks'}]", "distributed.enabled=true",
+            "steps=50", "slurm.inference.cpus=1", "slurm.trainer.cpus=1"]
+    t0 = time.monotonic()
+    with open(tmp_path / "launcher.err", "wb") as err:
+        launcher = subprocess.Popen([cli, "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+                                     "--launcher", "slurm", "-q", *args], env=local_slurm.env,
+                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert launcher.poll() is None, (tmp_path / "launcher.err").read_text()
+            assert time.monotonic() - t0 < 300, "no first step within 300 s"
+            time.sleep(0.5)
+        print(f"launch command to first step: {time.monotonic() - t0:.1f} s")
+        status = subprocess.run([cli, "status", str(run_dir)], env=local_slurm.env,
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+        print(status)
+        assert f"run {run_dir}: step " in status and "/50, reward " in status
+        assert status.count("RUNNING") == 2 and "launcher" in status
+        ids = {j["job_id"] for j in read_jobs(run_dir)}
+        assert len(ids) == 2 and ids <= squeue_ids(local_slurm.env)
+        stop = subprocess.run([cli, "stop", str(run_dir)], env=local_slurm.env,
+                              capture_output=True, text=True, timeout=120, check=True).stdout
+        print(stop)
+        assert f"launcher pid {launcher.pid}: SIGTERM (gone after" in stop
+        assert launcher.wait(30) != 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, 9)
+    deadline = time.monotonic() + 30
+    while ids & squeue_ids(local_slurm.env):
+        assert time.monotonic() < deadline, squeue_ids(local_slurm.env)
+        time.sleep(0.5)
+    procs = json.loads((run_dir / "processes.json").read_text())
+    assert not pid_alive(procs["launcher"])
+    err_text = (tmp_path / "launcher.err").read_text()
+    print(err_text[-3000:])
+    assert "sbatch:" not in err_text and "squeue:" not in err_text  # no Slurm chatter

@@ -69,6 +69,7 @@ def main(config_path: str | None, dry_run: bool, launcher: str, output: str, qui
     engines' weights version; `tmax-train stop RUN_DIR` cancels the run's jobs by id and
     stops its processes.
     """
+    import asyncio
     import logging
 
     from tmax import log
@@ -133,6 +134,9 @@ def main(config_path: str | None, dry_run: bool, launcher: str, output: str, qui
     except (TrainError, RolloutsFailing, NoUsableGroups, TrainProcessError, HandoverError,
             EngineError, SlurmError) as e:
         raise click.ClickException(str(e)) from None
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise click.ClickException(f"stopped; the run's jobs and processes are stopped too. "
+                                   f"Resume: the same command on {config.run_dir}") from None
     rows = read_metrics(run_dir)
     curve = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
     click.echo(f"reward per step: {curve}")

@@ -487,14 +487,16 @@ def stop_run(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> list[str
     launcher = procs.pop("launcher", None)
     if launcher and _alive(launcher) and launcher != os.getpid():
         os.kill(launcher, signal.SIGTERM)
-        said.append(f"launcher pid {launcher}: SIGTERM")
-        deadline = time.monotonic() + 30
-        while _alive(launcher) and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        while _alive(launcher) and time.monotonic() - t0 < 60:
             time.sleep(0.2)
+        said.append(f"launcher pid {launcher}: SIGTERM ("
+                    + (f"gone after {time.monotonic() - t0:.1f} s)" if not _alive(launcher)
+                       else "still there after 60 s)"))
     jobs = read_jobs(run)
     states = slurm.states([j["job_id"] for j in jobs], fresh=True) if jobs else {}
     for job in jobs:
-        if states.get(job["job_id"]) in ACTIVE:
+        if states.get(job["job_id"]) in ACTIVE - {"COMPLETING"}:
             slurm.cancel(job["job_id"])
             said.append(f"{job['name']}: scancel {job['job_id']}")
     for name, pid in procs.items():

@@ -276,3 +276,29 @@ def test_tmax_train_status_and_stop_of_a_run_launched_from_the_command_line(
     err_text = (tmp_path / "launcher.err").read_text()
     print(err_text[-3000:])
     assert "sbatch:" not in err_text and "squeue:" not in err_text  # no Slurm chatter
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_an_inference_job_that_fails_before_registering_stops_the_run_naming_it(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.processes import TrainProcessError, run_processes
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    config = config_for(run_dir, example_fleet, example_store, "steps=3",
+                        "slurm.inference.cpus=1", "slurm.trainer.cpus=1", "slurm.poll_s=1",
+                        'slurm.inference.setup=["echo no GPU here >&2; exit 7"]')
+    with pytest.raises(TrainProcessError) as failed:
+        run_processes(config, progress=False, launcher="slurm")
+    jobs = {j["name"]: j for j in read_jobs(run_dir)}
+    inference = jobs["inference-0"]
+    message = str(failed.value)
+    assert f"inference job {inference['job_id']} ended (FAILED)" in message
+    assert inference["log"] in message and "no GPU here" in message
+    deadline = time.monotonic() + 30  # the trainer job went with it
+    while {j["job_id"] for j in jobs.values()} & squeue_ids(local_slurm.env):
+        assert time.monotonic() < deadline, squeue_ids(local_slurm.env)
+        time.sleep(0.5)

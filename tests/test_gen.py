@@ -366,3 +366,23 @@ def test_data_stats_counts_axes_side_by_side(tmp_path):
     assert lines[0].split() == ["one", "two"]
     assert [line.split() for line in lines if line.startswith("tasks")] == [["tasks", "4", "1"]]
     assert ["domain=security", "2", "1"] in [line.split() for line in lines]
+
+
+def test_shards_split_the_seeds_and_share_the_run_folder(tmp_path):
+    with ScriptedServer([{"content": "no"}] * 8) as server:
+        for k in (0, 1):
+            gen = Generator(gen_config(server.url, tmp_path), tmp_path / "run", NoBuilds(),  # type: ignore[arg-type]
+                            shard=(k, 2))
+            records = asyncio.run(gen.run(range(4), jobs=2, progress=False))
+            assert [r["seed"] for r in records] == [k, k + 2]
+        assert len(server.requests) == 8  # 4 seeds x (1 + parse_retries)
+    assert sorted(p.name for p in (tmp_path / "run").glob("records*.jsonl")) == [
+        "records.shard-0-of-2.jsonl", "records.shard-1-of-2.jsonl"]
+    assert sorted(Generator(gen_config(server.url, tmp_path), tmp_path / "run",
+                            NoBuilds()).records()) == [0, 1, 2, 3]  # type: ignore[arg-type]
+    res = CliRunner().invoke(main, ["data", "yield", str(tmp_path / "run")])
+    assert res.output.splitlines()[-1].split() == ["all", "4", "0", "0", "0", "0"]
+    with pytest.raises(ValueError, match="0 <= k < n"):
+        Generator(gen_config(server.url, tmp_path), tmp_path / "x", NoBuilds(), shard=(2, 2))  # type: ignore[arg-type]
+    res = CliRunner().invoke(main, ["gen", "--out", str(tmp_path / "y"), "--shard", "3"])
+    assert res.exit_code == 2 and "K/N with 0 <= K < N" in res.output

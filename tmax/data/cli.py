@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import click
@@ -26,9 +27,12 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
               help="Image store (default $TMAX_IMAGE_STORE or ~/.tmax/images).")
 @click.option("--builder", type=click.Choice(["auto", "apptainer", "local"]), default="auto",
               show_default=True)
+@click.option("--shard", default=None, metavar="K/N|slurm",
+              help="Run only the seeds with seed %% N == K (own records file); 'slurm' takes "
+                   "K and N from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, store, builder,
-            no_progress) -> None:
+            shard, no_progress) -> None:
     """Generate native tasks with a teacher LLM: sample the axes of each task seed, ask the
     teacher, build the image and check it (untouched < 1, oracle = 1), send failures back
     for repair, keep or drop each task with its reason. Resumable: a rerun skips seeds
@@ -38,6 +42,7 @@ def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, 
     from tmax.images import open_builds
     from tmax.images.store import default_store
 
+    shard_of = _shard(shard)
     try:
         config = load_gen_config(config_path)
     except GenConfigError as e:
@@ -47,7 +52,7 @@ def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, 
         config = config.model_copy(update={"teacher": config.teacher.model_copy(
             update=overrides)})
     builds = open_builds(store or default_store(), builder=builder)
-    gen = Generator(config, Path(out_dir), builds)
+    gen = Generator(config, Path(out_dir), builds, shard=shard_of)
     seeds = range(first_seed, first_seed + num_tasks)
     records = asyncio.run(gen.run(seeds, jobs=jobs, progress=not no_progress))
     click.echo(format_yield(yield_table(records)))
@@ -64,6 +69,26 @@ def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, 
                f"{u.dropped} dropped; tasks in {Path(out_dir) / 'tasks'}")
 
 
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    if text == "slurm":
+        try:
+            return (int(os.environ["SLURM_ARRAY_TASK_ID"]),
+                    int(os.environ["SLURM_ARRAY_TASK_COUNT"]))
+        except (KeyError, ValueError):
+            raise click.BadParameter("--shard slurm needs SLURM_ARRAY_TASK_ID and "
+                                     "SLURM_ARRAY_TASK_COUNT (run it as an array job)") from None
+    k, sep, n = text.partition("/")
+    try:
+        shard = (int(k), int(n))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise click.BadParameter(f"--shard {text!r}: K/N with 0 <= K < N, or 'slurm'")
+    return shard
+
+
 @click.group("data")
 def data_group() -> None:
     """Dataset tools: statistics (and decontamination)."""
@@ -74,12 +99,16 @@ def data_group() -> None:
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
 def yield_cmd(run_dir, output) -> None:
     """The yield table of a `tmax gen` run folder (from its records.jsonl)."""
-    from tmax.data.gen import RECORDS, format_yield, yield_table
+    from tmax.data.gen import format_yield, yield_table
 
-    path = Path(run_dir) / RECORDS
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
-        if path.is_file() else []
-    latest = {r["seed"]: r for r in records}
+    latest = {}
+    for path in sorted(Path(run_dir).glob("records*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            latest[r["seed"]] = r
     table = yield_table(list(latest.values()))
     click.echo(json.dumps(table, indent=2) if output == "json" else format_yield(table))
 

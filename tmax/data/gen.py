@@ -200,8 +200,14 @@ class Generator:
     """One generation run into ``out`` (see the module docstring)."""
 
     def __init__(self, config: GenConfig, out: str | Path, builds: ImageBuilds, *,
-                 teacher: Teacher | None = None):
-        self.config, self.out, self.builds = config, Path(out), builds
+                 teacher: Teacher | None = None, shard: tuple[int, int] | None = None):
+        """``shard`` = (k, n): this process runs the seeds with ``seed % n == k`` and writes
+        its own records file (a Slurm array task per shard shares ``out``)."""
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= k < n")
+        self.config, self.out, self.builds, self.shard = config, Path(out), builds, shard
+        self.records_path = self.out / (RECORDS if shard is None else
+                                        f"records.shard-{shard[0]}-of-{shard[1]}.jsonl")
         self.teacher = teacher or Teacher(config.teacher, cache_dir=config.teacher.cache_dir
                                           or self.out / "teacher-cache")
         self.tasks_dir, self.work_dir = self.out / "tasks", self.out / ".work"
@@ -211,10 +217,9 @@ class Generator:
     # ------------------------------------------------------------------ records
 
     def records(self) -> dict[int, dict[str, Any]]:
-        """The latest record of each seed in ``records.jsonl``."""
-        path = self.out / RECORDS
+        """The latest record of each seed in ``records*.jsonl`` (all shards)."""
         found: dict[int, dict[str, Any]] = {}
-        if path.is_file():
+        for path in sorted(self.out.glob("records*.jsonl")):
             for line in path.read_text().splitlines():
                 try:
                     r = json.loads(line)
@@ -225,7 +230,7 @@ class Generator:
 
     def _append(self, record: Record) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / RECORDS, "a") as f:
+        with open(self.records_path, "a") as f:
             f.write(json.dumps(record.to_dict()) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -329,7 +334,7 @@ class Generator:
         """Every seed not yet kept or dropped, ``jobs`` at a time; all seeds' records."""
         from tqdm import tqdm
 
-        seeds = list(seeds)
+        seeds = [s for s in seeds if self.shard is None or s % self.shard[1] == self.shard[0]]
         done = {s for s, r in self.records().items() if r["outcome"] in ("kept", "dropped")}
         todo = [s for s in seeds if s not in done]
         slots = asyncio.Semaphore(max(1, jobs))
@@ -351,9 +356,11 @@ class Generator:
     def _write_summary(self, records: dict[int, dict[str, Any]]) -> None:
         summary = {"usage": self.teacher.usage.to_dict(),
                    "yield": yield_table(list(records.values()))}
-        tmp = self.out / f".{SUMMARY}.tmp"
+        name = SUMMARY if self.shard is None else \
+            f"summary.shard-{self.shard[0]}-of-{self.shard[1]}.json"
+        tmp = self.out / f".{name}.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.out / SUMMARY)
+        os.replace(tmp, self.out / name)
 
 
 def _since(t0: float) -> float:

@@ -302,3 +302,27 @@ def test_an_inference_job_that_fails_before_registering_stops_the_run_naming_it(
     while {j["job_id"] for j in jobs.values()} & squeue_ids(local_slurm.env):
         assert time.monotonic() < deadline, squeue_ids(local_slurm.env)
         time.sleep(0.5)
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_a_deepspeed_trainer_job_on_two_nodes_trains(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.processes import run_processes
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    config = config_for(run_dir, example_fleet, example_store, "steps=2",
+                        "trainer.backend=deepspeed", "distributed.trainer_ranks=2",
+                        "slurm.trainer_nodes=2", "slurm.inference.cpus=1",
+                        "slurm.trainer.cpus=1", "slurm.poll_s=1")
+    run_processes(config, progress=False, launcher="slurm")
+    trainer, = (j for j in read_jobs(run_dir) if j["role"] == "trainer")
+    out = Path(trainer["log"]).read_text()
+    print(out[-2000:])
+    assert "2 rank(s) on n[" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (run_dir / "final" / "model.safetensors").exists()

@@ -386,3 +386,42 @@ def test_shards_split_the_seeds_and_share_the_run_folder(tmp_path):
         Generator(gen_config(server.url, tmp_path), tmp_path / "x", NoBuilds(), shard=(2, 2))  # type: ignore[arg-type]
     res = CliRunner().invoke(main, ["gen", "--out", str(tmp_path / "y"), "--shard", "3"])
     assert res.exit_code == 2 and "K/N with 0 <= K < N" in res.output
+
+
+@pytest.mark.slow
+def test_self_generation_with_the_tiny_model_drops_its_garbage_cleanly(tmp_path):
+    """The tiny model behind `tmax serve`'s HTTP server as the teacher: nothing it says is a
+    task; every seed is dropped as unparsable, with the yield and the usage reported."""
+    import torch
+
+    from tests.conftest import EXAMPLES
+    from tmax.agent.policies.hf import HFPolicy
+    from tmax.inference.hf_server import HFServer
+    from tmax.models.tiny import (
+        build_tiny_model,
+        build_tokenizer,
+        corpus_texts,
+        save_pretrained_dir,
+    )
+    from tmax.tasks import find_tasks
+
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer(corpus_texts(find_tasks(EXAMPLES)))
+    model_dir = save_pretrained_dir(build_tiny_model(tokenizer, n_layers=2, d_model=64,
+                                                     n_heads=4, seed=0), tokenizer,
+                                    tmp_path / "tiny")
+    policy = HFPolicy.from_pretrained(model_dir, max_new_tokens=16, temperature=0.8, seed=1,
+                                      max_batch=4)
+    with HFServer(policy, model_name="tiny") as server:
+        config = gen_config(server.url, tmp_path)
+        config = config.model_copy(update={"teacher": config.teacher.model_copy(update={
+            "model": "tiny", "temperature": 0.8, "max_tokens": 16})})
+        gen = Generator(config, tmp_path / "run", NoBuilds())  # type: ignore[arg-type]
+        records = asyncio.run(gen.run(range(3), jobs=3, progress=False))
+    assert [r["outcome"] for r in records] == ["dropped"] * 3
+    assert all(r["reason"].startswith("unparsable") for r in records)
+    assert yield_table(records)["all"] == {"attempted": 3, "parsed": 0, "built": 0,
+                                           "checked": 0, "kept": 0}
+    u = gen.teacher.usage
+    assert (u.requests, u.parse_failures, u.dropped) == (6, 6, 3)
+    assert 0 < u.completion_tokens <= 6 * 16 and u.prompt_tokens > 0

@@ -374,8 +374,8 @@ def test_checks_recorded_in_manifest(checked_builds):
      "verifier: wrote no reward.txt or reward.json"),
     ({"tests/test.sh": "#!/bin/bash\nsleep 60  # then: reward.txt\n",
       "task.toml": '[verifier]\ntimeout_sec = 2\n[metadata]\ndifficulty = "easy"\n'},
-     "verifier: timed out after 2 s ([verifier] timeout_sec) and wrote no reward.txt or "
-     "reward.json"),
+     ("verifier: timed out after 2 s ([verifier] timeout_sec) and wrote no reward.txt or "
+      "reward.json")),
 ])
 def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
     src = make_task(tmp_path / "tasks", "t", **{

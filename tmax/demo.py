@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tmax.tasks import find_tasks, load_task
 
@@ -107,7 +108,7 @@ def run_demo(tasks_dir: Path, out_dir: Path, store: Path, cache: Path, slurm_dir
     for base in bases:  # once, here, before the per-task jobs fan out
         log.warning("base image %s: building if missing (a few minutes the first time)", base)
         builds.ensure_base(base)
-    args = [[str(t.root.resolve()) for t in tasks], [str(store)] * len(tasks),
+    args: list[list[Any]] = [[str(t.root.resolve()) for t in tasks], [str(store)] * len(tasks),
             [str(cache)] * len(tasks), [force] * len(tasks)]
     if not use_slurm:
         results = [build_job(*a) for a in zip(*args)]

@@ -219,7 +219,8 @@ class Agent:
         if self.use_tools:
             if not completion.tool_calls:
                 raise FormatError("no bash tool call in the reply")
-            commands = [(call.id, tool_command(call)) for call in completion.tool_calls]
+            commands: list[tuple[str | None, str]] = [
+                (call.id, tool_command(call)) for call in completion.tool_calls]
         else:
             commands = [(None, parse_text_command(completion.content))]
         if any("\x00" in command for _, command in commands):

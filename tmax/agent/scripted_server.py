@@ -127,11 +127,13 @@ class ScriptedServer:
         if isinstance(item, str):
             item = ({"tool_calls": [{"name": "bash", "arguments": {"command": item}}]}
                     if request.get("tools") else {"content": f"```bash\n{item}\n```"})
-        calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                  "function": {"name": c.get("name", "bash"),
-                               "arguments": c["arguments"] if isinstance(c.get("arguments"), str)
-                               else json.dumps(c.get("arguments", {}))}}
-                 for c in item.get("tool_calls", [])]
+        assert isinstance(item, dict)
+        calls: list[dict[str, Any]] = [
+            {"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+             "function": {"name": c.get("name", "bash"),
+                          "arguments": c["arguments"] if isinstance(c.get("arguments"), str)
+                          else json.dumps(c.get("arguments", {}))}}
+            for c in item.get("tool_calls", [])]
         message: dict[str, Any] = {"role": "assistant", "content": item.get("content")}
         if item.get("reasoning"):
             message["reasoning_content"] = item["reasoning"]

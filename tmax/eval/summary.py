@@ -88,11 +88,12 @@ def score_stats(scores: Mapping[tuple[str, int], float]) -> dict[str, Any]:
     for (task, trial), value in scores.items():
         by_task[task].append(value)
         by_trial[trial].append(value)
-    mean = _mean(_mean(v) for v in by_task.values())
+    task_means = [sum(v) / len(v) for v in by_task.values()]  # every list has a score
+    mean = _mean(task_means)
     if len(by_trial) >= 2:
-        se, over = _se([_mean(v) for v in by_trial.values()]), "trials"
+        se, over = _se([sum(v) / len(v) for v in by_trial.values()]), "trials"
     else:
-        se, over = _se([_mean(v) for v in by_task.values()]), "tasks"
+        se, over = _se(task_means), "tasks"
     return {"mean": mean, "se": se, "se_over": over}
 
 

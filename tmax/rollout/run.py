@@ -266,12 +266,12 @@ def grade_problem(output: str, *, network: bool) -> str | None:
     runner = None
     for line in output.splitlines():
         if not network:
-            for m in _OFFLINE_SIGNS.finditer(line):
-                host = next((h for h in m.groups() if h), None)
+            for sign in _OFFLINE_SIGNS.finditer(line):
+                host = next((h for h in sign.groups() if h), None)
                 if host is None or _remote(host):
-                    return f"{NEEDS_NETWORK}: {_evidence(line, m)}"
-        if runner is None and (m := _RUNNER_MISSING.search(line)):
-            runner = f"verifier could not run: {_evidence(line, m)}"
+                    return f"{NEEDS_NETWORK}: {_evidence(line, sign)}"
+        if runner is None and (missing := _RUNNER_MISSING.search(line)):
+            runner = f"verifier could not run: {_evidence(line, missing)}"
     return runner
 
 

@@ -15,7 +15,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from tmax.tasks.config import TaskConfig
 
 INSTRUCTION = "instruction.md"
 TASK_TOML = "task.toml"
@@ -104,7 +107,7 @@ class TaskDraft:
 
     task_id: str
     instruction: str
-    config: TaskConfig  # noqa: F821 - forward ref, see tmax.tasks.config
+    config: TaskConfig
     files: dict[str, FileSpec] = field(default_factory=dict)
     source_format: str = "native"
     warnings: list[Problem] = field(default_factory=list)
@@ -117,7 +120,7 @@ class Task:
     task_id: str
     root: Path
     instruction: str
-    config: TaskConfig  # noqa: F821
+    config: TaskConfig
     warnings: tuple[Problem, ...] = ()
 
     @property

@@ -10,6 +10,7 @@ import tempfile
 import tomllib
 import typing
 from pathlib import Path
+from typing import Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
@@ -42,6 +43,8 @@ from tmax.tasks.model import (
     TaskError,
 )
 
+Severity = Literal["error", "warning"]
+
 
 def load_task(path: str | Path, *, task_id: str | None = None) -> Task:
     """Load a native task, or raise ``TaskError`` listing every error found."""
@@ -52,6 +55,7 @@ def load_task(path: str | Path, *, task_id: str | None = None) -> Task:
     if errors:
         raise TaskError(errors)
     instruction = (root / INSTRUCTION).read_text()
+    assert config is not None  # no errors: task.toml parsed
     warnings = tuple(p for p in problems if p.severity == "warning")
     return Task(task_id, root, instruction, config, warnings)
 
@@ -94,7 +98,7 @@ def declared_schema(raw: dict) -> str:
     return str(declared) if declared is not None else f"{CURRENT_SCHEMA}, none declared"
 
 
-def _problem_from_pydantic(task_id: str, file: str, err: dict,
+def _problem_from_pydantic(task_id: str, file: str, err: Any,
                            schema: str = CURRENT_SCHEMA) -> Problem:
     loc = tuple(str(x) for x in err["loc"])
     dotted = ".".join(loc)
@@ -150,7 +154,7 @@ def _inner_model(annotation) -> type[BaseModel] | None:
 
 def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
     def problem(file: str, message: str, fix: str = "", field: str = "",
-                severity: str = "error") -> None:
+                severity: Severity = "error") -> None:
         problems.append(Problem(task_id, file, message, fix, field, severity))
 
     problems: list[Problem] = []
@@ -259,7 +263,7 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
     (errors)."""
     out: list[Problem] = []
 
-    def note(field: str, message: str, fix: str, severity: str = "warning") -> None:
+    def note(field: str, message: str, fix: str, severity: Severity = "warning") -> None:
         out.append(Problem(task_id, TASK_TOML, message, fix, field, severity))
 
     if config.harbor_schema not in SCHEMA_VERSIONS:

@@ -43,6 +43,8 @@ def _bind(cls, meth):
 
 def _run_file(path: str) -> tuple[int, int]:
     spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load a Python module from {path}")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(pathlib.Path(path).parent))
     try:

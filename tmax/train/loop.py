@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_training_tasks(config: TrainConfig, difficulty: list[str] | None = None) -> list[Any]:
+def load_training_tasks(config: TrainConfig,
+                        difficulty: Sequence[str] | None = None) -> list[Any]:
     from tmax.tasks import find_tasks
     from tmax.tasks.native import load_task
 

@@ -104,9 +104,9 @@ class GroupSampler:
         self.inflight = 0
         self.wanted = 0
         self.changed = asyncio.Event()
-        self.infra_streak, self.infra_causes = 0, Counter()
+        self.infra_streak, self.infra_causes = 0, Counter[str]()
         self.give_up_after_groups = give_up_after_groups
-        self.filtered_streak, self.filtered_reasons = 0, Counter()
+        self.filtered_streak, self.filtered_reasons = 0, Counter[str]()
         self.stats = SamplerStats()
         self._verifier_errors_seen: set[tuple[str, str]] = set()
         self.error: BaseException | None = None
@@ -170,7 +170,7 @@ class GroupSampler:
                     self.infra_streak = 0
                 else:
                     self.infra_streak += 1
-                    self.infra_causes[t.infra_failure.get("cause", "infra")] += 1
+                    self.infra_causes[(t.infra_failure or {}).get("cause", "infra")] += 1
                 if t.valid and t.verifier_error is not None:
                     self._note_verifier_error(t)
             group = Group(task.task_id, trajs, adv, version, time.monotonic() - t0)

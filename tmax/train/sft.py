@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -87,7 +87,9 @@ def sft_conversation(task: Task | str | Path, agent_config: AgentConfig) -> list
     command = solution_command((task.solution_dir / "solve.sh").read_text())
     if not command:
         raise ValueError(f"{task.task_id}: solution/solve.sh holds no command")
-    messages = Agent(_TextPolicy(), None, agent_config).initial_messages(task.instruction)
+    # only the prompt is rendered: no policy call, no shell
+    messages = Agent(cast(Any, _TextPolicy()), cast(Any, None),
+                     agent_config).initial_messages(task.instruction)
     seen = observation(_Result(), agent_config, agent_config.command_timeout_s)
     return [*messages,
             {"role": "assistant", "content": f"```bash\n{command}\n```"},

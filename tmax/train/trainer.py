@@ -71,7 +71,7 @@ def response_tokens(samples: list[Sample]) -> int:
     return sum(sum(s.mask[1:]) for s in samples)
 
 
-def logits_of(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               *, fp32_head: bool) -> torch.Tensor:
     """Logits [B, T, V]; with ``fp32_head`` the head projection runs in float32."""
     if not fp32_head:
@@ -255,7 +255,7 @@ class Trainer:
         self.scheduler.step()
         self.step_count += 1
         return sums.metrics(n_tokens, sequences, grad_norm=float(norm),
-                            lr=self.scheduler.get_last_lr()[0],
+                            lr=float(self.scheduler.get_last_lr()[0]),
                             train_seconds=time.monotonic() - t0)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -114,7 +114,7 @@ class HFPolicy:
         from tmax.models.tiny import load_pretrained_dir
         model, tokenizer = load_pretrained_dir(path)
         if device is not None:
-            model = model.to(device)
+            model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to
         options.setdefault("name", f"hf:{path}")
         return cls(model, tokenizer, **options)
 

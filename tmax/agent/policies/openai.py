@@ -180,7 +180,7 @@ class OpenAIPolicy:
             calls = [_tool_call(c) for c in msg.get("tool_calls") or []]
         except (TypeError, KeyError, AttributeError) as e:
             raise PolicyError(self.name, f"malformed tool_calls: {e}") from None
-        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        usage: dict[str, Any] = data["usage"] if isinstance(data.get("usage"), dict) else {}
         completion = Completion(
             content=msg.get("content") or "",
             reasoning=msg.get("reasoning_content") or msg.get("reasoning") or "",

@@ -404,6 +404,8 @@ def classify(rec: dict, store: Path) -> None:
         rec["cause"], rec["detail"] = "built, not checked", ""
     elif not checks.get("ok"):
         rec["cause"], rec["detail"] = checks_cause(checks, store)
+    elif checks.get("note"):
+        rec["cause"], rec["detail"] = "built, oracle not checked (no solution)", checks["note"]
     else:
         rec["cause"], rec["detail"] = "ok", ""
 
@@ -413,8 +415,10 @@ def outcome(rec: dict) -> dict[str, bool]:
     built = b.get("status") in ("built", "cached", "reused")
     oracle1 = built and checks.get("oracle_reward") == 1.0
     nop_lt1 = built and checks.get("nop_reward") is not None and checks["nop_reward"] < 1.0
+    # "all ok" means oracle 1 and nop < 1: an image whose oracle was not checked (a task
+    # without a reference solution) builds and is usable, but is not counted as ok here
     return {"validate": rec["validate"]["ok"], "build": built, "oracle1": oracle1,
-            "nop_lt1": nop_lt1, "all": built and bool(checks.get("ok"))}
+            "nop_lt1": nop_lt1, "all": built and bool(checks.get("ok")) and oracle1}
 
 
 # --------------------------------------------------------------------------- measure

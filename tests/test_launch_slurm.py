@@ -306,7 +306,7 @@ def test_an_inference_job_that_fails_before_registering_stops_the_run_naming_it(
 
 @pytest.mark.slurm
 @pytest.mark.sandbox
-def test_a_deepspeed_trainer_job_on_two_nodes_trains(
+def test_a_deepspeed_trainer_job_on_two_nodes_trains_and_survives_a_usr2_requeue(
         local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
     from tmax.train.processes import run_processes
     from tmax.train.slurm import read_jobs
@@ -314,15 +314,23 @@ def test_a_deepspeed_trainer_job_on_two_nodes_trains(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copytree(sft_init, run_dir / "init")
-    config = config_for(run_dir, example_fleet, example_store, "steps=2",
-                        "trainer.backend=deepspeed", "distributed.trainer_ranks=2",
-                        "slurm.trainer_nodes=2", "slurm.inference.cpus=1",
-                        "slurm.trainer.cpus=1", "slurm.poll_s=1")
-    run_processes(config, progress=False, launcher="slurm")
+    config = config_for(run_dir, example_fleet, example_store, "steps=3",
+                        "checkpoint_every=10", "trainer.backend=deepspeed",
+                        "distributed.trainer_ranks=2", "slurm.trainer_nodes=2",
+                        "slurm.inference.cpus=1", "slurm.trainer.cpus=1", "slurm.poll_s=1")
+    warn = SignalTrainer(run_dir, local_slurm.env)
+    warn.start()
+    try:
+        run_processes(config, progress=False, launcher="slurm")
+    finally:
+        warn.stop.set()
+        warn.join()
     trainer, = (j for j in read_jobs(run_dir) if j["role"] == "trainer")
     out = Path(trainer["log"]).read_text()
-    print(out[-2000:])
+    print("\n".join(line for line in out.splitlines() if "Warning" not in line
+                    and "return func" not in line)[-3000:])
     assert "2 rank(s) on n[" in out
+    assert "requeueing job" in out and "(restart 1)" in out  # the ranks agreed, rank 0 requeued
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # none lost, none repeated
     assert (run_dir / "final" / "model.safetensors").exists()

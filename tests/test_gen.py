@@ -275,7 +275,12 @@ def test_gen_cli_runs_with_several_jobs_and_prints_the_yield(tmp_path, image_sto
     config = tmp_path / "gen.yaml"
     config.write_text(DEFAULT_CONFIG.read_text().replace("api_key_env: OPENAI_API_KEY",
                                                          "api_key_env: null"))
-    with ScriptedServer([item(), item()]) as server:
+    fixtures = [{"kind": "stripped-binary", "path": "data/adder",
+                 "files": {"main.c": '#include <stdio.h>\nint main(void){puts("15");return 0;}\n'}},
+                {"kind": "wav-tones", "path": "data/beep.wav", "tones_hz": [440, 880]}]
+    with_fixtures = item(dockerfile=DOCKERFILE + "COPY data/ /app/data/\n", fixtures=fixtures,
+                         solve_sh="#!/bin/bash\n/app/data/adder > /app/sum.txt\n")
+    with ScriptedServer([with_fixtures, item()]) as server:
         res = CliRunner().invoke(main, [
             "gen", "--config", str(config), "--out", str(tmp_path / "run"), "-n", "2",
             "--jobs", "2", "--base-url", server.url, "--store", str(image_store.root),
@@ -286,6 +291,56 @@ def test_gen_cli_runs_with_several_jobs_and_prints_the_yield(tmp_path, image_sto
     assert "teacher: 2 requests, 0 from cache" in res.output
     res = CliRunner().invoke(main, ["data", "yield", str(tmp_path / "run"), "-o", "json"])
     assert json.loads(res.output)["all"]["kept"] == 2
+    env = [tmp_path / "run" / "tasks" / t / "environment" / "data" for t in ("gen-000000",
+                                                                            "gen-000001")]
+    env = [e for e in env if e.is_dir()]
+    assert len(env) == 1 and (env[0] / "adder").read_bytes()[:4] == b"\x7fELF"
+    assert (env[0] / "beep.wav").read_bytes()[:4] == b"RIFF"
+
+
+def test_fixtures_are_made_by_code_the_same_every_time(tmp_path):
+    import io
+    import shutil
+    import subprocess
+    import tarfile
+    import wave
+
+    from PIL import Image
+
+    from tmax.data.fixtures import Fixture, FixtureError, render
+
+    def twice(**spec):
+        f = Fixture.model_validate(spec)
+        a, b = render(f), render(f)
+        assert a == b
+        return a
+
+    wav = twice(kind="wav-tones", path="a.wav", tones_hz=[440, 880], seconds_per_tone=0.25)
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, 16000, 8000)
+    png = twice(kind="png-text", path="scan.png", text="INVOICE 42\nTOTAL 17.50")
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.getextrema() == (0, 255)
+    pkg = twice(kind="vendored-package", path="vendor/tinycalc-0.1.0.tar.gz",
+                package="tinycalc", files={"__init__.py": "def add(a, b):\n    return a + b\n"})
+    with tarfile.open(fileobj=io.BytesIO(pkg)) as tar:
+        assert tar.getnames() == ["tinycalc-0.1.0/pyproject.toml",
+                                  "tinycalc-0.1.0/tinycalc/__init__.py"]
+        assert {m.mtime for m in tar.getmembers()} == {0}
+    binary = twice(kind="stripped-binary", path="bin/answer",
+                   files={"main.c": "int main(void){return 42;}\n"})
+    exe = tmp_path / "answer"
+    exe.write_bytes(binary)
+    exe.chmod(0o755)
+    assert subprocess.run([str(exe)], timeout=30).returncode == 42
+    assert b".symtab" not in binary  # stripped
+    with pytest.raises(FixtureError, match="failed"):
+        render(Fixture(kind="stripped-binary", path="x", files={"main.c": "not C"}))
+    with pytest.raises(ValueError, match="relative to environment"):
+        Fixture(kind="wav-tones", path="../x.wav")
+    if shutil.which("ffmpeg") is None:
+        with pytest.raises(FixtureError, match="ffmpeg is not on PATH"):
+            render(Fixture(kind="video", path="v.mp4", tones_hz=[440]))
 
 
 # --------------------------------------------------------------------------- decontam, stats

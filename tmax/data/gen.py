@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tmax.data.axes import SKILL_SEP, sample_axes
 from tmax.data.config import GenConfig
+from tmax.data.fixtures import Fixture, FixtureError, render
 from tmax.images.build import ImageBuilds
 from tmax.images.store import Checks
 from tmax.llm import StructuredOutputError, Teacher, TeacherUnavailable
@@ -72,6 +73,8 @@ class TaskReply(BaseModel):
     test_files: dict[str, str] = Field(default_factory=dict)
     solve_sh: str
     solution_files: dict[str, str] = Field(default_factory=dict)
+    fixtures: list[Fixture] = Field(default_factory=list)
+    """Binary inputs made by code (``tmax.data.fixtures``), placed under environment/."""
 
     @field_validator("dockerfile")
     @classmethod
@@ -99,8 +102,15 @@ def task_id_of(seed: int) -> str:
     return f"gen-{seed:06d}"
 
 
-def draft_of(reply: TaskReply, seed: int, axes: dict[str, str], config: GenConfig) -> TaskDraft:
-    """The reply as a native task draft, with every sampled axis in ``metadata.axes``."""
+def render_fixtures(reply: TaskReply) -> dict[str, bytes]:
+    """environment/ path -> bytes of each fixture the reply asks for (``FixtureError``)."""
+    return {f"environment/{f.path}": render(f) for f in reply.fixtures}
+
+
+def draft_of(reply: TaskReply, seed: int, axes: dict[str, str], config: GenConfig,
+             fixtures: dict[str, bytes] | None = None) -> TaskDraft:
+    """The reply as a native task draft, with every sampled axis in ``metadata.axes`` and
+    the rendered ``fixtures`` (``render_fixtures``) among its environment files."""
     g = config.generation
     skills = reply.skills or axes["primitive_skills"].split(SKILL_SEP)
     meta = {"difficulty": reply.difficulty, "domain": axes["domain"],
@@ -119,12 +129,14 @@ def draft_of(reply: TaskReply, seed: int, axes: dict[str, str], config: GenConfi
             rel = rel.removeprefix(f"{folder}/")
             mode = 0o755 if rel.endswith(".sh") else 0o644
             files.setdefault(f"{folder}/{rel}", FileSpec(text.encode(), mode))
+    for rel, data in (fixtures or {}).items():
+        files[rel] = FileSpec(data, 0o755 if data[:4] == b"\x7fELF" else 0o644)
     return TaskDraft(task_id_of(seed), reply.instruction, task_config, files)
 
 
 @dataclass
 class Stage:
-    name: str  # parse | validate | build | check | write
+    name: str  # parse | fixtures | validate | build | check | write
     ok: bool
     seconds: float
     round: int
@@ -286,7 +298,11 @@ class Generator:
     async def _attempt(self, record: Record, reply: TaskReply, round_: int) -> None:
         """Write, build and check one reply; ``_Failure`` naming the stage otherwise."""
         t0 = time.monotonic()
-        draft = draft_of(reply, record.seed, record.axes, self.config)
+        try:
+            fixtures = await asyncio.to_thread(render_fixtures, reply)
+        except FixtureError as e:
+            raise _Failure("fixtures", str(e)) from None
+        draft = draft_of(reply, record.seed, record.axes, self.config, fixtures)
         try:
             task = await asyncio.to_thread(write_task, draft, self.work_dir, overwrite=True)
         except TaskError as e:

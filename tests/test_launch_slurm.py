@@ -334,3 +334,41 @@ def test_a_deepspeed_trainer_job_on_two_nodes_trains_and_survives_a_usr2_requeue
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # none lost, none repeated
     assert (run_dir / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_the_jobs_of_a_sigkilled_launcher_end_by_themselves(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    cli = str(REPO / ".venv" / "bin" / "tmax-train")
+    args = [f"out_dir={run_dir}", f"fleet.state_dir={example_fleet.state}",
+            f"tasks.image_store={example_store.root}", "fleet.concurrency=4",
+            f"tasks.paths=[{REPO / 'examples' / 'tasks'}]", "distributed.enabled=true",
+            "distributed.stale_after_s=10", "steps=50", "slurm.inference.cpus=1",
+            "slurm.trainer.cpus=1"]
+    launcher = subprocess.Popen([cli, "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+                                 "--launcher", "slurm", "-q", *args], env=local_slurm.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        metrics, t0 = run_dir / "metrics.jsonl", time.monotonic()
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert launcher.poll() is None and time.monotonic() - t0 < 300
+            time.sleep(0.5)
+    finally:
+        os.kill(launcher.pid, 9)  # no cleanup: the jobs must notice on their own
+        launcher.wait()
+    ids = {j["job_id"] for j in read_jobs(run_dir)}
+    assert len(ids) == 2
+    t0 = time.monotonic()
+    while ids & squeue_ids(local_slurm.env):
+        assert time.monotonic() - t0 < 90, squeue_ids(local_slurm.env)
+        time.sleep(1.0)
+    print(f"jobs gone {time.monotonic() - t0:.1f} s after the launcher was killed")
+    inference, = (j for j in read_jobs(run_dir) if j["role"] == "inference")
+    assert "the orchestrator's heartbeat is older than 10 s" in Path(inference["log"]).read_text()

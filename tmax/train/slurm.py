@@ -532,11 +532,14 @@ def node_address() -> str:
 
 
 async def serve(run_dir: Path, index: int) -> int:
-    """Inference server ``index`` on this node until it dies or the job ends; registers
-    ``RUN/servers/<index>.json`` once healthy. Returns the exit code."""
+    """Inference server ``index`` on this node until it dies, the job ends, or the
+    orchestrator's heartbeat goes stale (``distributed.stale_after_s``: its launcher was
+    killed and cannot cancel the job); registers ``RUN/servers/<index>.json`` once
+    healthy. Returns the exit code."""
     from tmax.inference.process import ServerProcess, free_port
     from tmax.train.config import load_train_config
-    from tmax.train.processes import server_command
+    from tmax.train.handover import Handover, alive
+    from tmax.train.processes import ORCHESTRATOR, server_command
 
     config = load_train_config(run_dir / "config.yaml")
     host = os.environ.get("TMAX_SERVER_HOST") or node_address()
@@ -560,9 +563,14 @@ async def serve(run_dir: Path, index: int) -> int:
                                    "index": index}) + "\n")
         os.replace(tmp, reg)
         log.info("inference-%d: serving at %s, registered in %s", index, url, reg)
+        handover, stale_s = Handover(run_dir), config.distributed.stale_after_s
         while not stop.is_set() and server.alive():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+            if not await asyncio.to_thread(alive, handover, ORCHESTRATOR, stale_s):
+                log.warning("inference-%d: the orchestrator's heartbeat is older than %.0f s: "
+                            "its launcher is gone; stopping", index, stale_s)
+                return 0
         return 0 if stop.is_set() else 1
     finally:
         await server.stop()

@@ -174,6 +174,10 @@ def test_unparsable_replies_are_dropped_and_a_dead_teacher_is_retried_on_rerun(t
     assert "must start with a FROM line" in records[0]["reason"]
     assert "teacher unavailable" in records[1]["reason"]
     assert gen.teacher.usage.dropped == 1 and gen.teacher.usage.parse_failures == 2
+    mine = records[0]["teacher"]  # the task's own share of the teacher's usage
+    assert (mine["requests"], mine["parse_failures"], mine["dropped"]) == (2, 2, 1)
+    assert records[1]["teacher"]["requests"] == 0
+    assert mine["prompt_tokens"] == gen.teacher.usage.prompt_tokens
     # the rerun skips the dropped seed and retries the one the teacher never answered
     with ScriptedServer([{"content": "still not json"}, {"content": "nope"}]) as server:
         gen = Generator(gen_config(server.url, tmp_path), tmp_path / "run", NoBuilds())  # type: ignore[arg-type]
@@ -183,6 +187,27 @@ def test_unparsable_replies_are_dropped_and_a_dead_teacher_is_retried_on_rerun(t
     assert [r["outcome"] for r in records] == ["dropped", "dropped"]
     lines = (tmp_path / "run" / RECORDS).read_text().splitlines()
     assert len(lines) == 3  # one per finished attempt, the latest wins
+
+
+def test_an_answer_left_in_the_environment_goes_back_to_the_teacher(tmp_path):
+    from tmax.data.gen import leaks
+
+    expected = "total: 15 (3 + 5 + 7)\n"
+    leaky = task_json(environment_files={"expected.txt": expected},
+                      test_files={"expected.txt": expected})
+    config = load_gen_config()
+    draft = draft_of(TaskReply.model_validate_json(leaky), 0, sample_axes(config.axes, 0),
+                     config)
+    assert leaks(draft) == [("environment/expected.txt is a copy of tests/expected.txt, "
+                             "which the agent must not see")]
+    with ScriptedServer([{"content": leaky}, {"content": "sorry"}, {"content": "no"}]) as server:
+        gen = Generator(gen_config(server.url, tmp_path), tmp_path / "run", NoBuilds())  # type: ignore[arg-type]
+        (record,) = asyncio.run(gen.run([0], jobs=1, progress=False))
+        repair = server.requests[1]["messages"][-1]["content"]
+    assert "failed at the leak stage" in repair and "tests/expected.txt" in repair
+    assert [(s["name"], s["ok"]) for s in record["stages"]] == [
+        ("parse", True), ("leak", False), ("parse", False)]
+    assert record["outcome"] == "dropped" and record["reason"].startswith("unparsable")
 
 
 # --------------------------------------------------------------------------- end to end
@@ -249,6 +274,8 @@ def test_generation_end_to_end_with_repairs_drops_and_the_cache(tmp_path, gen_bu
     prompt_words = sum(len(" ".join(m["content"] for m in r["messages"]).split())
                        for r in requests)
     assert u.prompt_tokens == prompt_words
+    assert sum(r["teacher"]["prompt_tokens"] for r in records) == prompt_words
+    assert [r["teacher"]["requests"] for r in records] == [1, 2, 2, 2, 2]
     assert u.completion_tokens == sum(len(str(i["content"]).split()) for i in script)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["yield"]["all"]["kept"] == 3

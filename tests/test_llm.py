@@ -141,6 +141,28 @@ def test_concurrency_and_rate_limits():
         assert time.monotonic() - start >= 0.4
 
 
+def test_track_usage_splits_the_spend_between_concurrent_tasks():
+    from tmax.llm import track_usage
+
+    script = [{"content": '{"a": 1}', "delay_s": 0.2}, {"content": '{"a": 2}', "delay_s": 0.2}]
+    with ScriptedServer(script) as server:
+        teacher = Teacher(config(server, concurrency=2))
+
+        async def one(words: str):
+            with track_usage() as usage:
+                await teacher.structured([{"role": "user", "content": words}], Answer)
+            return usage
+
+        async def both():
+            async with teacher:
+                return await asyncio.gather(one("a b"), one("c d e f"))
+
+        short, long = run(both())
+    assert (short.prompt_tokens, long.prompt_tokens) == (2, 4)
+    assert (short.requests, long.requests, teacher.usage.requests) == (1, 1, 2)
+    assert teacher.usage.prompt_tokens == 6
+
+
 def test_config_is_strict_and_never_holds_the_key(monkeypatch):
     with pytest.raises(ValidationError, match="api_key"):
         TeacherConfig.model_validate({"api_key": "sk-secret"})

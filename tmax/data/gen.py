@@ -5,7 +5,8 @@ Per task seed (``run_generation``):
 1. **axes**: ``sample_axes(config.axes, seed)``, all recorded in ``metadata.axes``;
 2. **parse**: the teacher's reply, parsed strictly as ``TaskReply`` (``Teacher.structured``
    sends unparsable replies back with the parse error, then drops them);
-3. **validate**: the reply as a native task, written atomically by ``write_task`` into the
+3. **leak**: no file of the environment may be a copy of a test or solution file;
+   **validate**: the reply as a native task, written atomically by ``write_task`` into the
    staging folder (``<out>/.work``); TaskError problems go back to the teacher;
 4. **build** + **check**: ``ImageBuilds.build``, then its checker on this round's tests and
    solution (the image digest covers only the environment): the image builds, the
@@ -42,7 +43,7 @@ from tmax.data.config import GenConfig
 from tmax.data.fixtures import Fixture, FixtureError, render
 from tmax.images.build import ImageBuilds
 from tmax.images.store import Checks
-from tmax.llm import StructuredOutputError, Teacher, TeacherUnavailable
+from tmax.llm import StructuredOutputError, Teacher, TeacherUnavailable, track_usage
 from tmax.tasks import FileSpec, Task, TaskConfig, TaskDraft, TaskError, write_task
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,22 @@ def draft_of(reply: TaskReply, seed: int, axes: dict[str, str], config: GenConfi
     return TaskDraft(task_id_of(seed), reply.instruction, task_config, files)
 
 
+LEAK_MIN_BYTES = 8
+
+
+def leaks(draft: TaskDraft) -> list[str]:
+    """Answers left where the agent can read them: a file under environment/ (the image)
+    byte-identical to one under tests/ or solution/ (the audit looks deeper)."""
+    hidden = {spec.data: rel for rel, spec in draft.files.items()
+              if rel.startswith(("tests/", "solution/")) and len(spec.data) >= LEAK_MIN_BYTES}
+    return [f"{rel} is a copy of {hidden[spec.data]}, which the agent must not see"
+            for rel, spec in sorted(draft.files.items())
+            if rel.startswith("environment/") and spec.data in hidden]
+
+
 @dataclass
 class Stage:
-    name: str  # parse | fixtures | validate | build | check | write
+    name: str  # parse | fixtures | leak | validate | build | check | write
     ok: bool
     seconds: float
     round: int
@@ -158,6 +172,8 @@ class Record:
     kept: bool = False
     stages: list[Stage] = field(default_factory=list)
     seconds: float = 0.0
+    teacher: dict[str, Any] = field(default_factory=dict)
+    """What this task's teacher calls spent (``tmax.llm.Usage``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,14 +270,16 @@ class Generator:
         start = time.monotonic()
         axes = sample_axes(self.config.axes, seed)
         record = Record(seed, task_id_of(seed), axes)
-        try:
-            await self._rounds(record)
-        except TeacherUnavailable as e:
-            record.outcome, record.reason = "error", f"teacher unavailable: {e}"
-        finally:
-            record.seconds = round(time.monotonic() - start, 2)
-            shutil.rmtree(self.work_dir / record.task_id, ignore_errors=True)
-            self._append(record)
+        with track_usage() as usage:
+            try:
+                await self._rounds(record)
+            except TeacherUnavailable as e:
+                record.outcome, record.reason = "error", f"teacher unavailable: {e}"
+            finally:
+                record.teacher = usage.to_dict()
+                record.seconds = round(time.monotonic() - start, 2)
+                shutil.rmtree(self.work_dir / record.task_id, ignore_errors=True)
+                self._append(record)
         return record
 
     async def _rounds(self, record: Record) -> None:
@@ -303,6 +321,8 @@ class Generator:
         except FixtureError as e:
             raise _Failure("fixtures", str(e)) from None
         draft = draft_of(reply, record.seed, record.axes, self.config, fixtures)
+        if found := leaks(draft):
+            raise _Failure("leak", "; ".join(found))
         try:
             task = await asyncio.to_thread(write_task, draft, self.work_dir, overwrite=True)
         except TaskError as e:

@@ -11,7 +11,8 @@ from tmax.llm.client import (
     TeacherUnavailable,
     Usage,
     parse_json_reply,
+    track_usage,
 )
 
 __all__ = ["Reply", "ResponseCache", "StructuredOutputError", "Teacher", "TeacherConfig",
-           "TeacherUnavailable", "Usage", "parse_json_reply"]
+           "TeacherUnavailable", "Usage", "parse_json_reply", "track_usage"]

@@ -19,6 +19,8 @@ from the config file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -51,28 +53,28 @@ class TeacherConfig(BaseModel):
     """The model name sent with each request."""
     api_key_env: str | None = "OPENAI_API_KEY"
     """Environment variable holding the API key (None or unset: no key sent)."""
-    concurrency: int = Field(8, ge=1)
+    concurrency: int = Field(default=8, ge=1)
     """Most requests in flight at once."""
-    requests_per_minute: float = Field(0.0, ge=0)
+    requests_per_minute: float = Field(default=0.0, ge=0)
     """Most request starts per minute (0: no limit)."""
-    temperature: float = Field(0.7, ge=0)
-    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(default=0.7, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Extra request fields (e.g. ``response_format: {type: json_object}``); part of the
     cache key."""
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(default=600.0, gt=0)
     """Per request."""
-    max_retries: int = Field(5, ge=0)
+    max_retries: int = Field(default=5, ge=0)
     """Retries of one request on 408/429/5xx and transport errors."""
-    backoff_s: float = Field(1.0, ge=0)
+    backoff_s: float = Field(default=1.0, ge=0)
     """First retry delay (doubles each retry, capped at 60 s)."""
-    parse_retries: int = Field(2, ge=0)
+    parse_retries: int = Field(default=2, ge=0)
     """Times a reply that does not parse is sent back with its error before it is dropped."""
     cache_dir: str | None = None
     """Response cache folder (None: ``<out>/teacher-cache`` for ``tmax gen``)."""
-    price_prompt_per_m: float = Field(0.0, ge=0)
+    price_prompt_per_m: float = Field(default=0.0, ge=0)
     """Price of 1M prompt tokens (any currency; 0: not costed)."""
-    price_completion_per_m: float = Field(0.0, ge=0)
+    price_completion_per_m: float = Field(default=0.0, ge=0)
     """Price of 1M completion tokens."""
 
 
@@ -110,6 +112,26 @@ class Usage:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def add(self, **counts: float) -> None:
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+_tracked: contextvars.ContextVar[Usage | None] = contextvars.ContextVar("tmax_llm_usage",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def track_usage():
+    """``with track_usage() as usage:`` counts, in ``usage``, what the teacher calls made in
+    this context (an asyncio task: one generated item) spend, besides the teacher's total."""
+    usage = Usage()
+    token = _tracked.set(usage)
+    try:
+        yield usage
+    finally:
+        _tracked.reset(token)
 
 
 @dataclass(frozen=True)
@@ -237,30 +259,32 @@ class Teacher:
         body = self.policy.request_body(messages, None)
         key = ResponseCache.key(body)
         data = self.cache.get(key) if self.cache else None
-        cached = data is not None
-        if data is None:
-            await self._rate.wait()
-            start = time.monotonic()
-            try:
-                data = await self.policy.call(self.policy.url, body)
-                completion = self.policy.parse(data)
-            except (PolicyUnavailable, PolicyError) as e:
-                raise TeacherUnavailable(str(e)) from None
-            finally:
-                self.usage.seconds += time.monotonic() - start
-            self.usage.requests += 1
-            self.usage.prompt_tokens += completion.prompt_tokens
-            self.usage.completion_tokens += completion.completion_tokens
-            self.usage.cost = (
-                self.usage.prompt_tokens * self.config.price_prompt_per_m
-                + self.usage.completion_tokens * self.config.price_completion_per_m) / 1e6
-            if self.cache:
-                self.cache.put(key, data)
-        else:
-            self.usage.cache_hits += 1
+        if data is not None:
+            self._count(cache_hits=1)
             completion = self.policy.parse(data)
-        return Reply(completion.content, completion.prompt_tokens, completion.completion_tokens,
-                     cached)
+            return Reply(completion.content, completion.prompt_tokens,
+                         completion.completion_tokens, True)
+        await self._rate.wait()
+        start = time.monotonic()
+        try:
+            data = await self.policy.call(self.policy.url, body)
+            completion = self.policy.parse(data)
+        except (PolicyUnavailable, PolicyError) as e:
+            raise TeacherUnavailable(str(e)) from None
+        finally:
+            self._count(seconds=time.monotonic() - start)
+        p, c = completion.prompt_tokens, completion.completion_tokens
+        self._count(requests=1, prompt_tokens=p, completion_tokens=c,
+                    cost=(p * self.config.price_prompt_per_m
+                          + c * self.config.price_completion_per_m) / 1e6)
+        if self.cache:
+            self.cache.put(key, data)
+        return Reply(completion.content, p, c, False)
+
+    def _count(self, **counts: float) -> None:
+        self.usage.add(**counts)
+        if (tracked := _tracked.get()) is not None:
+            tracked.add(**counts)
 
     async def structured(self, messages: list[dict[str, Any]], model: type[M]
                          ) -> tuple[M, list[dict[str, Any]]]:
@@ -278,10 +302,10 @@ class Teacher:
                 return parse_json_reply(reply.content, model), conversation
             except ValueError as e:
                 errors.append(str(e))
-                self.usage.parse_failures += 1
+                self._count(parse_failures=1)
                 log.info("teacher reply did not parse: %s", str(e)[:200])
                 conversation.append({"role": "user", "content": (
                     f"Your reply could not be used: {e}\nReply again with only one JSON "
                     "object that matches the schema, no other text.")})
-        self.usage.dropped += 1
+        self._count(dropped=1)
         raise StructuredOutputError(errors, conversation)

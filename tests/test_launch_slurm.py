@@ -372,3 +372,29 @@ def test_the_jobs_of_a_sigkilled_launcher_end_by_themselves(
     print(f"jobs gone {time.monotonic() - t0:.1f} s after the launcher was killed")
     inference, = (j for j in read_jobs(run_dir) if j["role"] == "inference")
     assert "the orchestrator's heartbeat is older than 10 s" in Path(inference["log"]).read_text()
+
+
+def test_stop_signals_only_processes_of_this_host_and_their_own_groups(tmp_path):
+    from tmax.train.slurm import Slurm, stop_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    bystander = subprocess.Popen(["sleep", "60"])  # not a group leader: never signalled
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        (run / "processes.json").write_text(json.dumps(
+            {"host": "another-login-node", "launcher": leader.pid, "trainer": [leader.pid],
+             "inference": {}}))
+        assert stop_run(run, Slurm()) == [f"{run}: nothing of this run is running"]
+        assert leader.poll() is None
+        import socket
+
+        (run / "processes.json").write_text(json.dumps(
+            {"host": socket.gethostname(), "launcher": None,
+             "trainer": [bystander.pid, leader.pid], "inference": {}}))
+        assert stop_run(run, Slurm()) == [f"trainer-1 pid {leader.pid}: SIGTERM"]
+        assert leader.wait(10) == -15 and bystander.poll() is None
+    finally:
+        for p in (bystander, leader):
+            p.kill()
+            p.wait()

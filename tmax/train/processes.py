@@ -535,7 +535,10 @@ def launch_plan(config: TrainConfig) -> dict[str, Any]:
 def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunner) -> None:
     """``RUN/processes.json``: the pid of every process this launcher runs now and the id
     of every Slurm job (for status, stop and tests), rewritten atomically."""
-    doc = {"launcher": os.getpid(), "trainer": trainers.pids(), "inference": servers.pids(),
+    import socket
+
+    doc = {"host": socket.gethostname(), "launcher": os.getpid(), "trainer": trainers.pids(),
+           "inference": servers.pids(),
            "jobs": {"trainer": trainers.ids(), "inference": servers.ids()}}
     tmp = run_dir / ".processes.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")

@@ -438,9 +438,15 @@ def _alive(pid: int) -> bool:
 
 
 def _processes(run_dir: Path) -> dict[str, int]:
+    """The pids in processes.json, if they are pids of this host (a launcher on another
+    login node is not ours to signal from here: its pid means another process)."""
     try:
         doc = json.loads((run_dir / "processes.json").read_text())
     except (OSError, ValueError):
+        return {}
+    if doc.get("host", socket.gethostname()) != socket.gethostname():
+        log.warning("%s: its launcher runs on %s, not here: its processes are left alone",
+                    run_dir, doc["host"])
         return {}
     procs = {"launcher": int(doc["launcher"])} if doc.get("launcher") else {}
     procs.update({f"trainer-{i}": int(p) for i, p in enumerate(doc.get("trainer", []))})

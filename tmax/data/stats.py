@@ -69,12 +69,14 @@ def dataset_stats(folder: str | Path) -> dict[str, Any]:
 def format_stats(all_stats: list[dict[str, Any]]) -> str:
     """The datasets side by side: one column per folder."""
     names = [Path(s["folder"]).name or s["folder"] for s in all_stats]
+    if len(set(names)) < len(names):  # e.g. two runs' tasks/ folders
+        names = ["/".join(Path(s["folder"]).parts[-2:]) for s in all_stats]
     rows: list[tuple[str, list[str]]] = [("tasks", [str(s["tasks"]) for s in all_stats]),
                                          ("invalid", [str(s["invalid"]) for s in all_stats])]
     axes = [a for a in AXES if any(a in s["counts"] for s in all_stats)]
     for axis in axes:
-        rows.append((f"balance {axis}", [f"{s['balance'].get(axis, 0.0):.3f}"
-                                         for s in all_stats]))
+        rows.append((f"balance {axis}", [f"{s['balance'][axis]:.3f}" if axis in s["balance"]
+                                         else "-" for s in all_stats]))
         values = sorted({v for s in all_stats for v in s["counts"].get(axis, {})})
         rows += [(f"  {axis}={v}", [str(s["counts"].get(axis, {}).get(v, 0))
                                     for s in all_stats]) for v in values]

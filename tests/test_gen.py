@@ -507,3 +507,14 @@ def test_self_generation_with_the_tiny_model_drops_its_garbage_cleanly(tmp_path)
     u = gen.teacher.usage
     assert (u.requests, u.parse_failures, u.dropped) == (6, 6, 3)
     assert 0 < u.completion_tokens <= 6 * 16 and u.prompt_tokens > 0
+
+
+def test_the_shipped_scripted_teacher_parses_and_covers_its_four_seeds():
+    server = ScriptedServer.from_file(Path(__file__).parent / "data" / "gen" / "teacher.yaml")
+    config = load_gen_config()
+    # seed 0: 1 reply; seed 1: 1 + parse_retries; seed 2: 2; seed 3: 1 + repair_rounds
+    assert len(server.responses) == 1 + (1 + config.teacher.parse_retries) + 2 + \
+        (1 + config.generation.repair_rounds)
+    good = [TaskReply.model_validate_json(r["content"]) for r in server.responses
+            if r["content"].startswith("{\"instruction\": \"Add")]
+    assert len(good) == 7

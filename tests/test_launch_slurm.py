@@ -398,3 +398,65 @@ def test_stop_signals_only_processes_of_this_host_and_their_own_groups(tmp_path)
         for p in (bystander, leader):
             p.kill()
             p.wait()
+
+
+@pytest.mark.slurm
+@pytest.mark.sandbox
+def test_a_detached_run_is_an_orchestrator_job_and_stop_ends_all_of_it(
+        local_slurm, example_fleet, example_store, sft_init, tmp_path):  # noqa: F811
+    from tmax.train.slurm import read_jobs
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_init, run_dir / "init")
+    cli = str(REPO / ".venv" / "bin" / "tmax-train")
+    args = [f"out_dir={run_dir}", f"fleet.state_dir={example_fleet.state}",
+            f"tasks.image_store={example_store.root}", "fleet.concurrency=4",
+            f"tasks.paths=[{REPO / 'examples' / 'tasks'}]", "distributed.enabled=true",
+            "steps=50", "slurm.inference.cpus=1", "slurm.trainer.cpus=1",
+            "slurm.orchestrator.cpus=1"]
+    t0 = time.monotonic()
+    out = subprocess.run([cli, "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+                          "--launcher", "slurm", "--detach", *args], env=local_slurm.env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith("orchestrator: job ") and f"tmax-train stop {run_dir}" in out
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() - t0 < 300, read_jobs(run_dir)
+        time.sleep(0.5)
+    print(f"detached launch to first step: {time.monotonic() - t0:.1f} s")
+    jobs = {j["name"]: j["job_id"] for j in read_jobs(run_dir)}
+    assert set(jobs) == {"orchestrator", "trainer", "inference-0"}
+    status = subprocess.run([cli, "status", str(run_dir)], env=local_slurm.env,
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    print(status)
+    assert status.count("RUNNING") == 3
+    stop = subprocess.run([cli, "stop", str(run_dir)], env=local_slurm.env,
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+    print(stop)
+    # here the job's node is this host, so stop may reach the launcher by pid first
+    assert f"orchestrator: scancel {jobs['orchestrator']}" in stop or "launcher pid" in stop
+    deadline = time.monotonic() + 60
+    while set(jobs.values()) & squeue_ids(local_slurm.env):
+        assert time.monotonic() < deadline, squeue_ids(local_slurm.env)
+        time.sleep(0.5)
+    log = Path(next(j["log"] for j in read_jobs(run_dir) if j["role"] == "orchestrator"))
+    assert "tmax orchestrator on" in log.read_text()
+
+
+def test_detach_dry_run_prints_the_orchestrator_job_first(monkeypatch):
+    from tmax.train.slurm import slurm_plan
+
+    monkeypatch.setenv("SCRATCH", "/scratch/alice")
+    config = golden_config()
+    plan = slurm_plan(config, detach=True)
+    assert next(iter(plan)) == "orchestrator.sbatch" and len(plan) == 8
+    script = plan["orchestrator.sbatch"]
+    assert "#SBATCH --signal=B:TERM@120" in script
+    assert script.rstrip().endswith(
+        "exec /opt/tmax/venv/bin/python -m tmax.train.cli --config "
+        "/scratch/alice/tmax/runs/qwen3.5-9b/config.yaml --launcher slurm -q")
+    bad = subprocess.run([str(REPO / ".venv" / "bin" / "tmax-train"), "--detach",
+                          "distributed.enabled=true"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert bad.returncode == 2 and "needs --launcher slurm" in bad.stderr

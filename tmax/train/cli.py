@@ -53,12 +53,15 @@ def env_report(output: str) -> None:
               show_default=True, help="With distributed.enabled: where the inference "
               "servers and the trainer run (local processes, or Slurm jobs from the "
               "slurm/ templates; the orchestrator runs here either way).")
+@click.option("--detach", is_flag=True, help="With --launcher slurm: submit the launcher "
+              "itself as a CPU job (slurm.orchestrator) and return; follow it with "
+              "`tmax-train status RUN_DIR`, end it with `tmax-train stop RUN_DIR`.")
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
               help="For `tmax-train env`.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.argument("overrides", nargs=-1)
-def main(config_path: str | None, dry_run: bool, launcher: str, output: str, quiet: bool,
-         overrides: tuple[str, ...]) -> None:
+def main(config_path: str | None, dry_run: bool, launcher: str, detach: bool, output: str,
+         quiet: bool, overrides: tuple[str, ...]) -> None:
     """Train a terminal agent with DPPO: tmax-train --config FILE [--launcher slurm]
     [key=value ...]
 
@@ -100,10 +103,13 @@ def main(config_path: str | None, dry_run: bool, launcher: str, output: str, qui
         raise click.ClickException("--launcher slurm runs the inference servers and the "
                                    "trainer as separate jobs: it needs distributed.enabled"
                                    "=true (in the config, or as an override)")
+    if detach and launcher != "slurm":
+        raise click.UsageError("--detach submits the launcher as a Slurm job: it needs "
+                               "--launcher slurm")
     if dry_run and launcher == "slurm":
         from tmax.train.slurm import slurm_plan
 
-        for name, script in slurm_plan(config).items():
+        for name, script in slurm_plan(config, detach=detach).items():
             click.echo(f"# ===== {config.run_dir / 'slurm' / name}")
             click.echo(script, nl=not script.endswith("\n"))
         return
@@ -119,6 +125,18 @@ def main(config_path: str | None, dry_run: bool, launcher: str, output: str, qui
                                         width=1000))
         return
     log.setup(default=logging.INFO)
+    if detach:
+        from tmax.train.slurm import SlurmError
+        from tmax.train.slurm import detach as submit_orchestrator
+
+        try:
+            job_id = submit_orchestrator(config)
+        except SlurmError as e:
+            raise click.ClickException(str(e)) from None
+        run = config.run_dir.absolute()
+        click.echo(f"orchestrator: job {job_id} (log {run}/logs/slurm-orchestrator-"
+                   f"{job_id}.out)\n  tmax-train status {run}\n  tmax-train stop {run}")
+        return
     from tmax.inference.base import EngineError
     from tmax.train.handover import HandoverError
     from tmax.train.loop import TrainError, read_metrics, train
@@ -156,3 +174,7 @@ def format_status(report: dict) -> str:
         lines.append(f"  {name:14} pid {proc['pid']:>8}  "
                      f"{'alive' if proc['alive'] else 'gone'}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the orchestrator job (tmax-train --detach) runs this module
+    main()

@@ -187,12 +187,15 @@ class SlurmRole(_Strict):
 
 class SlurmSection(_Strict):
     """Where ``--launcher slurm`` runs each role. The orchestrator runs in the launching
-    process (see ``tmax.train.slurm``)."""
+    process, which is a job of its own with ``--detach`` (see ``tmax.train.slurm``)."""
 
     inference: SlurmRole = Field(default_factory=SlurmRole, description="One job per "
                                  "inference server (one node, one task).")
     trainer: SlurmRole = Field(default_factory=SlurmRole, description="The trainer job: "
                                "trainer_nodes nodes x (ranks / nodes) tasks per node.")
+    orchestrator: SlurmRole = Field(default_factory=SlurmRole, description="With "
+                                    "`tmax-train --detach`: the launcher itself (the "
+                                    "orchestrator) as a one-node CPU job.")
     trainer_nodes: int = Field(1, ge=1, description="Nodes of the trainer job; "
                                "distributed.trainer_ranks must be a multiple of it.")
     python: str | None = Field(None, description="The Python the jobs run (default: the "

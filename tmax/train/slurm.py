@@ -25,7 +25,8 @@ list with a timeout; its stderr goes to the log, never the terminal.
 - **the orchestrator** stays in the launching process: it is the one process that must live
   exactly as long as the run and no longer, it holds the live progress view, and it stops
   every job of the run (by id) when it ends or is interrupted. A run that must outlive the
-  login shell runs the launch command itself in a CPU job or tmux.
+  login shell uses ``--detach``: the same launcher as a one-node CPU job
+  (``tmax-orchestrator.sbatch``); scancel of that job stops the run like Ctrl-C.
 
 ``RUN/jobs.json`` records every job the launcher submitted (role, name, id, log), so
 ``tmax-train status`` and ``stop`` act on exactly this run's jobs.
@@ -163,13 +164,47 @@ def trainer_script(config: TrainConfig, run_dir: Path) -> str:
         "env": _exports(env), "command": shlex.join(argv)})
 
 
-def slurm_plan(config: TrainConfig) -> dict[str, str]:
+def orchestrator_script(config: TrainConfig, run_dir: Path) -> str:
+    """The batch script of ``--detach``: the launcher (``--launcher slurm`` on the run's
+    saved config) in a one-node CPU job. SIGTERM (scancel, or 120 s before the time
+    limit) makes it cancel the run's other jobs, as Ctrl-C does in a terminal."""
+    role = config.slurm.orchestrator
+    run = Path(run_dir).absolute()
+    lines = sbatch_lines(role.extra, job_name=f"{job_prefix(config)}-orchestrator",
+                         output=str(run / "logs" / "slurm-orchestrator-%j.out"),
+                         nodes=1, ntasks_per_node=1, signal="B:TERM@120",
+                         open_mode="append", **_role_options(role))
+    return render_template((TEMPLATES / "tmax-orchestrator.sbatch").read_text(), {
+        "sbatch_options": "\n".join(lines),
+        "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
+        "run_dir": shlex.quote(str(run)),
+        "command": shlex.join([_python(config), "-m", "tmax.train.cli", "--config",
+                               str(run / "config.yaml"), "--launcher", "slurm", "-q"])})
+
+
+def slurm_plan(config: TrainConfig, *, detach: bool = False) -> dict[str, str]:
     """Every script a launch submits first, by file name (for ``--dry-run``)."""
     run = config.run_dir
-    plan = {f"inference-{i}.sbatch": inference_script(config, run, i)
-            for i in range(config.distributed.inference_servers)}
+    plan = {"orchestrator.sbatch": orchestrator_script(config, run)} if detach else {}
+    plan.update({f"inference-{i}.sbatch": inference_script(config, run, i)
+                 for i in range(config.distributed.inference_servers)})
     plan["trainer.sbatch"] = trainer_script(config, run)
     return plan
+
+
+def detach(config: TrainConfig, slurm: Slurm | None = None) -> str:
+    """``tmax-train --launcher slurm --detach``: save the run's config, submit the
+    orchestrator job (which submits the rest); returns its job id."""
+    from tmax.train.config import save_config
+
+    run = config.run_dir.absolute()
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(config, run / "config.yaml")
+    script = _write_script(run, "orchestrator.sbatch", orchestrator_script(config, run))
+    job_id = (slurm or Slurm(config.slurm.command_timeout_s)).submit(script)
+    record_job(run, role="orchestrator", name="orchestrator", job_id=job_id,
+               log=str(job_log(run, "orchestrator", job_id)), script=str(script))
+    return job_id
 
 
 # --------------------------------------------------------------------------- slurm calls
@@ -505,15 +540,17 @@ def stop_run(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> list[str
         if states.get(job["job_id"]) in ACTIVE - {"COMPLETING"}:
             slurm.cancel(job["job_id"])
             said.append(f"{job['name']}: scancel {job['job_id']}")
+    termed = {}
     for name, pid in procs.items():
         with contextlib.suppress(OSError):
             if _alive(pid) and os.getpgid(pid) == pid:  # our child led its own group
                 os.killpg(pid, signal.SIGTERM)
                 said.append(f"{name} pid {pid}: SIGTERM")
+                termed[name] = pid
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in procs.values()) and time.monotonic() < deadline:
+    while any(_alive(p) for p in termed.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for name, pid in procs.items():
+    for name, pid in termed.items():
         with contextlib.suppress(OSError):
             if _alive(pid) and os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)

@@ -29,15 +29,13 @@ def config_for(run_dir: Path, fleet, store, *extra: str):
 @pytest.fixture(scope="module")
 def sft_init(tmp_path_factory, example_store):
     """The tiny model after its SFT warm start, made once (as each run would make it)."""
-    from tmax.agent.config import load_agent_config
-    from tmax.train.loop import load_training_tasks, prepare_model
-    from tmax.train.processes import agent_config_of
+    from tmax.train.loop import load_training_tasks, prepare_model, run_agent_config
 
     root = tmp_path_factory.mktemp("sft")
     config = load_train_config(REPO / "configs" / "tiny-cpu.yaml", [
         f"out_dir={root}", f"tasks.paths=[{EXAMPLES}]"])
     prepare_model(config, load_training_tasks(config), root,
-                  agent_config_of(config, load_agent_config), False)
+                  run_agent_config(config), False)
     return root / "init"
 
 

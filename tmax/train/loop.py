@@ -45,6 +45,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def run_agent_config(config: TrainConfig) -> Any:
+    """The agent config of a run: its file with the run's overrides (those that are set)."""
+    return load_agent_config(config.agent.config, **{
+        k: v for k, v in {"step_limit": config.agent.step_limit,
+                          "command_timeout_s": config.agent.command_timeout_s,
+                          "episode_budget_s": config.agent.episode_budget_s}.items()
+        if v is not None})
+
+
 def load_training_tasks(config: TrainConfig,
                         difficulty: Sequence[str] | None = None) -> list[Any]:
     from tmax.tasks import find_tasks
@@ -135,11 +144,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     seed_everything(config.seed)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    agent_config = load_agent_config(config.agent.config, **{
-        k: v for k, v in {"step_limit": config.agent.step_limit,
-                          "command_timeout_s": config.agent.command_timeout_s,
-                          "episode_budget_s": config.agent.episode_budget_s}.items()
-        if v is not None})
+    agent_config = run_agent_config(config)
     tasks = load_training_tasks(config)
     model, tokenizer = prepare_model(config, tasks, run_dir, agent_config, progress)
     if config.model.dtype == "bfloat16":
@@ -188,14 +193,8 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
 
     async with open_fleet(Path(config.fleet.state_dir) if config.fleet.state_dir else None,
                           concurrency=config.fleet.concurrency) as fleet:
-        sampler = GroupSampler(tasks, engine, fleet, images, agent_config,
-                               group_size=config.rollout.group_size,
-                               groups_per_step=config.rollout.groups_per_step,
-                               concurrency=config.fleet.concurrency,
-                               async_steps=config.rollout.async_steps,
-                               abort_after_infra=config.fleet.abort_after_infra,
-                               normalize_std=config.algo.normalize_std,
-                               seed=config.seed + step0, on_rollout=record)
+        sampler = GroupSampler.from_config(config, tasks, engine, fleet, images, agent_config,
+                                           seed=config.seed + step0, on_rollout=record)
         sampler.start()
         bar = tqdm(total=config.steps, initial=step0, desc="train", disable=not progress)
         t_run = time.monotonic()

@@ -215,18 +215,17 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     the trainer never takes a slow start for a dead orchestrator)."""
     from tqdm.auto import tqdm
 
-    from tmax.agent.config import load_agent_config
     from tmax.fleet import open_fleet
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
-    from tmax.train.loop import load_training_tasks, step_metrics
+    from tmax.train.loop import load_training_tasks, run_agent_config, step_metrics
     from tmax.train.rollouts import GroupSampler
     from tmax.train.trainer import samples_of
 
     d = config.distributed
     handover = Handover(run_dir)
     tasks = load_training_tasks(config)
-    agent_config = agent_config_of(config, load_agent_config)
+    agent_config = run_agent_config(config)
     images = TaskImages(config.tasks.image_store or default_store())
     version, path = await asyncio.to_thread(handover.wait_weights, 0,
                                             timeout=d.weights_timeout_s, alive=trainer_alive)
@@ -262,14 +261,8 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
 
     async with open_fleet(Path(config.fleet.state_dir) if config.fleet.state_dir
                           else None, concurrency=config.fleet.concurrency) as fleet:
-        sampler = GroupSampler(tasks, pool, fleet, images, agent_config,
-                               group_size=config.rollout.group_size,
-                               groups_per_step=config.rollout.groups_per_step,
-                               concurrency=config.fleet.concurrency,
-                               async_steps=config.rollout.async_steps,
-                               abort_after_infra=config.fleet.abort_after_infra,
-                               normalize_std=config.algo.normalize_std,
-                               seed=config.seed + start, on_rollout=record)
+        sampler = GroupSampler.from_config(config, tasks, pool, fleet, images, agent_config,
+                                           seed=config.seed + start, on_rollout=record)
         sampler.start()
         follower = asyncio.create_task(follow_weights())
         bar = tqdm(total=config.steps, initial=start, desc="train", disable=not progress)
@@ -299,14 +292,6 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await follower
             await sampler.stop()
-
-
-def agent_config_of(config: TrainConfig, load: Any) -> Any:
-    return load(config.agent.config, **{
-        k: v for k, v in {"step_limit": config.agent.step_limit,
-                          "command_timeout_s": config.agent.command_timeout_s,
-                          "episode_budget_s": config.agent.episode_budget_s}.items()
-        if v is not None})
 
 
 class TrainProcessError(Exception):
@@ -549,8 +534,13 @@ def run_processes(config: TrainConfig, *, progress: bool = True,
                   launcher: str = "local") -> Path:
     """The launcher (``distributed.enabled``): see the module docstring."""
     from sandfleet import run_event_loop
-    from tmax.agent.config import load_agent_config
-    from tmax.train.loop import load_training_tasks, prepare_model, seed_everything, write_plots
+    from tmax.train.loop import (
+        load_training_tasks,
+        prepare_model,
+        run_agent_config,
+        seed_everything,
+        write_plots,
+    )
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -565,7 +555,7 @@ def run_processes(config: TrainConfig, *, progress: bool = True,
                                         "model folder (no config.json)")
             init.symlink_to(Path(config.model.path).absolute(), target_is_directory=True)
         else:
-            prepare_model(config, tasks, run_dir, agent_config_of(config, load_agent_config),
+            prepare_model(config, tasks, run_dir, run_agent_config(config),
                           progress)
     trainers, servers = runners(config, run_dir, launcher)
     run_event_loop(_launch(config, run_dir, progress, trainers, servers))

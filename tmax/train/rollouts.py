@@ -113,6 +113,18 @@ class GroupSampler:
         self._producer: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
 
+    @classmethod
+    def from_config(cls, config: Any, tasks: list[Any], policy: Any, fleet: Any, images: Any,
+                    agent_config: AgentConfig, *, seed: int, on_rollout=None) -> GroupSampler:
+        """The sampler of a training run (``TrainConfig``: rollout, fleet, algo sections)."""
+        return cls(tasks, policy, fleet, images, agent_config,
+                   group_size=config.rollout.group_size,
+                   groups_per_step=config.rollout.groups_per_step,
+                   concurrency=config.fleet.concurrency,
+                   async_steps=config.rollout.async_steps,
+                   abort_after_infra=config.fleet.abort_after_infra,
+                   normalize_std=config.algo.normalize_std, seed=seed, on_rollout=on_rollout)
+
     # ---- lifecycle
 
     def start(self) -> None:

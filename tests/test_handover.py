@@ -70,24 +70,42 @@ def test_a_batch_written_while_the_trainer_waits_arrives(tmp_path):
     writer.join()
 
 
-def _failing_writer(folder):
-    (folder / "model.safetensors").write_bytes(b"half")
-    raise RuntimeError("trainer died mid-export")
+class Saves:
+    """What ``write_weights_folder`` asks of a model: ``save_pretrained`` (this one writes
+    ``data``, or dies halfway like a trainer killed mid-export)."""
+
+    def __init__(self, data: bytes, die: bool = False):
+        self.data, self.die = data, die
+
+    def save_pretrained(self, folder, state_dict=None, safe_serialization=True):
+        (folder / "model.safetensors").write_bytes(self.data)
+        if self.die:
+            raise RuntimeError("trainer died mid-export")
 
 
 def test_weights_appear_whole_or_not_at_all(tmp_path):
+    """The trainer's exporter writes v<N> whole (temporary name, then rename); LATEST
+    names only complete folders, the newest one."""
+    from tmax.train.backends import write_weights_folder
+
     h = Handover(tmp_path)
+
+    def publish(version, model):
+        h.set_latest(version, write_weights_folder(model, None, h.weights, version))
+
     assert h.latest_weights() is None
-    h.publish_weights(1, lambda d: (d / "model.safetensors").write_bytes(b"one"))
+    publish(1, Saves(b"one"))
     with pytest.raises(RuntimeError, match="mid-export"):
-        h.publish_weights(2, _failing_writer)
+        publish(2, Saves(b"half", die=True))
     assert h.latest_weights() == (1, h.weights_path(1))
     assert sorted(p.name for p in h.weights.iterdir()) == ["LATEST", "v00000001"]
-    h.publish_weights(2, lambda d: (d / "model.safetensors").write_bytes(b"two"))
-    h.publish_weights(2, lambda d: (d / "model.safetensors").write_bytes(b"two again"))
+    with pytest.raises(HandoverError, match="no such weights folder"):
+        h.set_latest(2)
+    publish(2, Saves(b"two"))
+    publish(2, Saves(b"two again"))
     version, path = h.wait_weights(2, timeout=0)
     assert (version, (path / "model.safetensors").read_bytes()) == (2, b"two again")
-    h.publish_weights(3, lambda d: (d / "x").write_text("3"))
+    publish(3, Saves(b"three"))
     h.prune_weights(keep=2)
     assert sorted(p.name for p in h.weights.iterdir()) == ["LATEST", "v00000002", "v00000003"]
     assert h.wait_weights(2, timeout=0)[0] == 3  # the newest, not the one asked for

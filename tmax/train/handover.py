@@ -13,8 +13,9 @@ the same folder, then renamed (``os.replace``), so a reader never sees half a ba
 the weights, whatever crashes when. A batch is plain arrays (``np.savez``, no pickle): the
 samples' tokens, inference log-probs, loss masks and lengths, their advantages and the
 policy version that sampled each, plus a JSON header (the step, the rollout metrics).
-A weights folder is whatever the trainer's exporter writes there (Hugging Face safetensors
-for the engines' filesystem weight sync).
+A weights folder is written whole by the trainer backend's exporter (``export_to_path``:
+Hugging Face safetensors and a completion marker, for the engines' filesystem weight sync);
+``set_latest`` then names it in LATEST.
 
 Waiting is bounded: ``get_batch`` and ``wait_weights`` poll until a deadline and raise
 ``HandoverTimeout`` (naming the file and how long), and stop early with ``PeerGone`` when
@@ -176,24 +177,6 @@ class Handover:
 
     def weights_path(self, version: int) -> Path:
         return self.weights / f"v{version:08d}"
-
-    def publish_weights(self, version: int, write: Callable[[Path], None]) -> Path:
-        """``write(folder)`` fills a fresh folder; it becomes ``v<version>`` whole, then
-        LATEST names it. Publishing a version again replaces it."""
-        final = self.weights_path(version)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            write(tmp)
-            old = final.with_name(f".{final.name}.old")
-            if final.exists():
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return self.set_latest(version)
 
     def set_latest(self, version: int, path: Path | None = None) -> Path:
         """Name ``v<version>`` (written whole by someone else, e.g. a trainer backend's

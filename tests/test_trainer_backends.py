@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tmax.inference.base import MARKER as WEIGHTS_MARKER
 from tmax.train.backends import TrainerBackend, make_trainer, weights_dir
-from tmax.train.backends.base import WEIGHTS_MARKER
 from tmax.train.backends.config import TrainerSection, build_deepspeed_config
 from tmax.train.config import AlgoSection, OptimSection, TrainConfigError, load_train_config
 from tmax.train.trainer import Sample, Trainer, samples_of

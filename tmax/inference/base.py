@@ -17,13 +17,17 @@ Failures, sorted by whose they are:
 
 Weights folders (``write_weights`` / ``read_weights``): ``<root>/v<version:08d>/`` holds
 ``model.safetensors`` (and the config), and ``tmax-weights.json`` written last, after an
-fsync, as the marker that the folder is complete. Readers refuse a folder without it.
+fsync, as the marker that the folder is complete; the folder is written under a temporary
+name and renamed into place. Readers refuse a folder without the marker. The trainer
+backends export through ``write_weights`` too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,22 +110,43 @@ def weights_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:08d}"
 
 
-def write_weights(model: Any, root: str | Path, version: int) -> Path:
-    """Save ``model`` (a transformers ``PreTrainedModel``) as safetensors into
-    ``weights_dir(root, version)``; the marker file goes in last, after an fsync."""
-    path = weights_dir(root, version)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / MARKER).unlink(missing_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in path.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    tmp = path / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps({"version": version}))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / MARKER)
-    return path
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_weights(model: Any, root: str | Path, version: int,
+                  state_dict: dict[str, Any] | None = None) -> Path:
+    """Save ``model`` (a transformers model; its weights, or ``state_dict`` when given) as
+    ``weights_dir(root, version)``: written into a temporary sibling (safetensors fsynced,
+    then the marker), then renamed into place, so a reader never sees a partial folder. An
+    existing folder of that version is replaced."""
+    final = weights_dir(root, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        for f in tmp.glob("*.safetensors"):
+            _fsync(f)
+        marker = tmp / MARKER
+        marker.write_text(json.dumps({"version": version}))
+        _fsync(marker)
+        os.chmod(tmp, 0o755)
+        if final.exists():
+            old = final.with_name(f".{final.name}.{os.getpid()}.old")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def check_weights_dir(path: str | Path, *, engine: str = "?", version: int = -1) -> Path:

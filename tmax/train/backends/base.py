@@ -13,17 +13,14 @@ so a reader never sees a partial one.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-WEIGHTS_MARKER = "tmax-weights.json"
-"""Marker of a complete weights folder (the same name as ``tmax.inference.base.MARKER``)."""
+from tmax.inference.base import weights_dir, write_weights
+
+__all__ = ["TrainerBackend", "weights_dir", "write_weights_folder"]
 
 
 @runtime_checkable
@@ -60,45 +57,7 @@ class TrainerBackend(Protocol):
         ...
 
 
-def weights_dir(root: Path, version: int) -> Path:
-    """The folder of weights ``version`` under ``root``."""
-    return Path(root) / f"v{version:08d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_weights_folder(model: Any, state_dict: dict[str, torch.Tensor] | None, root: Path,
                          version: int) -> Path:
-    """Save ``model`` (a transformers model; its weights, or ``state_dict`` when given) as
-    ``weights_dir(root, version)``: written into a temporary sibling (safetensors fsynced,
-    then the marker), then renamed into place. An existing folder of that version is
-    replaced."""
-    final = weights_dir(root, version)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        for f in tmp.glob("*.safetensors"):
-            _fsync(f)
-        marker = tmp / WEIGHTS_MARKER
-        marker.write_text(json.dumps({"version": version}))
-        _fsync(marker)
-        os.chmod(tmp, 0o755)
-        if final.exists():
-            old = final.with_name(f".{final.name}.{os.getpid()}.old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    """``tmax.inference.base.write_weights``: the one writer of the format engines read."""
+    return write_weights(model, root, version, state_dict=state_dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import string
 from pathlib import Path
 
@@ -261,6 +262,7 @@ def test_repair_then_apply_writes_test_sh_with_mode_0755(task, tmp_path):
 def test_a_repair_with_feedback_sends_it_and_a_bad_path_goes_back(task):
     feedback = "the rebuilt task still passes the replay probe (marker-77)"
     script = [reply({"files": {"solution/solve.sh": "true"}, "rationale": "simpler"}),
+              reply({"files": {"tests/test.sh": "exit 0"}, "rationale": "no reward"}),
               reply({"files": {"instruction.md": "Write it.\n", "tests/test.sh": HARDENED},
                      "rationale": "same path in both"})]
     with ScriptedServer(script) as server:
@@ -274,6 +276,7 @@ def test_a_repair_with_feedback_sends_it_and_a_bad_path_goes_back(task):
         requests = server.requests
     assert feedback in user_text(requests[0]) and "rejected" in user_text(requests[0])
     assert "solution/solve.sh" in requests[1]["messages"][-1]["content"]
+    assert "reward.txt" in requests[2]["messages"][-1]["content"]
     assert set(answer.files) == {"instruction.md", "tests/test.sh"}
     assert type(answer) is RepairReply
     assert apply_repair(task.root, answer, "instruction_verifier_mismatch") == [
@@ -334,3 +337,24 @@ def test_replies_are_strict():
         AuditorReply.model_validate({"label": "clean", "rationale": "ok", "score": 1})
     with pytest.raises(ValidationError):
         RepairReply.model_validate({"files": {}, "rationale": "nothing"})
+
+
+def test_apply_repair_refuses_a_file_in_the_way_of_another_before_writing(task):
+    (task.root / "tests" / "data").write_text("old\n")
+    for files, bad in (({"tests/test.sh": HARDENED, "tests/data/in.txt": "1"}, "tests/data/in.txt"),
+                       ({"tests/cases": "x", "tests/cases/a.txt": "y"}, "tests/cases/a.txt")):
+        with pytest.raises(RepairRejected) as e:
+            apply_repair(task.root, RepairReply(files=files, rationale="r"), "verifier_too_weak")
+        assert e.value.path == bad
+    assert (task.root / "tests/test.sh").read_text() == TEST_SH
+    assert not (task.root / "tests/cases").exists()
+
+
+def test_task_context_names_special_files_without_reading_them(tmp_path):
+    root = make_task(tmp_path / "odd", {"environment/latin1.txt": b"caf\xe9 au lait\n"})
+    os.mkfifo(root / "environment" / "pipe")  # reading it would block forever
+    (root / "environment" / "link").symlink_to("latin1.txt")
+    context = task_context(load_task(root), 5000)
+    assert "=== environment/pipe (not a regular file) ===" in context
+    assert "=== environment/link (symlink -> latin1.txt) ===" in context
+    assert "=== environment/latin1.txt (binary, 13 bytes) ===" in context

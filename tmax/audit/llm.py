@@ -25,6 +25,7 @@ fails, the flagging probe now fails) and send the reason back as ``feedback``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import string
@@ -180,22 +181,36 @@ class _Entry:
         return len(self.body) + self.unread
 
 
+def _decode(data: bytes, whole: bool) -> str | None:
+    """UTF-8 text, or None for a binary; a prefix read (``whole`` false) may end mid-char."""
+    if b"\0" in data[:_TEXT_PROBE]:
+        return None
+    for end in range(len(data), max(-1, len(data) - (1 if whole else 4)), -1):
+        try:
+            return data[:end].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
 def _entry(root: Path, path: Path, limit: int) -> _Entry:
-    """One file as text (binaries and links: a header only); at most ``limit`` bytes read."""
+    """One file as text (binaries, links, others: a header only); at most ``limit`` bytes
+    read."""
     rel = path.relative_to(root).as_posix()
     if path.is_symlink():
         return _Entry(f"=== {rel} (symlink -> {os.readlink(path)}) ===")
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        data = f.read(limit)
-    binary = _Entry(f"=== {rel} (binary, {size} bytes) ===")
-    if b"\0" in data[:_TEXT_PROBE]:
-        return binary
-    try:  # a read cut mid-character may end in a partial one
-        text = data.decode("utf-8", errors="strict" if size <= limit else "ignore")
-    except UnicodeDecodeError:
-        return binary
-    return _Entry(f"=== {rel} ===", text, size - len(data))
+    if not path.is_file():  # a FIFO would block the read
+        return _Entry(f"=== {rel} (not a regular file) ===")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            data = f.read(limit)
+    except OSError as e:
+        return _Entry(f"=== {rel} (unreadable: {e.strerror}) ===")
+    text = _decode(data, len(data) >= size)
+    if text is None:
+        return _Entry(f"=== {rel} (binary, {size} bytes) ===")
+    return _Entry(f"=== {rel} ===", text, max(0, size - len(data)))
 
 
 def _files(root: Path, folder: str, first: tuple[str, ...] = ()) -> list[Path]:
@@ -298,8 +313,8 @@ def auditor_messages(config: AuditConfig, task: Task, evidence: dict[str, Any]
 async def audit_task(teacher: Teacher, config: AuditConfig, task: Task,
                      evidence: dict[str, Any]) -> AuditorReply:
     """The teacher's label for ``task`` given the probes' ``evidence`` (JSON-able)."""
-    reply, _ = await teacher.structured(auditor_messages(config, task, evidence),
-                                        AuditorReply)
+    messages = await asyncio.to_thread(auditor_messages, config, task, evidence)
+    reply, _ = await teacher.structured(messages, AuditorReply)
     return reply
 
 
@@ -329,6 +344,14 @@ def path_problem(rel: str, label: str) -> str | None:
     if len(p.parts) >= 2 and p.parts[0] == TESTS_DIR:
         return None
     return f"a repair of {label} may only write {allowed_paths(label)}"
+
+
+def _overlap_check(files: dict[str, str]) -> None:
+    for rel in files:
+        inside = [other for other in files if other.startswith(rel.rstrip("/") + "/")]
+        if inside:
+            raise RepairRejected(inside[0], f"lies inside {rel!r}, which is also a file of "
+                                            "the repair")
 
 
 def _reward_check(files: dict[str, str]) -> None:
@@ -363,6 +386,7 @@ class _Repair(RepairReply):
                     if (why := path_problem(rel, cls.label)) is not None]
         if problems:
             raise ValueError("; ".join(problems))
+        _overlap_check(v)
         _reward_check(v)
         return v
 
@@ -405,8 +429,9 @@ async def repair_task(teacher: Teacher, config: AuditConfig, task: Task, label: 
     ``instruction_verifier_mismatch``; ``ValueError`` for others). ``feedback``: why the
     previous attempt was rejected. The reply names only paths ``apply_repair`` accepts."""
     model = _REPLY_MODELS[_repairable(label)]
-    reply, _ = await teacher.structured(
-        repairer_messages(config, task, label, evidence, feedback), model)
+    messages = await asyncio.to_thread(repairer_messages, config, task, label, evidence,
+                                       feedback)
+    reply, _ = await teacher.structured(messages, model)
     return RepairReply(files=reply.files, rationale=reply.rationale)
 
 
@@ -424,6 +449,9 @@ def _target(task_root: Path, rel: str, label: str) -> Path:
                                   "through a symlink")
     if target.is_dir() and not target.is_symlink():
         raise RepairRejected(rel, "is a folder")
+    for parent in target.relative_to(task_root).parents:
+        if os.path.lexists(task_root / parent) and not (task_root / parent).is_dir():
+            raise RepairRejected(rel, f"{parent.as_posix()} is a file, not a folder")
     return target
 
 
@@ -456,8 +484,9 @@ def apply_repair(task_root: Path, reply: RepairReply, label: str) -> list[str]:
     theirs (new ones 0644); a link in the way is replaced, not followed.
     """
     _repairable(label)
-    _reward_check(reply.files)
     targets = {rel: _target(Path(task_root), rel, label) for rel in reply.files}
+    _overlap_check(reply.files)
+    _reward_check(reply.files)
     for rel, target in targets.items():
         _write_atomic(target, reply.files[rel], _mode(target, rel))
     return list(targets)

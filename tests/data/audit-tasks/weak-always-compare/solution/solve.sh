@@ -1,0 +1,2 @@
+#!/bin/bash
+sort /app/data/fruit.txt > /app/sorted_fruit.txt

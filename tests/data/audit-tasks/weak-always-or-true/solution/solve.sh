@@ -1,0 +1,2 @@
+#!/bin/bash
+tac /app/data/words.txt > /app/reversed.txt

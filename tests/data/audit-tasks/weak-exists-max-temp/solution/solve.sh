@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -g /app/data/temps.txt | tail -n 1 > /app/max_temp.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -n /app/data/numbers.txt > /app/sorted_numbers.txt

@@ -22,7 +22,7 @@ import logging
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +188,31 @@ def _record_episode(traj: Trajectory, ep: Episode) -> None:
 
 async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
                   base_path: str) -> None:
-    """Run test.sh through the fleet's ``verify`` and read the reward it wrote.
+    """``grade`` the episode and record the reward, or why there is none, in ``traj``."""
+    g = await grade(task, shell, workdir, base_path)
+    traj.verifier_output = g.output
+    if g.reward is None:
+        traj.verifier_error = g.error
+        return
+    traj.reward = g.reward
+    traj.reward_metrics = g.metrics
+
+
+@dataclass
+class Grade:
+    """What a verifier run gave: a reward, or why there is none (``error``)."""
+
+    reward: float | None
+    error: str = ""
+    output: str = ""
+    """The last 4,000 characters of test.sh's output."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """reward.json's numbers, when it wrote one."""
+
+
+async def grade(task: Task, shell: Any, workdir: str, base_path: str) -> Grade:
+    """Run test.sh through the fleet's ``verify`` (``shell``: a ``LeaseShell``) and read the
+    reward it wrote.
 
     The verifier gets tests/ as /tests and a fresh /logs/verifier that only it can write,
     in a process tree of its own (on the local runtime: the agent's processes cannot see,
@@ -197,9 +221,9 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
     test.sh runs as ``/bin/bash`` in the task's workdir with the PATH the sandbox had
     before the agent started, plus the task's verifier env.
 
-    No reward, a malformed one or a timeout is a ``verifier_error``. So is a reward of 0
-    when the output shows the verifier could not grade (``grade_problem``: it needed the
-    network, or found no test runner): the 0 is dropped, since the agent did not earn it.
+    No reward, a malformed one or a timeout is an ``error``. So is a reward of 0 when the
+    output shows the verifier could not grade (``grade_problem``: it needed the network,
+    or found no test runner): the 0 is dropped, since the agent did not earn it.
     """
     verifier = task.config.verifier
     env = {"PATH": base_path, **verifier.env}
@@ -208,7 +232,7 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
                                          timeout=verifier.timeout_sec,
                                          dest=Path(tmp) / "verifier", cwd=workdir, env=env,
                                          agent_system=verifier.agent_system)
-        traj.verifier_output = result.output[-4000:]
+        output = result.output[-4000:]
         reward, error = None, ""
         if result.timed_out:
             error = f"test.sh timed out after {verifier.timeout_sec:g} s"
@@ -221,21 +245,20 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
         problem = None if reward else grade_problem(result.output,
                                                     network=task.config.environment.network)
         if problem is not None:  # a 0 it wrote is not the agent's
-            traj.verifier_error = problem + (f"; {error}" if error else "")
-            return
+            return Grade(None, problem + (f"; {error}" if error else ""), output)
         if reward is None:
-            traj.verifier_error = error
-            return
-        traj.reward = reward
-        metrics = got / "reward.json"
-        if metrics.is_file():
+            return Grade(None, error, output)
+        metrics: dict[str, float] = {}
+        path = got / "reward.json"
+        if path.is_file():
             try:
-                data = json.loads(metrics.read_text())
+                data = json.loads(path.read_text())
             except (OSError, ValueError):
                 data = None  # reward.txt gave the reward; reward.json is only metrics
             if isinstance(data, dict):
-                traj.reward_metrics = {k: float(v) for k, v in data.items()
-                                       if isinstance(v, (int, float))}
+                metrics = {k: float(v) for k, v in data.items()
+                           if isinstance(v, (int, float))}
+        return Grade(reward, "", output, metrics)
 
 
 NEEDS_NETWORK = "needs network at grade time"
@@ -289,5 +312,5 @@ def _evidence(line: str, match: re.Match) -> str:
         ("..." if end < len(line) else "")
 
 
-__all__ = ["NEEDS_NETWORK", "EpisodeContext", "ImageMissing", "LeaseShell", "TaskImages",
-           "grade_problem", "plan_errors", "rollout"]
+__all__ = ["NEEDS_NETWORK", "EpisodeContext", "Grade", "ImageMissing", "LeaseShell",
+           "TaskImages", "grade", "grade_problem", "plan_errors", "rollout"]

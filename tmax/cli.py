@@ -11,6 +11,7 @@ import click
 
 from tmax import log
 from tmax.agent.cli import serve_scripted
+from tmax.audit.cli import audit_cmd, repair_cmd
 from tmax.data.cli import data_group, gen_cmd
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
@@ -32,6 +33,8 @@ main.add_command(eval_cmd)
 main.add_command(report_cmd)
 main.add_command(gen_cmd)
 main.add_command(data_group)
+main.add_command(audit_cmd)
+main.add_command(repair_cmd)
 
 
 @main.command("serve")

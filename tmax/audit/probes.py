@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandfleet import InfraError
+from sandfleet import ImageMissing, InfraError
 from tmax.audit.labels import PROBE_LABELS, Label
 from tmax.audit.settings import ProbeSettings
 from tmax.audit.static import (
@@ -212,6 +212,9 @@ class Prober:
             try:
                 with tempfile.TemporaryDirectory(prefix="tmax-audit-") as scratch:
                     await _Probes(self, task, report, Path(scratch)).run()
+                break
+            except ImageMissing as e:
+                report.error = f"no usable image: {e} (build it: tmax images build)"
                 break
             except InfraError as e:
                 report.error = f"infrastructure: {e}"

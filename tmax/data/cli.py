@@ -42,7 +42,7 @@ def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, 
     from tmax.images import open_builds
     from tmax.images.store import default_store
 
-    shard_of = _shard(shard)
+    shard_of = parse_shard(shard)
     try:
         config = load_gen_config(config_path)
     except GenConfigError as e:
@@ -69,7 +69,9 @@ def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, 
                f"{u.dropped} dropped; tasks in {Path(out_dir) / 'tasks'}")
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """A ``--shard`` value: ``K/N`` or ``slurm`` (K and N of a Slurm array task) -> (K, N);
+    ``click.BadParameter`` for anything else."""
     if text is None:
         return None
     if text == "slurm":

@@ -86,7 +86,7 @@ class TaskImages:
         from tmax.images import open_builds
 
         self.builds = open_builds(store, check=False, base_map=base_map)
-        self._found: dict[str, Any] = {}
+        self._found: dict[tuple[str, str], Any] = {}
         self._warned: set[str] = set()
 
     def entry(self, task: Task) -> Any:
@@ -94,10 +94,11 @@ class TaskImages:
         when it is not built, out of date or corrupt; one of ``plan_errors()`` when no image
         can be planned from the task. Its ``checks`` say whether the build-time checks
         passed; this does not look at them."""
-        if task.task_id not in self._found:
+        key = (task.task_id, str(task.root))  # a repaired copy is another task folder
+        if key not in self._found:
             digest = self.builds.plan(task).digest
-            self._found[task.task_id] = self.builds.store.task_image(task.task_id, digest)
-        return self._found[task.task_id]
+            self._found[key] = self.builds.store.task_image(task.task_id, digest)
+        return self._found[key]
 
     def resolve(self, task: Task) -> tuple[str, str]:
         """``(sif_path, workdir)``; ``ImageMissing`` (an infra error: masked in training)

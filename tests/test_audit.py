@@ -1,0 +1,287 @@
+"""tmax audit / tmax repair: the probes' pure parts, the leak repair, and (slow) the probes,
+the repairs and the CLI on planted-defect tasks (tests/data/audit-tasks) in real sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tmax.audit import LABELS, describe
+from tmax.audit.probes import ProbeReport
+from tmax.audit.repair import RepairFailed, leaked_files, move_leaks
+from tmax.audit.run import AuditRecord, cut_torn_tail, read_records
+from tmax.audit.static import (
+    Stat,
+    added,
+    changed,
+    instruction_names_other,
+    is_program,
+    leak_matches,
+    mentions,
+    mutations,
+    named_paths,
+    parse_listing,
+)
+
+PLANTED = Path(__file__).parent / "data" / "audit-tasks"
+EXPECTED = yaml.safe_load((PLANTED / "expected.yaml").read_text())
+
+
+# ---- labels and reports
+
+
+def test_eight_labels_each_with_a_meaning_and_unknown_ones_are_named():
+    assert len(LABELS) == 8 and all(LABELS.values())
+    assert describe("answer_leak").startswith("answer_leak: the environment holds the answer")
+    with pytest.raises(ValueError, match="unknown audit label 'leaky'.*answer_leak"):
+        describe("leaky")
+
+
+def test_the_strongest_proven_label_wins_and_nothing_proven_is_no_label():
+    report = ProbeReport("t")
+    assert report.label is None  # never "clean" by default
+    report.add("instruction_verifier_mismatch", "paths", "x")
+    report.add("verifier_too_weak", "mutation", "y")
+    assert report.label == "verifier_too_weak"
+    report.add("answer_leak", "copy", "z")
+    assert report.label == "answer_leak"
+    report.add("solution_broken", "oracle", "w")
+    assert report.to_dict()["label"] == "solution_broken"
+
+
+# ---- listings
+
+
+def test_listings_parse_and_diff_by_size_time_and_mode():
+    data = (b"5\t100.0\t644\t/app/a.txt\0" b"7\t100.0\t755\t/app/run.sh\0"
+            b"garbage\0" b"3\t1.0\t644\t/tmp/x\0" b"9\t2.0\t644\t/app/with\ttab\0")
+    files = parse_listing(data)
+    assert files["/app/a.txt"] == Stat(5, "100.0", 0o644)
+    assert files["/app/with\ttab"].size == 9 and len(files) == 4
+    base = {"/app/a.txt": Stat(5, "100.0", 0o644), "/app/run.sh": Stat(7, "1.0", 0o755)}
+    # run.sh differs from the base by time; /tmp is scratch; a.txt is the base's own
+    assert added(files, base) == ["/app/run.sh", "/app/with\ttab"]
+    after = dict(files, **{"/app/run.sh": Stat(7, "100.0", 0o700),
+                           "/app/out.txt": Stat(1, "200.0", 0o644),
+                           "/app/__pycache__/m.pyc": Stat(1, "200.0", 0o644)})
+    assert changed(files, after) == ["/app/out.txt", "/app/run.sh"]  # mode counts
+
+
+def test_programs_are_sources_scripts_binaries_and_executables():
+    assert is_program("/app/solve.py", b"print(1)", 0o644)
+    assert is_program("/app/Makefile", b"all:", 0o644)
+    assert is_program("/app/tool", b"#!/bin/sh\n", 0o644)
+    assert is_program("/app/bin", b"\x7fELF...", 0o644)
+    assert is_program("/app/run", b"x", 0o755)
+    assert not is_program("/app/out.txt", b"42\n", 0o644)
+    assert not is_program("/app/report.json", b"{}", 0o600)
+
+
+# ---- leak matching
+
+
+def test_a_leak_equals_or_contains_an_answer_modulo_line_ends_and_edges():
+    answers = {"oracle:/app/out.txt": b"alice 3\nbob 2\n", "tests:expected.txt": b"42\n"}
+    assert leak_matches(b"alice 3\r\nbob 2", answers, 4) == ["oracle:/app/out.txt"]
+    assert leak_matches(b"# last run\nalice 3  \nbob 2\n# end\n", answers, 4) == \
+        ["oracle:/app/out.txt"]
+    assert leak_matches(b"alice 3\n", answers, 4) == []      # a part is not the answer
+    assert leak_matches(b"the answer is 42", answers, 4) == []  # shorter than 4: not sought
+    assert leak_matches(b"the answer is 42", answers, 2) == ["tests:expected.txt"]
+
+
+# ---- paths
+
+
+def test_named_paths_and_what_counts_as_naming_an_output():
+    text = ("Write the report to `/app/report.txt` and the counts to out.csv. Extract "
+            "the archive into /app/logs/ (for example /app/logs/app.log).")
+    named = named_paths(text)
+    assert {"/app/report.txt", "/app/logs", "/app/logs/app.log"} <= named[0]
+    assert named[1] == {"out.csv"}  # names inside the absolute paths are not listed twice
+    assert mentions(named, "/app/report.txt", "/app")
+    assert mentions(named, "/app/out.csv", "/app")            # by name, in the workdir
+    assert mentions(named, "/app/logs/db.log", "/app")        # in a folder it names
+    assert not mentions(named, "/app/result.csv", "/app")     # a name it never says
+    assert not mentions(named_paths("Work in /app."), "/app/x.txt", "/app")  # the workdir
+    assert instruction_names_other(named, "/app/out/report.txt") == "/app/report.txt"
+    assert instruction_names_other(named, "/app/report.txt") is None
+
+
+# ---- mutations
+
+
+def test_mutations_empty_and_alter_every_kind_of_content():
+    assert dict(mutations(b"total 41\n"))["altered"] == b"total 52\n"
+    assert dict(mutations(b"hello world"))["altered"] == b"dlrow olleh"
+    assert dict(mutations(b"aba"))["altered"] == b"aba\ntmax mutation probe\n"
+    assert dict(mutations(b"x"))["empty"] == b""
+
+
+# ---- the answer-leak repair, on a copy of a planted task
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dest = tmp_path / name
+    shutil.copytree(PLANTED / name, dest)
+    return dest
+
+
+def _leak_record(image_path: str, data: bytes) -> AuditRecord:
+    import hashlib
+
+    return AuditRecord("t", "/x", "d", "answer_leak", "probes", probes={
+        "leak_scan": {"candidates": [{"path": image_path, "matches": ["tests:e"],
+                                      "sha256": hashlib.sha256(data).hexdigest()}]},
+        "copy": [{"file": image_path, "to": ["/app/o"], "variant": "as is", "reward": 1.0}]})
+
+
+def test_a_leaked_file_moves_into_tests_with_its_copy_line_and_the_verifier_follows(
+        tmp_path):
+    root = _copy("leak-opt-grader", tmp_path)
+    leaked = (root / "environment/grader/expected.txt").read_bytes()
+    record = _leak_record("/opt/grader/expected.txt", leaked)
+    assert leaked_files(record) == {"/opt/grader/expected.txt": record.probes["leak_scan"][
+        "candidates"][0]["sha256"]}
+    changes = move_leaks(root, leaked_files(record))
+    assert not (root / "environment/grader/expected.txt").exists()
+    assert (root / "tests/expected.txt").read_bytes() == leaked
+    dockerfile = (root / "environment/Dockerfile").read_text()
+    assert "grader" not in dockerfile and "COPY data/orders.csv" in dockerfile
+    check = (root / "tests/check.py").read_text()
+    assert "/opt/grader/expected.txt" not in check and "/tests/expected.txt" in check
+    assert any("moved environment/grader/expected.txt" in c for c in changes)
+    from tmax.tasks.native import load_task
+
+    load_task(root)  # still a valid task
+
+
+def test_a_leak_made_by_a_build_step_cannot_be_moved_and_says_so(tmp_path):
+    root = _copy("leak-opt-grader", tmp_path)
+    record = _leak_record("/etc/answer", b"made by RUN echo")
+    with pytest.raises(RepairFailed, match="/etc/answer .* not a file of environment/"):
+        move_leaks(root, leaked_files(record))
+
+
+def test_copy_lines_keep_their_other_sources_and_folder_copies_stay(tmp_path):
+    from tmax.audit.repair import _drop_from_definition
+
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM python:3.11-slim\nCOPY a.txt ./b.txt /app/\n"
+                          "COPY --chown=1:1 data/ /app/data/\nCOPY b.txt /opt/b.txt\n")
+    assert _drop_from_definition(dockerfile, "b.txt")
+    assert dockerfile.read_text() == ("FROM python:3.11-slim\nCOPY a.txt /app/\n"
+                                      "COPY --chown=1:1 data/ /app/data/\n")
+    assert not _drop_from_definition(dockerfile, "data/x.txt")  # the folder copy stays
+    definition = tmp_path / "container.def"
+    definition.write_text("Bootstrap: localimage\n%files\n  a.txt /a.txt\n  b.txt /b\n"
+                          "%post\n  echo b.txt\n")
+    assert _drop_from_definition(definition, "b.txt")
+    assert definition.read_text() == ("Bootstrap: localimage\n%files\n  a.txt /a.txt\n"
+                                      "%post\n  echo b.txt\n")
+
+
+# ---- records
+
+
+def test_records_resume_and_a_torn_last_line_is_dropped(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    good = AuditRecord("a", "/a", "d1", None, None)
+    newer = AuditRecord("a", "/a", "d2", "answer_leak", "probes")
+    path.write_text(json.dumps(good.to_dict()) + "\n" + json.dumps(newer.to_dict()) + "\n"
+                    + '{"task": "b", "pa')
+    cut_torn_tail(path)
+    assert path.read_text().endswith("}\n")
+    records = read_records(path)
+    assert list(records) == ["a"] and records["a"].digest == "d2"
+
+
+def test_the_planted_set_covers_every_kind_three_times_with_clean_controls():
+    kinds: dict[str, int] = {}
+    for task_id, entry in EXPECTED.items():
+        assert (PLANTED / task_id / "task.toml").is_file(), task_id
+        assert entry["label"] is None or entry["label"] in LABELS, task_id
+        kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+    assert all(n >= 3 for n in kinds.values()), kinds
+    assert kinds.get("clean", 0) >= 5
+
+
+# ---- slow: the probes, repairs and CLI in real sandboxes
+
+SUBSET = ["leak-opt-grader", "leak-guarded-varlib", "weak-exists-max-temp",
+          "weak-fixed-wordfreq", "weak-always-or-true", "mismatch-output-dir",
+          "broken-solution-off-by-one", "clean-program-fresh-inputs", "clean-recompute-input"]
+
+
+@pytest.fixture(scope="module")
+def audit_store(base_store):
+    """A store with the SUBSET's images (built with their checks), kept between sessions
+    next to the base (content-addressed: only changed tasks are rebuilt)."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+    from tmax.images.store import ImageStore
+    from tmax.tasks.native import load_task
+
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    store = ImageStore(cache / "test-audit")
+    entry = base_store.read().bases["debian-slim"]
+    if store.read().bases.get("debian-slim") != entry:
+        target = store.path(entry.sif)
+        target.unlink(missing_ok=True)
+        os.link(base_store.path(entry.sif), target)
+        store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+    builds = ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    results = builds.build_all([load_task(PLANTED / t) for t in SUBSET], jobs=2,
+                               progress=False)
+    failed = {r.task_id: r.error for r in results if r.status == "failed"}
+    assert not failed, f"planted images failed to build: {failed}"
+    return builds
+
+
+def _audit(builds, fleet, task_ids, out, **kw):
+    from tmax.audit.probes import Prober
+    from tmax.audit.run import Auditor
+    from tmax.fleet import open_fleet
+    from tmax.rollout.run import TaskImages
+    from tmax.tasks.native import load_task
+
+    async def go():
+        async with open_fleet(fleet.state) as client:
+            auditor = Auditor(Prober(client, TaskImages(builds.store.root)), out, **kw)
+            return await auditor.run([load_task(PLANTED / t) for t in task_ids], jobs=2,
+                                     progress=False)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.sandbox
+def test_probes_alone_label_each_planted_defect_and_leave_clean_tasks_unlabelled(
+        audit_store, example_fleet, tmp_path):
+    records = _audit(audit_store, example_fleet, SUBSET, tmp_path / "audit")
+    got = {r.task: r.label for r in records}
+    assert got == {t: EXPECTED[t]["label"] for t in SUBSET}
+    by = {r.task: r for r in records}
+    assert all(r.labelled_by == ("probes" if r.label else None) for r in records)
+    assert not any(r.error for r in records)
+    # the probe that proves each one
+    probes = {t: {f["probe"] for f in by[t].findings} for t in SUBSET}
+    assert "copy" in probes["leak-opt-grader"] and "copy" in probes["leak-guarded-varlib"]
+    appended = [c for c in by["leak-guarded-varlib"].probes["copy"] if c["reward"] == 1.0]
+    assert [c["variant"] for c in appended] == ["appended"]  # the exact copy is refused
+    assert "mutation" in probes["weak-exists-max-temp"]
+    assert "replay" in probes["weak-fixed-wordfreq"]
+    assert "nop" in probes["weak-always-or-true"]
+    assert probes["mismatch-output-dir"] == {"paths"}
+    assert all(r.sandbox_s > 0 and r.sandboxes >= 2 for r in records)
+    # a rerun on the same folder probes nothing again
+    again = _audit(audit_store, example_fleet, SUBSET, tmp_path / "audit")
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in records]
+    lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
+    assert len(lines) == len(SUBSET)

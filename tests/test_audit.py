@@ -59,8 +59,8 @@ def test_the_strongest_proven_label_wins_and_nothing_proven_is_no_label():
 
 
 def test_listings_parse_and_diff_by_size_time_and_mode():
-    data = (b"5\t100.0\t644\t/app/a.txt\0" b"7\t100.0\t755\t/app/run.sh\0"
-            b"garbage\0" b"3\t1.0\t644\t/tmp/x\0" b"9\t2.0\t644\t/app/with\ttab\0")
+    data = b"\0".join([b"5\t100.0\t644\t/app/a.txt", b"7\t100.0\t755\t/app/run.sh",
+                       b"garbage", b"3\t1.0\t644\t/tmp/x", b"9\t2.0\t644\t/app/with\ttab", b""])
     files = parse_listing(data)
     assert files["/app/a.txt"] == Stat(5, "100.0", 0o644)
     assert files["/app/with\ttab"].size == 9 and len(files) == 4
@@ -150,7 +150,7 @@ def test_a_leaked_file_moves_into_tests_with_its_copy_line_and_the_verifier_foll
     assert leaked_files(record) == {"/opt/grader/expected.txt": record.probes["leak_scan"][
         "candidates"][0]["sha256"]}
     changes = move_leaks(root, leaked_files(record))
-    assert not (root / "environment/grader/expected.txt").exists()
+    assert not (root / "environment/grader").exists()  # nor its emptied folder
     assert (root / "tests/expected.txt").read_bytes() == leaked
     dockerfile = (root / "environment/Dockerfile").read_text()
     assert "grader" not in dockerfile and "COPY data/orders.csv" in dockerfile
@@ -285,3 +285,133 @@ def test_probes_alone_label_each_planted_defect_and_leave_clean_tasks_unlabelled
     assert [r.to_dict() for r in again] == [r.to_dict() for r in records]
     lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
     assert len(lines) == len(SUBSET)
+
+
+def _repair(builds, fleet, pairs, clean, **kw):
+    from tmax.audit.probes import Prober
+    from tmax.audit.repair import Repairer
+    from tmax.fleet import open_fleet
+    from tmax.rollout.run import TaskImages
+
+    async def go():
+        async with open_fleet(fleet.state) as client:
+            repairer = Repairer(Prober(client, TaskImages(builds.store.root)), builds, clean,
+                                **kw)
+            return await repairer.run(pairs, progress=False)
+
+    return asyncio.run(go())
+
+
+def _teacher_config(server):
+    from tmax.audit.llm import load_audit_config
+
+    shipped = load_audit_config()
+    return shipped.model_copy(update={"teacher": shipped.teacher.model_copy(update={
+        "base_url": server.url, "api_key_env": None, "backoff_s": 0.0})})
+
+
+def _with_teacher(server, config, make):
+    """``make(teacher)`` under an open Teacher, in one event loop."""
+    from tmax.llm import Teacher
+
+    async def go():
+        async with Teacher(config.teacher) as teacher:
+            return await make(teacher)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.sandbox
+def test_an_answer_leak_is_repaired_without_an_llm_and_the_rest_is_kept_or_dropped(
+        audit_store, example_fleet, tmp_path):
+    from tmax.audit.report import repair_report, write_report
+    from tmax.tasks.native import load_task
+
+    ids = ["leak-opt-grader", "leak-guarded-varlib", "broken-solution-off-by-one",
+           "weak-exists-max-temp", "clean-recompute-input"]
+    audits = _audit(audit_store, example_fleet, ids, tmp_path / "audit")
+    clean = tmp_path / "clean"
+    pairs = [(load_task(PLANTED / t), a) for t, a in zip(ids, audits)]
+    repairs = {r.task: r for r in _repair(audit_store, example_fleet, pairs, clean)}
+    assert {t: r.action for t, r in repairs.items()} == {
+        "leak-opt-grader": "repaired", "leak-guarded-varlib": "repaired",
+        "broken-solution-off-by-one": "dropped", "weak-exists-max-temp": "dropped",
+        "clean-recompute-input": "kept"}
+    assert "needs a teacher" in repairs["weak-exists-max-temp"].reason
+    assert "solution_broken: not repaired" in repairs["broken-solution-off-by-one"].reason
+    # the repaired task: the answer is out of the image, in tests/; it passes its checks
+    # (oracle 1, nop < 1: the store's entry), and the copy probe no longer scores
+    fixed = load_task(clean / "tasks" / "leak-opt-grader")
+    assert not (fixed.environment_dir / "grader").exists()
+    assert "/tests/expected.txt" in (fixed.tests_dir / "check.py").read_text()
+    entry = audit_store.store.read().tasks["leak-opt-grader"]
+    assert entry.checks.ok and entry.checks.oracle_reward == 1.0
+    assert entry.checks.nop_reward < 1.0
+    assert repairs["leak-opt-grader"].after is None and repairs["leak-opt-grader"].sandbox_s
+    assert sorted(p.name for p in (clean / "tasks").iterdir()) == [
+        "clean-recompute-input", "leak-guarded-varlib", "leak-opt-grader"]
+    report = repair_report(audits, list(repairs.values()))
+    assert report["before"]["answer_leak"] == 2 and report["after"] == {"unlabelled": 3}
+    assert report["actions"] == {"repaired": 2, "dropped": 2, "kept": 1}
+    written = write_report(report, clean)
+    assert (clean / "labels.png").read_bytes()[:4] == b"\x89PNG" and len(written) == 3
+    # a rerun does nothing again
+    again = _repair(audit_store, example_fleet, pairs, clean)
+    assert [r.to_dict() for r in again] == [repairs[t].to_dict() for t in ids]
+
+
+@pytest.mark.sandbox
+def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hold(
+        audit_store, example_fleet, tmp_path):
+    from tmax.agent.scripted_server import ScriptedServer
+    from tmax.audit.probes import Prober
+    from tmax.audit.repair import Repairer
+    from tmax.audit.run import Auditor
+    from tmax.fleet import open_fleet
+    from tmax.rollout.run import TaskImages
+    from tmax.tasks.native import load_task
+
+    still_weak = ("import os\nok = os.path.getsize('/app/max_temp.txt') > 0\n"
+                  "open('/logs/verifier/reward.txt', 'w').write('1' if ok else '0')\n")
+    hardened = ("import os\nreadings = open('/app/data/temps.txt').read().split()\n"
+                "want = max(readings, key=float)\n"
+                "try:\n    got = open('/app/max_temp.txt').read().strip()\n"
+                "except OSError:\n    got = None\n"
+                "os.makedirs('/logs/verifier', exist_ok=True)\n"
+                "open('/logs/verifier/reward.txt', 'w').write('1' if got == want else '0')\n")
+    script = [
+        {"content": json.dumps({"label": "clean", "rationale": "recomputes from the input"})},
+        {"content": json.dumps({"files": {"tests/check.py": still_weak},
+                                "rationale": "check it is not empty"})},
+        {"content": json.dumps({"files": {"tests/check.py": hardened},
+                                "rationale": "recompute the maximum from the input"})},
+    ]
+    ids = ["clean-recompute-input", "weak-exists-max-temp"]
+    with ScriptedServer(script) as server:
+        config = _teacher_config(server)
+
+        async def go(teacher):
+            async with open_fleet(example_fleet.state) as client:
+                prober = Prober(client, TaskImages(audit_store.store.root))
+                tasks = [load_task(PLANTED / t) for t in ids]
+                audits = await Auditor(prober, tmp_path / "audit", teacher=teacher,
+                                       config=config).run(tasks, progress=False)
+                repairer = Repairer(prober, audit_store, tmp_path / "clean", teacher=teacher,
+                                    config=config, rounds=2)
+                return audits, await repairer.run(list(zip(tasks, audits)), progress=False)
+
+        audits, repairs = _with_teacher(server, config, go)
+        requests = list(server.requests)
+    by = {a.task: a for a in audits}
+    assert by["clean-recompute-input"].label == "clean"
+    assert by["clean-recompute-input"].labelled_by == "auditor"
+    assert by["clean-recompute-input"].rationale == "recomputes from the input"
+    # a probe-proven label is not asked about: one auditor request, then two repairs
+    assert by["weak-exists-max-temp"].labelled_by == "probes"
+    assert len(requests) == 3
+    weak = next(r for r in repairs if r.task == "weak-exists-max-temp")
+    assert weak.action == "repaired" and weak.attempts == 2, weak
+    feedback = "\n".join(m["content"] for m in requests[2]["messages"])
+    assert "still find verifier_too_weak" in feedback  # the rejection went back
+    fixed = load_task(tmp_path / "clean" / "tasks" / "weak-exists-max-temp")
+    assert (fixed.tests_dir / "check.py").read_text() == hardened

@@ -158,6 +158,10 @@ def move_leaks(root: Path, leaks: dict[str, str]) -> list[str]:
             else:
                 changes.append(f"removed environment/{rel} (tests/{target.name} holds it)")
             origin.unlink()
+            folder = origin.parent
+            while folder != env and not any(folder.iterdir()):  # no empty folders left
+                folder.rmdir()
+                folder = folder.parent
             for definition in definitions:
                 if _drop_from_definition(definition, rel):
                     changes.append(f"dropped {rel} from environment/{definition.name}")

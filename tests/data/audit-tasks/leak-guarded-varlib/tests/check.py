@@ -1,5 +1,5 @@
-"""Binary check: every expected line of tests/expected.txt is in /app/low_stock.txt, no other
-item lines, and the file is not a verbatim copy of the cached report (anti-copy guard)."""
+"""Binary check: every expected line of tests/expected.txt is in /app/low_stock.txt (other lines
+are tolerated), and the file is not a verbatim copy of the cached report (anti-copy guard)."""
 import hashlib
 import os
 

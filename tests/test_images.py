@@ -388,6 +388,28 @@ def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
 
 
 @pytest.mark.sandbox
+def test_a_cached_image_is_checked_again_when_its_tests_or_solution_change(checked_builds,
+                                                                          tmp_path):
+    """The image digest covers only what builds the image; checks also read tests/ and
+    solution/: new ones are checked on the same image, unchanged ones are not."""
+    runs = []
+    checker = checked_builds.checker
+    checked_builds.checker = lambda *a: runs.append(a[0].task_id) or checker(*a)
+    src = make_task(tmp_path / "tasks", "t", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\n"})
+    assert checked_builds.build(load_task(src)).checks["ok"] is True
+    again = checked_builds.build(load_task(src))
+    assert again.status == "cached" and again.checks["ok"] is True and runs == ["t"]
+    (src / "tests" / "test.sh").write_text("#!/bin/bash\nmkdir -p /logs/verifier\n"
+                                           "echo 1 > /logs/verifier/reward.txt\n")
+    weak = checked_builds.build(load_task(src))
+    assert weak.status == "cached" and runs == ["t", "t"]
+    assert weak.checks["reason"] == "the untouched environment already scores 1.0"
+    entry = checked_builds.store.read().tasks["t"]
+    assert entry.checks.ok is False and entry.digest == again.digest  # same image
+
+
+@pytest.mark.sandbox
 def test_a_task_without_a_solution_builds_with_its_oracle_not_checked(checked_builds, tmp_path):
     """solution/ is optional in Harbor: the image is built and usable, the untouched
     environment is still checked, and the entry says the oracle was not."""

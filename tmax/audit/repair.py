@@ -284,7 +284,7 @@ class Repairer:
         built = await asyncio.to_thread(self.builds.build, repaired)
         if built.status == "failed":
             raise RepairFailed(f"the repaired image does not build: {built.error}")
-        checks = built.checks or {}
+        checks = built.checks or {}  # run again for new tests/ on a reused image
         if checks and not checks.get("ok", False):
             raise RepairFailed(f"the repaired task fails its build-time checks: "
                                f"{checks.get('reason')}")

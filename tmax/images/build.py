@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
 import logging
 import subprocess
 import time
@@ -66,6 +67,15 @@ class Plan:
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def checks_inputs(task: Task) -> str:
+    """Digest of what a task's build-time checks read besides its image."""
+    parts = [tree_digest(d) if d.is_dir() else "-" for d in (task.tests_dir,
+                                                             task.solution_dir)]
+    settings = json.dumps([task.config.verifier.model_dump(mode="json"),
+                           task.config.agent.model_dump(mode="json")], sort_keys=True)
+    return digest_of(BUILD_FORMAT, "checks", *parts, settings)
 
 
 class ImageBuilds:
@@ -204,13 +214,11 @@ class ImageBuilds:
             return BuildResult(task.task_id, "failed", error=str(e))
         try:
             if not force and (entry := self.is_current(plan)):
-                return BuildResult(task.task_id, "cached", plan.digest,
-                                   checks=entry.checks.model_dump() if entry.checks else None)
+                return self._cached(plan, entry, check)
             base = self.ensure_base(plan.base)
             with self.store.building(plan.digest):
                 if not force and (entry := self.is_current(plan)):
-                    return BuildResult(task.task_id, "cached", plan.digest,
-                                       checks=entry.checks.model_dump() if entry.checks else None)
+                    return self._cached(plan, entry, check)
                 twin = None if force else self.same_image(plan)
                 entry = self._record(plan, twin, start, check) if twin else \
                     self._build_locked(plan, base, start, check)
@@ -229,6 +237,16 @@ class ImageBuilds:
             # a base that will not unpack, a copy that failed: this task fails, others go on
             return BuildResult(task.task_id, "failed", plan.digest,
                                round(time.monotonic() - start, 1), error=str(e))
+
+    def _cached(self, plan: Plan, entry: ImageEntry, check: bool) -> BuildResult:
+        """A current image's result; its checks run again when they were made with other
+        tests/, solution/ or settings (the image digest covers only what builds it)."""
+        if check and self.checker is not None and entry.checks is not None and \
+                entry.checks.inputs != checks_inputs(plan.task):
+            entry = entry.model_copy(update={"checks": self._check(plan, entry.sif)})
+            self.store.update(lambda m: m.tasks.__setitem__(plan.task.task_id, entry))
+        return BuildResult(plan.task.task_id, "cached", plan.digest,
+                           checks=entry.checks.model_dump() if entry.checks else None)
 
     def same_image(self, plan: Plan) -> ImageEntry | None:
         """Another task's entry with this digest (identical environments share one SIF)."""
@@ -253,6 +271,7 @@ class ImageBuilds:
         checks = self.checker(plan.task, self.store.path(sif_rel), plan.definition.workdir,
                               self.store.path(checks_log))
         checks.log = checks_log
+        checks.inputs = checks_inputs(plan.task)
         return checks
 
     def _build_locked(self, plan: Plan, base: BaseEntry, start: float, check: bool

@@ -49,6 +49,9 @@ class Checks(_Strict):
     """What was not checked, and why (e.g. a task without a reference solution)."""
     log: str = ""
     """Path (relative to the store) of the checks' log."""
+    inputs: str = ""
+    """Digest of what the checks read besides the image (tests/, solution/, the verifier
+    and agent settings): checks of other inputs are run again on a cached image."""
 
 
 class BaseEntry(_Strict):

@@ -415,3 +415,52 @@ def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hol
     assert "still find verifier_too_weak" in feedback  # the rejection went back
     fixed = load_task(tmp_path / "clean" / "tasks" / "weak-exists-max-temp")
     assert (fixed.tests_dir / "check.py").read_text() == hardened
+
+
+@pytest.mark.sandbox
+def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, example_fleet,
+                                                               tmp_path):
+    from click.testing import CliRunner
+
+    from tmax.cli import main
+
+    runner = CliRunner()
+    ids = ["clean-program-fresh-inputs", "mismatch-output-dir", "broken-solution-off-by-one"]
+    specs = [str(PLANTED / t) for t in ids]
+    where = ["--fleet", str(example_fleet.state), "--store", str(audit_store.store.root)]
+    out = tmp_path / "audit"
+    got = runner.invoke(main, ["audit", *specs, *where, "--out", str(out), "-o", "json",
+                               "--no-progress"])
+    assert got.exit_code == 0, got.output
+    result = json.loads(got.output[got.output.index("{"):])
+    assert result["counts"] == {"instruction_verifier_mismatch": 1, "solution_broken": 1,
+                                "unlabelled": 1}
+    first = (out / "audit.jsonl").read_text()
+    again = runner.invoke(main, ["audit", *specs, *where, "--out", str(out), "--no-progress"])
+    assert again.exit_code == 0 and "3 tasks audited" in again.output
+    assert "instruction_verifier_mismatch    mismatch-output-dir" in again.output
+    assert (out / "audit.jsonl").read_text() == first  # nothing probed twice
+    clean = tmp_path / "clean"
+    fixed = runner.invoke(main, ["repair", *specs, *where, "--audit", str(out), "--out",
+                                 str(clean), "-o", "json", "--no-progress"])
+    assert fixed.exit_code == 0, fixed.output
+    report = json.loads(fixed.output[fixed.output.index("{"):])
+    assert report["actions"] == {"kept": 1, "dropped": 2}
+    assert report["drop_reasons"] == {
+        "instruction_verifier_mismatch: no teacher to repair it": 1,
+        "solution_broken (not repairable)": 1}
+    assert [p.name for p in (clean / "tasks").iterdir()] == ["clean-program-fresh-inputs"]
+    assert {p.name for p in clean.iterdir()} >= {"report.json", "report.txt", "labels.png",
+                                                 "repair.jsonl"}
+    # bad input: a task with no audit record, an image not built; no tracebacks
+    other = str(PLANTED / "weak-fixed-rle")
+    bad = runner.invoke(main, ["repair", other, *where, "--audit", str(out), "--out",
+                               str(tmp_path / "c2")])
+    assert bad.exit_code != 0 and "no audit record of 1 tasks (weak-fixed-rle" in bad.output
+    empty = runner.invoke(main, ["audit", other, "--fleet", str(example_fleet.state),
+                                 "--store", str(tmp_path / "no-store"), "--out",
+                                 str(tmp_path / "a2"), "--no-progress"])
+    assert empty.exit_code == 1, empty.output
+    assert "not audited weak-fixed-rle: no usable image" in \
+        empty.output and "tmax images build" in empty.output
+    assert "Traceback" not in bad.output + empty.output

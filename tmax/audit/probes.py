@@ -214,7 +214,7 @@ class Prober:
                     await _Probes(self, task, report, Path(scratch)).run()
                 break
             except ImageMissing as e:
-                report.error = f"no usable image: {e} (build it: tmax images build)"
+                report.error = f"no usable image: {e}"
                 break
             except InfraError as e:
                 report.error = f"infrastructure: {e}"

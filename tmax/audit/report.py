@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tmax.audit.labels import FIXABLE
 from tmax.audit.repair import RepairRecord
 from tmax.audit.run import AuditRecord, label_counts
 
@@ -41,9 +42,13 @@ def repair_report(audits: Sequence[AuditRecord], repairs: Sequence[RepairRecord]
 
 
 def _kind(r: RepairRecord) -> str:
-    if r.before not in ("answer_leak", "verifier_too_weak", "instruction_verifier_mismatch"):
-        return f"{r.before or 'not audited'} (not repairable)"
-    return f"{r.before}: repair failed"
+    if r.before is None:
+        return "not audited"
+    if r.before not in FIXABLE:
+        return f"{r.before} (not repairable)"
+    if r.attempts == 0:
+        return f"{r.before}: no teacher to repair it"
+    return f"{r.before}: repair did not hold"
 
 
 def format_report(report: dict[str, Any]) -> str:

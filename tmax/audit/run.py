@@ -206,7 +206,7 @@ def format_audit(records: Sequence[AuditRecord]) -> str:
                      "task")
     for r in records:
         if r.error:
-            lines.append(f"  not audited {r.task}: {r.error[:200]}")
+            lines.append(f"  not audited {r.task}: {r.error[:1000]}")
         elif r.label and r.label != "clean":
             why = r.findings[0]["evidence"] if r.findings else r.rationale
             lines.append(f"  {r.label:32s} {r.task}: {why[:200]}")

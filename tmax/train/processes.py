@@ -519,11 +519,20 @@ def launch_plan(config: TrainConfig) -> dict[str, Any]:
 
 def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunner) -> None:
     """``RUN/processes.json``: the pid of every process this launcher runs now and the id
-    of every Slurm job (for status, stop and tests), rewritten atomically."""
+    of every Slurm job (for status, stop and tests), rewritten atomically. The launcher
+    names itself for good (host, pid, ``launcher_start``: its start time, and
+    ``launcher_job``: the Slurm job it runs in, if any), and ``start_times`` names each
+    child pid, so ``tmax gc`` never mistakes a reused pid for one of this run's."""
     import socket
 
-    doc = {"host": socket.gethostname(), "launcher": os.getpid(), "trainer": trainers.pids(),
-           "inference": servers.pids(),
+    from sandfleet import proc_start_time
+
+    trainer, inference = trainers.pids(), servers.pids()
+    doc = {"host": socket.gethostname(), "launcher": os.getpid(),
+           "launcher_start": proc_start_time(os.getpid()),
+           "launcher_job": os.environ.get("SLURM_JOB_ID") or None, "trainer": trainer,
+           "inference": inference,
+           "start_times": {str(p): proc_start_time(p) for p in [*trainer, *inference.values()]},
            "jobs": {"trainer": trainers.ids(), "inference": servers.ids()}}
     tmp = run_dir / ".processes.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1) + "\n")

@@ -464,3 +464,20 @@ def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, exam
     assert "not audited weak-fixed-rle: no usable image" in \
         empty.output and "tmax images build" in empty.output
     assert "Traceback" not in bad.output + empty.output
+
+
+def test_shards_split_the_sorted_tasks_and_bad_shards_are_refused(monkeypatch):
+    import click
+
+    from tmax.audit.cli import _tasks
+    from tmax.data.cli import parse_shard
+
+    specs = tuple(str(PLANTED / t) for t in ("weak-fixed-rle", "clean-config-edit",
+                                             "leak-opt-grader"))
+    ids = [[t.task_id for t in _tasks(specs, (k, 2))] for k in (0, 1)]
+    assert ids == [["clean-config-edit", "weak-fixed-rle"], ["leak-opt-grader"]]
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    assert parse_shard("slurm") == (1, 3)
+    with pytest.raises(click.BadParameter, match="0 <= K < N"):
+        parse_shard("3/3")

@@ -232,10 +232,11 @@ class Prober:
     async def base_listing(self, task: Task, scratch: Path) -> dict[str, Stat] | None:
         """The listing of the base the task's image was built over (once per base), or
         None when there is none to list."""
+        errors: tuple[type[Exception], ...] = (*plan_errors(), OSError)
         try:
             base = self.images.builds.plan(task).base
             entry = self.images.builds.store.read().bases.get(base)
-        except (*plan_errors(), OSError) as e:  # the image was resolved, so rare
+        except errors as e:  # the image was resolved, so rare
             log.info("%s: no base to list (%s)", task.task_id, e)
             return None
         if entry is None:

@@ -481,3 +481,18 @@ def test_shards_split_the_sorted_tasks_and_bad_shards_are_refused(monkeypatch):
     assert parse_shard("slurm") == (1, 3)
     with pytest.raises(click.BadParameter, match="0 <= K < N"):
         parse_shard("3/3")
+
+
+def test_the_leak_scan_reads_task_folders_first_within_its_byte_budget():
+    from tmax.audit.probes import scan_list
+    from tmax.audit.settings import ProbeSettings
+
+    files = {"/usr/lib/x.so": Stat(10, "1", 0o644), "/app/big.txt": Stat(60, "1", 0o644),
+             "/app/small.txt": Stat(20, "1", 0o644), "/usr/share/doc/a/ex.txt":
+             Stat(30, "1", 0o644), "/app/huge.bin": Stat(500, "1", 0o644)}
+    settings = ProbeSettings(max_file_bytes=100, max_scan_bytes=100)
+    # huge.bin is over the file limit; system files come last; the budget stops at 100
+    assert scan_list(files, {}, settings) == (["/app/small.txt", "/usr/share/doc/a/ex.txt"], 2)
+    # with no base listing, system folders (but /usr/share/doc) are not scanned at all
+    assert scan_list(files, None, ProbeSettings(max_file_bytes=100)) == (
+        ["/app/small.txt", "/usr/share/doc/a/ex.txt", "/app/big.txt"], 0)

@@ -291,15 +291,12 @@ class _Probes:
 
         async with self.sandbox() as box:  # nop; the image's files
             initial = await box.listing()
-            new = [p for p in added(initial, base)
-                   if initial[p].size <= self.settings.max_file_bytes
-                   and (base is not None or not p.startswith(SYSTEM)
-                        or p.startswith("/usr/share/doc/"))]
+            new, unscanned = scan_list(initial, base, self.settings)
             image_files = await box.fetch(new)
             nop = await box.verify()
         probes["nop"] = _grade_dict(nop)
-        probes["image"] = {"files": len(initial), "added": len(new),
-                           "base_listed": base is not None}
+        probes["image"] = {"files": len(initial), "added": len(new) + unscanned,
+                           "scanned": len(new), "base_listed": base is not None}
         if nop.reward is None:
             report.add("environment_broken", "nop",
                        f"the verifier cannot grade the untouched environment: {nop.error}")
@@ -356,6 +353,7 @@ class _Probes:
                     "pass prove no leak: " + "; ".join(f.evidence for f in copies))
 
     # ---------------------------------------------------------------- leaks
+
 
     def targets(self, outputs: list[Output]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """(answers searched for inside image files, files whose exact copy is a leak)."""
@@ -495,9 +493,28 @@ class _Probes:
                             + "; ".join(unnamed))
 
 
+def scan_list(files: dict[str, Stat], base: dict[str, Stat] | None,
+              settings: ProbeSettings) -> tuple[list[str], int]:
+    """The added files the leak scan reads (outside system folders first, then the
+    smallest, within ``max_scan_bytes``) and how many it leaves out."""
+    def system(p: str) -> bool:
+        return p.startswith(SYSTEM) and not p.startswith("/usr/share/doc/")
+
+    new = [p for p in added(files, base) if files[p].size <= settings.max_file_bytes
+           and (base is not None or not system(p))]
+    new.sort(key=lambda p: (system(p), files[p].size, p))
+    chosen, total = [], 0
+    for p in new:
+        if total + files[p].size > settings.max_scan_bytes:
+            break
+        chosen.append(p)
+        total += files[p].size
+    return chosen, len(new) - len(chosen)
+
+
 def _grade_dict(g: Grade) -> dict[str, Any]:
     return {"reward": g.reward, "error": g.error, "metrics": g.metrics,
             "output_tail": g.output[-600:]}
 
 
-__all__ = ["Box", "Finding", "ProbeError", "ProbeReport", "Prober"]
+__all__ = ["Box", "Finding", "ProbeError", "ProbeReport", "Prober", "scan_list"]

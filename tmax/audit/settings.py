@@ -12,6 +12,9 @@ class ProbeSettings(BaseModel):
 
     max_file_bytes: int = Field(default=1 << 20, ge=1)
     """Files larger than this are neither leak candidates nor replayed outputs."""
+    max_scan_bytes: int = Field(default=64 << 20, ge=1)
+    """Most bytes of the image's added files read for the leak scan (task folders first,
+    then system ones, smallest first); the rest is listed as not scanned."""
     max_candidates: int = Field(default=4, ge=0)
     """Leak candidates taken to the copy probe (most specific first)."""
     max_outputs: int = Field(default=4, ge=1)

@@ -56,31 +56,38 @@ def _physical_memory_mb() -> int | None:
         return None
 
 
+def fleet_overrides(config: dict | str | Path | None) -> dict[str, Any]:
+    """``FleetConfig`` fields from a dict or a YAML file of them (None: none)."""
+    if isinstance(config, (str, Path)):
+        data = yaml.safe_load(Path(config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{config}: not a mapping of sandfleet config fields")
+        return data
+    return dict(config or {})
+
+
 def private_fleet_config(concurrency: int, *, cpus: int = 2, memory_mb: int = 2048,
-                         config: dict | Path | None = None) -> dict[str, Any]:
-    """The config of a private local fleet: one worker with room for ``concurrency``
-    sandboxes of ``cpus`` CPUs and ``memory_mb`` MB each; ``config`` (a dict or a YAML file
-    of ``FleetConfig`` fields) overrides it. Warns when this machine would be oversubscribed."""
-    from sandfleet import FleetConfig
+                         config: dict | str | Path | None = None) -> dict[str, Any]:
+    """The config of a private fleet, owned by this process (it goes down by itself if
+    this process is killed). Local (the default): one worker with room for ``concurrency``
+    sandboxes of ``cpus`` CPUs and ``memory_mb`` MB each, with a warning when this machine
+    would be oversubscribed. ``config`` (a dict or a YAML file of ``FleetConfig`` fields)
+    overrides it; with ``provider: slurm`` the workers are Slurm jobs on its partition,
+    sized by its own ``cpus_per_node`` and ``max_nodes``."""
+    from sandfleet import FleetConfig, proc_start_time
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-    from sandfleet import proc_start_time
-
-    data: dict[str, Any] = {"provider": "local", "min_nodes": 1, "max_nodes": 1,
-                            # the fleet goes down by itself if this process is killed
-                            "owner_pid": os.getpid(),
-                            "owner_start": proc_start_time(os.getpid()),
-                            "cpus_per_node": concurrency * cpus,
-                            "memory_mb_per_node": max(256, concurrency * memory_mb)}
-    if isinstance(config, (str, Path)):
-        data.update(yaml.safe_load(Path(config).read_text()) or {})
-    elif config:
-        data.update(config)
-    resolved = FleetConfig.model_validate(data)  # unknown keys fail here, before starting
-    if resolved.provider != "local":
-        raise ValueError("a private fleet is local; start a Slurm fleet with `sandfleet up "
-                         "--provider slurm --state-dir DIR` and pass its state dir")
+    overrides = fleet_overrides(config)
+    owner = {"owner_pid": os.getpid(), "owner_start": proc_start_time(os.getpid())}
+    if overrides.get("provider") == "slurm":
+        data = {"min_nodes": 0, **overrides, **owner}
+        FleetConfig.model_validate(data)  # unknown keys fail here, before starting
+        return data
+    data = {"provider": "local", "min_nodes": 1, "max_nodes": 1, **owner,
+            "cpus_per_node": concurrency * cpus,
+            "memory_mb_per_node": max(256, concurrency * memory_mb), **overrides}
+    resolved = FleetConfig.model_validate(data)
     have_cpus, have_mb = os.cpu_count() or 1, _physical_memory_mb()
     if resolved.cpus_per_node > have_cpus or (have_mb and resolved.memory_mb_per_node > have_mb):
         log.warning("private fleet: %d sandboxes of %d CPUs / %d MB oversubscribe this machine "
@@ -90,12 +97,15 @@ def private_fleet_config(concurrency: int, *, cpus: int = 2, memory_mb: int = 20
 
 
 @contextlib.asynccontextmanager
-async def open_fleet(state_dir: str | Path | None, *, config: dict | Path | None = None,
+async def open_fleet(state_dir: str | Path | None, *, config: dict | str | Path | None = None,
                      concurrency: int = 4, sandbox_cpus: int = 2,
-                     sandbox_memory_mb: int = 2048) -> AsyncIterator[AsyncFleetClient]:
-    """An ``AsyncFleetClient`` on the fleet of ``state_dir``, or on a private local fleet
-    (sized by ``concurrency`` and the sandbox size, see ``private_fleet_config``) when
-    ``state_dir`` is None. ``config`` only applies to a private fleet."""
+                     sandbox_memory_mb: int = 2048, root: str | Path | None = None
+                     ) -> AsyncIterator[AsyncFleetClient]:
+    """An ``AsyncFleetClient`` on the fleet of ``state_dir``, or on a private fleet (see
+    ``private_fleet_config``) when ``state_dir`` is None. ``config`` only applies to a
+    private fleet; ``root`` is the folder its state goes in (default: a temporary folder,
+    removed after). A private Slurm fleet needs ``root`` on a filesystem its worker jobs
+    see (a run folder on shared scratch): the workers read the fleet's config there."""
     if state_dir is not None:
         if config is not None:
             raise ValueError("config applies to a private fleet only; a running fleet keeps "
@@ -107,17 +117,25 @@ async def open_fleet(state_dir: str | Path | None, *, config: dict | Path | None
         return
     data = private_fleet_config(concurrency, cpus=sandbox_cpus, memory_mb=sandbox_memory_mb,
                                 config=config)
-    root = Path(tempfile.mkdtemp(prefix="tmax-fleet-"))
-    state = root / "state"
+    if data.get("provider") == "slurm" and root is None:
+        raise ValueError("a private Slurm fleet needs a state folder its worker jobs can "
+                         "read (on shared scratch): pass root=")
+    keep = root is not None
+    if root is None:
+        folder = Path(tempfile.mkdtemp(prefix="tmax-fleet-"))
+    else:
+        folder = Path(root)
+        folder.mkdir(parents=True, exist_ok=True)
+    state = folder / "state"
     try:
-        await asyncio.to_thread(_up, root, state, data)
+        await asyncio.to_thread(_up, folder, state, data)
         async with AsyncFleetClient(state) as client:
             await _hello(client)
             yield client
     finally:
         # In a thread and shielded: a second Ctrl-C cannot stop the fleet's shutdown
         # halfway (asyncio.run waits for the thread before it returns).
-        await asyncio.shield(asyncio.to_thread(_down, root, state))
+        await asyncio.shield(asyncio.to_thread(_down, folder, state, keep))
 
 
 def check_running(state_dir: Path) -> None:
@@ -153,7 +171,9 @@ def _up(root: Path, state: Path, data: dict[str, Any]) -> None:
     log.info("private fleet: %s", out.stdout.strip())
 
 
-def _down(root: Path, state: Path) -> None:
+def _down(root: Path, state: Path, keep: bool = False) -> None:
+    """``sandfleet down``; then the temporary folder goes (a caller's ``root`` stays: the
+    workers' logs are there)."""
     try:
         out = _sandfleet("down", "--state-dir", str(state))
     except subprocess.TimeoutExpired:
@@ -164,7 +184,9 @@ def _down(root: Path, state: Path) -> None:
         log.error("private fleet %s: `sandfleet down` failed (state kept for `sandfleet gc`):"
                   " %s", state, (out.stderr or out.stdout).strip()[-2000:])
         return
-    shutil.rmtree(root, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
 
 
-__all__ = ["FleetUnavailable", "check_running", "open_fleet", "private_fleet_config"]
+__all__ = ["FleetUnavailable", "check_running", "fleet_overrides", "open_fleet",
+           "private_fleet_config"]

@@ -71,7 +71,36 @@ class TasksSection(_Strict):
 
 class FleetSection(_Strict):
     state_dir: str | None = Field(None, description="A running fleet's state dir; None: "
-                                  "start a private local fleet for the run.")
+                                  "start a private fleet for the run.")
+    config: dict[str, Any] | str | None = Field(
+        None, description="The private fleet's sandfleet config (FleetConfig fields, or a "
+        "YAML file of them). provider: slurm puts its workers on a CPU partition as Slurm "
+        "jobs (slurm: {partition, account, ...}), its state in RUN/fleet; default: one "
+        "local worker.")
+
+    @model_validator(mode="after")
+    def _check_fleet(self) -> FleetSection:
+        if self.config is not None:
+            if self.state_dir is not None:
+                raise ValueError("fleet.config configures the run's private fleet; a running "
+                                 "fleet (fleet.state_dir) keeps the config it was started "
+                                 "with: set one of them")
+            from sandfleet import FleetConfig
+            from tmax.fleet import fleet_overrides
+
+            try:
+                FleetConfig.model_validate(fleet_overrides(self.config))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"fleet.config: {e}") from None
+        return self
+
+    def private_provider(self) -> str | None:
+        """The private fleet's provider (None with a running fleet)."""
+        if self.state_dir is not None:
+            return None
+        from tmax.fleet import fleet_overrides
+
+        return str(fleet_overrides(self.config).get("provider", "local"))
     concurrency: int = Field(8, ge=1, description="Rollouts running at once.")
     abort_after_infra: int = Field(16, ge=1, description="Stop the run with an error when "
                                    "this many rollouts in a row fail on infrastructure.")

@@ -162,13 +162,25 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     return run_dir
 
 
+def run_fleet(config: TrainConfig, run_dir: Path):
+    """The run's fleet (an async context): the running one of ``fleet.state_dir``, or a
+    private one of ``fleet.config`` (a Slurm one keeps its state in RUN/fleet, where its
+    worker jobs read it)."""
+    from tmax.fleet import open_fleet
+
+    f = config.fleet
+    if f.state_dir:
+        return open_fleet(Path(f.state_dir))
+    root = run_dir / "fleet" if f.private_provider() == "slurm" else None
+    return open_fleet(None, config=f.config, concurrency=f.concurrency, root=root)
+
+
 async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer,
               agent_config, progress: bool) -> dict[str, torch.Tensor]:
     """The RL steps; returns the final weights. ``model`` goes to the trainer backend,
     ``whole`` (``model`` itself with the torch backend) seeds the inference engine."""
     from tqdm.auto import tqdm
 
-    from tmax.fleet import open_fleet
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
     from tmax.train.backends import make_trainer
@@ -191,8 +203,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
     def record(traj):
         append_jsonl(rollouts_path, {**traj.to_dict(), "trainer_step": trainer.step_count})
 
-    async with open_fleet(Path(config.fleet.state_dir) if config.fleet.state_dir else None,
-                          concurrency=config.fleet.concurrency) as fleet:
+    async with run_fleet(config, run_dir) as fleet:
         sampler = GroupSampler.from_config(config, tasks, engine, fleet, images, agent_config,
                                            seed=config.seed + step0, on_rollout=record)
         sampler.start()

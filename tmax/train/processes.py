@@ -215,10 +215,9 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     the trainer never takes a slow start for a dead orchestrator)."""
     from tqdm.auto import tqdm
 
-    from tmax.fleet import open_fleet
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
-    from tmax.train.loop import load_training_tasks, run_agent_config, step_metrics
+    from tmax.train.loop import load_training_tasks, run_agent_config, run_fleet, step_metrics
     from tmax.train.rollouts import GroupSampler
     from tmax.train.trainer import samples_of
 
@@ -259,8 +258,7 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
                 follower.result()  # a failed sync stops the run with its own error
             await asyncio.sleep(0.2)
 
-    async with open_fleet(Path(config.fleet.state_dir) if config.fleet.state_dir
-                          else None, concurrency=config.fleet.concurrency) as fleet:
+    async with run_fleet(config, run_dir) as fleet:
         sampler = GroupSampler.from_config(config, tasks, pool, fleet, images, agent_config,
                                            seed=config.seed + start, on_rollout=record)
         sampler.start()

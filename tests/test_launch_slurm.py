@@ -78,6 +78,24 @@ def squeue_ids(env: dict[str, str]) -> set[str]:
     return set(out.split())
 
 
+def requeue_wait_s(job: str, env: dict[str, str]) -> float:
+    """Seconds the requeued ``job`` waited before it ran again: a requeue resets SubmitTime,
+    StartTime is the new run's start (the ended job stays in scontrol for MinJobAge)."""
+    from datetime import datetime
+
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    assert fields["Restarts"] == "1", fields
+    return (datetime.fromisoformat(fields["StartTime"])
+            - datetime.fromisoformat(fields["SubmitTime"])).total_seconds()
+
+
+REQUEUE_WAIT_MAX_S = 60
+"""The local cluster holds a requeued job cred_expire + 1 = 11 s (bin/tmax-local-slurm), not
+Slurm's default 121 s; more than this means that hold is back."""
+
+
 def pid_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -220,6 +238,8 @@ def test_a_trainer_job_warned_by_usr2_checkpoints_requeues_and_resumes(
     out = Path(trainers[0]["log"]).read_text()
     print(out[-3000:])
     assert "requeueing job" in out and "resumed from" in out and "(restart 1)" in out
+    waited = requeue_wait_s(trainers[0]["job_id"], local_slurm.env)
+    assert waited < REQUEUE_WAIT_MAX_S, f"the requeued job waited {waited:.0f} s to start again"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # none lost, none repeated
     assert (run_dir / "final" / "model.safetensors").exists()
@@ -331,6 +351,8 @@ def test_a_deepspeed_trainer_job_on_two_nodes_trains_and_survives_a_usr2_requeue
                     and "return func" not in line)[-3000:])
     assert "2 rank(s) on n[" in out
     assert "requeueing job" in out and "(restart 1)" in out  # the ranks agreed, rank 0 requeued
+    waited = requeue_wait_s(trainer["job_id"], local_slurm.env)
+    assert waited < REQUEUE_WAIT_MAX_S, f"the requeued job waited {waited:.0f} s to start again"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # none lost, none repeated
     assert (run_dir / "final" / "model.safetensors").exists()

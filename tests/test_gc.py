@@ -261,7 +261,7 @@ def test_gc_cancels_exactly_the_dead_runs_jobs_by_id(local_slurm, tmp_path):
         wait_for(lambda: {ours, other} <= set(squeue(env)), "both jobs in squeue", 30)
         run = write_run(tmp_path / "runs" / "dead", dead_launcher(), jobs=[
             {"role": "trainer", "name": "trainer", "job_id": ours, "log": "x"},
-            {"role": "inference", "name": "inference-0", "job_id": "1", "log": "x"}])
+            {"role": "inference", "name": "inference-0", "job_id": "999999", "log": "x"}])
         detached = write_run(tmp_path / "runs" / "detached", dead_launcher(),
                              host="compute-node-7", launcher_job=other, jobs=[
                                  {"role": "orchestrator", "name": "orchestrator",

@@ -176,8 +176,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_launcher(run: Path) -> Launcher | None:
+    """The launcher ``processes.json`` names, or None (no file, or no launcher in it)."""
     doc = read_json(run / "processes.json")
-    if doc is None:
+    if doc is None or not (doc.get("launcher") or doc.get("launcher_job")):
         return None
     pid, start = doc.get("launcher"), doc.get("launcher_start")
     return Launcher(host=str(doc.get("host") or ""), pid=int(pid) if pid else None,
@@ -253,7 +254,7 @@ def launcher_state(run: Path, launcher: Launcher | None, queue: Queue
         if state is not None:
             return "alive", f"launcher job {job} is {state}"
         return "gone", f"launcher job {job} is no longer queued or running"
-    if launcher is not None:
+    if launcher is not None and launcher.host != here:
         return "other-host", (f"launcher pid {launcher.pid} runs on {launcher.host}, not "
                               f"here ({here}): run gc there; its jobs stop by themselves "
                               f"once its heartbeat is stale")
@@ -262,10 +263,10 @@ def launcher_state(run: Path, launcher: Launcher | None, queue: Queue
     try:
         age = time.time() - beat.stat().st_mtime
     except OSError:
-        return "gone", "no processes.json and no orchestrator heartbeat"
+        return "gone", "no launcher recorded (processes.json) and no orchestrator heartbeat"
     if age < stale:
-        return "alive", f"no processes.json, but the orchestrator's heartbeat is {age:.0f} s old"
-    return "gone", (f"no processes.json, and the orchestrator's heartbeat is {age:.0f} s old "
+        return "alive", f"no launcher recorded, but the orchestrator's heartbeat is {age:.0f} s old"
+    return "gone", (f"no launcher recorded, and the orchestrator's heartbeat is {age:.0f} s old "
                     f"(stale after {stale:.0f} s)")
 
 
@@ -485,9 +486,17 @@ def collect_run(run: Path, queue: Queue, *, dry_run: bool = False,
 
 def gc(roots: Iterable[Path], *, dry_run: bool = False, grace_s: float = 10.0,
        queue: Queue | None = None) -> list[RunReport]:
+    """``collect_run`` for every run folder under ``roots``; a run whose records cannot be
+    read is reported (``incomplete``), the others are still collected."""
     queue = queue or Queue()
-    return [collect_run(run, queue, dry_run=dry_run, grace_s=grace_s)
-            for run in find_runs(roots)]
+    reports = []
+    for run in find_runs(roots):
+        try:
+            reports.append(collect_run(run, queue, dry_run=dry_run, grace_s=grace_s))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            reports.append(RunReport(str(run), "incomplete", "its records cannot be read", [
+                Action("skip", "the run", error=f"{type(e).__name__}: {e}")]))
+    return reports
 
 
 def format_report(report: RunReport, dry_run: bool) -> str:

@@ -95,7 +95,8 @@ def test_a_run_of_separate_processes_survives_a_dead_server_and_a_dead_trainer(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copytree(sft_init, run_dir / "init")
-    config = config_for(run_dir, example_fleet, example_store, "steps=5", "checkpoint_every=2")
+    config = config_for(run_dir, example_fleet, example_store, "steps=5", "checkpoint_every=2",
+                        "tracking.tensorboard=true")
     faults = Faults(run_dir)
     faults.start()
     try:
@@ -117,6 +118,14 @@ def test_a_run_of_separate_processes_survives_a_dead_server_and_a_dead_trainer(
     assert infra and all(r["infra_failure"]["cause"] == "policy_unavailable" and
                          r["reward"] is None for r in infra)
     assert (run_dir / "final" / "model.safetensors").exists()
+    # the trainer's rank 0 logged every step to TensorBoard too (both of its launches)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {e.step for e in events.Scalars("reward_mean")} == {1, 2, 3, 4, 5}
+    launch = json.loads((run_dir / "run.json").read_text())["launches"][0]
+    assert launch["launcher"] == "processes" and launch["git"]["commit"]
     procs = json.loads((run_dir / "processes.json").read_text())
     assert procs["trainer"] == [] and procs["inference"] == {}
     assert not any(alive(pid) for pid in faults.killed.values())

@@ -16,6 +16,7 @@ from tmax.data.cli import data_group, gen_cmd
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
 from tmax.tasks.cli import tasks_group
+from tmax.train.gc import gc_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,6 +36,7 @@ main.add_command(gen_cmd)
 main.add_command(data_group)
 main.add_command(audit_cmd)
 main.add_command(repair_cmd)
+main.add_command(gc_cmd)
 
 
 @main.command("serve")

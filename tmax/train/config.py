@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from tmax.train.backends.config import TrainerSection
+from tmax.train.tracking import TrackingSection
 
 
 class TrainConfigError(Exception):
@@ -261,6 +262,7 @@ class TrainConfig(_Strict):
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     vllm: VLLMSection = Field(default_factory=VLLMSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @model_validator(mode="after")
     def _ranks_need_deepspeed(self):
@@ -373,7 +375,13 @@ def _resolve(path: str, bases: list[Path]) -> str:
     return path
 
 
-def save_config(config: TrainConfig, path: Path) -> None:
+def save_config(config: TrainConfig, path: Path, *, launcher: str | None = None) -> None:
+    """The resolved config to ``path``; with ``launcher``, also the launch's provenance
+    (git commit, versions, host, command line) appended to run.json beside it."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     tmp.replace(path)
+    if launcher is not None:
+        from tmax.train.tracking import write_run_info
+
+        write_run_info(path.parent, launcher)

@@ -140,7 +140,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     """Run (or resume) the training run described by ``config``; returns the run dir."""
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    save_config(config, run_dir / "config.yaml", launcher="embedded")
     seed_everything(config.seed)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -171,7 +171,14 @@ def run_fleet(config: TrainConfig, run_dir: Path):
     f = config.fleet
     if f.state_dir:
         return open_fleet(Path(f.state_dir))
-    root = run_dir / "fleet" if f.private_provider() == "slurm" else None
+    root = None
+    if f.private_provider() == "slurm":
+        root = run_dir / "fleet"
+        # for `tmax gc`: the private fleet to stop when the launcher is gone
+        record = run_dir / "fleet.json"
+        tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"state_dir": str(root / "state"), "private": True}) + "\n")
+        os.replace(tmp, record)
     return open_fleet(None, config=f.config, concurrency=f.concurrency, root=root)
 
 
@@ -185,6 +192,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
     from tmax.rollout.run import TaskImages
     from tmax.train.backends import make_trainer
     from tmax.train.rollouts import GroupSampler
+    from tmax.train.tracking import open_trackers
     from tmax.train.trainer import samples_of
 
     trainer = make_trainer(config, model, pad_id=tokenizer.pad_token_id or 0,
@@ -209,6 +217,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
         sampler.start()
         bar = tqdm(total=config.steps, initial=step0, desc="train", disable=not progress)
         t_run = time.monotonic()
+        trackers = open_trackers(config.tracking, run_dir, config.model_dump(mode="json"))
         try:
             while trainer.step_count < config.steps:
                 step = trainer.step_count
@@ -226,6 +235,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
                 metrics.update(step=trainer.step_count, wait_seconds=waited,
                                elapsed=time.monotonic() - t_run)
                 append_jsonl(metrics_path, metrics)
+                trackers.log(metrics, trainer.step_count)
                 if trainer.step_count % config.checkpoint_every == 0 \
                         or trainer.step_count == config.steps:
                     save_checkpoint(trainer, run_dir, config.keep_checkpoints)
@@ -234,6 +244,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
                                 kept=f"{metrics.get('kept_fraction', 1):.2f}")
         finally:
             bar.close()
+            trackers.close()
             await sampler.stop()
     write_plots(run_dir)
     return trainer.export_weights()

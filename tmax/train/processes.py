@@ -68,6 +68,7 @@ def trainer_main(run_dir: Path) -> None:
         save_checkpoint,
         seed_everything,
     )
+    from tmax.train.tracking import TrackingSection, open_trackers
 
     config = load_train_config(run_dir / "config.yaml")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -88,7 +89,10 @@ def trainer_main(run_dir: Path) -> None:
             keep_metrics_until(run_dir / "metrics.jsonl", backend.step_count)
     d = config.distributed
     preempted = Preemption()
-    with Heartbeat(handover, trainer_role(rank)), preempted:
+    trackers = open_trackers(config.tracking if rank == 0 else TrackingSection(), run_dir,
+                             config.model_dump(mode="json"))
+    with Heartbeat(handover, trainer_role(rank)), preempted, \
+            contextlib.closing(trackers):
         latest = handover.latest_weights()
         if latest is None or latest[0] != backend.step_count:
             publish(handover, backend, backend.step_count)
@@ -112,6 +116,7 @@ def trainer_main(run_dir: Path) -> None:
                 metrics.update(step=backend.step_count, policy_version_min=min(batch.versions),
                                step_seconds=time.monotonic() - t0)
                 append_jsonl(run_dir / "metrics.jsonl", metrics)
+                trackers.log(metrics, backend.step_count)
                 handover.prune_weights(d.keep_weights)
             if backend.step_count % config.checkpoint_every == 0 \
                     or backend.step_count == config.steps:
@@ -551,7 +556,7 @@ def run_processes(config: TrainConfig, *, progress: bool = True,
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    save_config(config, run_dir / "config.yaml", launcher="processes")
     seed_everything(config.seed)
     tasks = load_training_tasks(config)
     init = run_dir / "init"

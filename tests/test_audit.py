@@ -496,3 +496,37 @@ def test_the_leak_scan_reads_task_folders_first_within_its_byte_budget():
     # with no base listing, system folders (but /usr/share/doc) are not scanned at all
     assert scan_list(files, None, ProbeSettings(max_file_bytes=100)) == (
         ["/app/small.txt", "/usr/share/doc/a/ex.txt", "/app/big.txt"], 0)
+
+
+def test_an_unavailable_teacher_leaves_the_repair_unfinished_never_dropped(tmp_path):
+    import socket
+
+    from tmax.audit.repair import Repairer
+    from tmax.llm import Teacher
+    from tmax.tasks.native import load_task
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from tmax.audit.llm import load_audit_config
+
+    shipped = load_audit_config()
+    config = shipped.model_copy(update={"teacher": shipped.teacher.model_copy(update={
+        "base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": None, "max_retries": 0,
+        "backoff_s": 0.0})})
+    task = load_task(PLANTED / "weak-exists-max-temp")
+    audit = AuditRecord(task.task_id, str(task.root), "d1", "verifier_too_weak", "probes")
+
+    async def go():
+        async with Teacher(config.teacher) as teacher:
+            repairer = Repairer(None, None, tmp_path / "clean", teacher=teacher,
+                                config=config)
+            return await repairer.run([(task, audit)], progress=False), repairer
+
+    (record,), _ = asyncio.run(go())
+    assert record.action == "error" and "teacher is unavailable" in record.reason
+    assert "rerun" in record.reason
+    assert not (tmp_path / "clean" / "tasks" / task.task_id).exists()
+    asyncio.run(go())  # a rerun tries it again: an unfinished record is not done
+    lines = (tmp_path / "clean" / "repair.jsonl").read_text().splitlines()
+    assert [json.loads(line)["action"] for line in lines] == ["error", "error"]

@@ -240,3 +240,7 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
     report = repair_report(audits, repairs)
     write_report(report, clean_dir)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_report(report))
+    if report["unfinished"]:
+        click.echo(f"{len(report['unfinished'])} tasks not finished (see above); run the same "
+                   "command to try them again", err=True)
+        sys.exit(1)

@@ -51,6 +51,15 @@ class RepairFailed(Exception):
         self.reason = reason
 
 
+class RepairUnfinished(Exception):
+    """A repair stopped by something outside the task (the teacher or the fleet
+    unavailable): recorded as ``error`` and tried again by a rerun, never a drop."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class RepairRecord:
     """What happened to one task (one line of repair.jsonl)."""
@@ -59,7 +68,7 @@ class RepairRecord:
     digest: str
     before: str | None
     action: str
-    """kept | repaired | dropped"""
+    """kept | repaired | dropped | error (not finished: a rerun tries again)"""
     after: str | None = None
     reason: str = ""
     changes: list[str] = field(default_factory=list)
@@ -209,7 +218,7 @@ class Repairer:
 
     async def handle(self, task: Task, audit: AuditRecord) -> RepairRecord:
         old = self.done.get(task.task_id)
-        if old is not None and old.digest == audit.digest:
+        if old is not None and old.digest == audit.digest and old.action != "error":
             return old
         label = audit.label
         if audit.error:
@@ -256,6 +265,10 @@ class Repairer:
             except RepairFailed as e:
                 record.reason = feedback = e.reason
                 log.info("%s: repair attempt %d rejected: %s", task.task_id, attempt, e.reason)
+            except RepairUnfinished as e:
+                record.action, record.reason = "error", f"{e.reason}; rerun to try again"
+                log.warning("%s: repair not finished: %s", task.task_id, e.reason)
+                return record
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         return record
@@ -270,7 +283,9 @@ class Repairer:
             reply = await repair_task(self.teacher, self.config, task, audit.label or "",
                                       evidence, feedback)
             written = await asyncio.to_thread(apply_repair, root, reply, audit.label or "")
-        except (StructuredOutputError, TeacherUnavailable, RepairRejected) as e:
+        except TeacherUnavailable as e:
+            raise RepairUnfinished(f"the teacher is unavailable: {e}") from None
+        except (StructuredOutputError, RepairRejected) as e:
             raise RepairFailed(f"the teacher's repair was not usable: {e}") from None
         return [f"rewrote {path}" for path in written]
 
@@ -291,7 +306,7 @@ class Repairer:
         report = await self.prober.run(repaired)
         record.sandbox_s += report.sandbox_s
         if report.error:
-            raise RepairFailed(f"the repaired task could not be probed: {report.error}")
+            raise RepairUnfinished(f"the repaired task could not be probed: {report.error}")
         record.after = report.label
         if report.label is not None:
             raise RepairFailed(f"after the repair the probes still find {report.label}: "
@@ -333,5 +348,5 @@ class Repairer:
         return [results[t.task_id] for t, _ in pairs]
 
 
-__all__ = ["REPAIRS", "RepairFailed", "RepairRecord", "Repairer",
+__all__ = ["REPAIRS", "RepairFailed", "RepairRecord", "RepairUnfinished", "Repairer",
            "leaked_files", "move_leaks"]

@@ -22,7 +22,7 @@ def repair_report(audits: Sequence[AuditRecord], repairs: Sequence[RepairRecord]
     labels after the repair; dropped tasks are gone), the repairs, the drops."""
     after: Counter[str] = Counter()
     for r in repairs:
-        if r.action != "dropped":
+        if r.action in ("kept", "repaired"):
             after[r.after or "unlabelled"] += 1
     actions = Counter(r.action for r in repairs)
     sandbox = sum(a.sandbox_s for a in audits) + sum(r.sandbox_s for r in repairs)
@@ -36,6 +36,8 @@ def repair_report(audits: Sequence[AuditRecord], repairs: Sequence[RepairRecord]
         "dropped": [{"task": r.task, "label": r.before, "reason": r.reason}
                     for r in repairs if r.action == "dropped"],
         "drop_reasons": dict(Counter(_kind(r) for r in repairs if r.action == "dropped")),
+        "unfinished": [{"task": r.task, "reason": r.reason} for r in repairs
+                       if r.action == "error"],
         "sandbox_s": round(sandbox, 1),
         "sandbox_s_per_task": round(sandbox / len(audits), 2) if audits else 0.0,
     }
@@ -64,6 +66,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"repaired {r['task']} ({r['label']}): " + "; ".join(r["changes"]))
     for r in report["dropped"]:
         lines.append(f"dropped {r['task']} ({r['label']}): {r['reason'][:300]}")
+    for r in report["unfinished"]:
+        lines.append(f"not finished {r['task']}: {r['reason'][:300]}")
     lines.append(f"probe cost: {report['sandbox_s']} sandbox-s "
                  f"({report['sandbox_s_per_task']} per task)")
     return "\n".join(lines)

@@ -46,7 +46,23 @@ def test_the_dry_run_scripts_of_the_paper_config_match_the_golden_files(monkeypa
         assert plan[name] == (GOLDEN / name).read_text(), name
     assert plan["inference-5.sbatch"] == plan["inference-0.sbatch"].replace(
         "inference-0", "inference-5").replace("server 0 on", "server 5 on").replace(
-        "/qwen3.5-9b 0\n", "/qwen3.5-9b 5\n")
+        "/qwen3.5-9b 0\n", "/qwen3.5-9b 5\n").replace(  # staggered: 5 % 4 = 1 step less
+        "--time=12:00:00", "--time=11:45:00")
+
+
+def test_walltimes_parse_in_every_sbatch_form_and_servers_are_staggered():
+    from tmax.train.slurm import format_walltime, staggered, walltime_s
+
+    assert [walltime_s(t) for t in ("90", "90:30", "12:00:00", "2-3", "2-3:04",
+                                    "2-03:04:05")] == \
+        [5400, 5430, 43200, 183600, 183840, 183845]
+    assert format_walltime(183845) == "2-03:04:05" and format_walltime(5400) == "01:30:00"
+    with pytest.raises(ValueError, match="walltime '1:2:3:4'"):
+        walltime_s("1:2:3:4")
+    assert [staggered("12:00:00", i, 15, 4) for i in range(6)] == [
+        "12:00:00", "11:45:00", "11:30:00", "11:15:00", "12:00:00", "11:45:00"]
+    assert staggered("60", 3, 25, 4) == "00:30:00"  # never under half the walltime
+    assert staggered(None, 3, 15, 4) is None and staggered("60", 1, 0, 4) == "60"
 
 
 def test_the_cli_dry_run_prints_the_scripts_and_slurm_needs_distributed(monkeypatch):

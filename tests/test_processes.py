@@ -125,7 +125,7 @@ def test_a_run_of_separate_processes_survives_a_dead_server_and_a_dead_trainer(
     events.Reload()
     assert {e.step for e in events.Scalars("reward_mean")} == {1, 2, 3, 4, 5}
     launch = json.loads((run_dir / "run.json").read_text())["launches"][0]
-    assert launch["launcher"] == "processes" and launch["git"]["commit"]
+    assert launch["launcher"] == "local" and launch["git"]["commit"]
     procs = json.loads((run_dir / "processes.json").read_text())
     assert procs["trainer"] == [] and procs["inference"] == {}
     assert not any(alive(pid) for pid in faults.killed.values())

@@ -230,6 +230,11 @@ class SlurmSection(_Strict):
                                "distributed.trainer_ranks must be a multiple of it.")
     python: str | None = Field(None, description="The Python the jobs run (default: the "
                                "launcher's own, sys.executable); a path on the nodes.")
+    stagger_min: int = Field(15, ge=0, description="Inference server i's walltime is "
+                             "slurm.inference.time minus (i % stagger_steps) * stagger_min "
+                             "minutes, so servers reach their limits, and are replaced, one "
+                             "at a time (0: all the same).")
+    stagger_steps: int = Field(4, ge=1, description="How many different walltimes.")
     preempt_signal_s: int = Field(90, ge=10, description="USR2 this many seconds before the "
                                   "trainer job's time limit: it checkpoints and requeues.")
     poll_s: float = Field(5.0, gt=0, description="Least seconds between two squeue calls.")

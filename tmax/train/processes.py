@@ -556,7 +556,7 @@ def run_processes(config: TrainConfig, *, progress: bool = True,
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml", launcher="processes")
+    save_config(config, run_dir / "config.yaml", launcher=launcher)
     seed_everything(config.seed)
     tasks = load_training_tasks(config)
     init = run_dir / "init"

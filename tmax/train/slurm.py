@@ -106,6 +106,39 @@ def render_template(template: str, values: dict[str, str]) -> str:
     return re.sub(r"\{\{(\w+)\}\}", sub, template)
 
 
+def walltime_s(text: str) -> int:
+    """Seconds of an sbatch walltime: minutes, minutes:seconds, hours:minutes:seconds,
+    days-hours, days-hours:minutes or days-hours:minutes:seconds."""
+    try:
+        days, _, rest = text.rpartition("-")
+        parts = [int(p) for p in rest.split(":")]
+        if days:
+            parts += [0] * (3 - len(parts))
+            h, m, sec = parts
+            total = int(days) * 86400 + h * 3600 + m * 60 + sec
+        else:
+            h, m, sec = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+            total = h * 3600 + m * 60 + sec
+    except (ValueError, KeyError):
+        raise ValueError(f"walltime {text!r}: not minutes, HH:MM:SS or D-HH:MM:SS") from None
+    return total
+
+
+def format_walltime(seconds: int) -> str:
+    days, rest = divmod(seconds, 86400)
+    hms = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{hms}" if days else hms
+
+
+def staggered(time: str | None, index: int, stagger_min: int, steps: int) -> str | None:
+    """Server ``index``'s walltime: ``time`` less (index % steps) * stagger_min minutes, and
+    never under half of it; ``time`` itself for server 0 (and when it is None)."""
+    if time is None or not stagger_min or index % steps == 0:
+        return time
+    total = walltime_s(time)
+    return format_walltime(max(total - (index % steps) * stagger_min * 60, total // 2))
+
+
 def _role_options(role: SlurmRole) -> dict[str, Any]:
     return {"partition": role.partition, "account": role.account, "qos": role.qos,
             "constraint": role.constraint, "gres": role.gres, "time": role.time,
@@ -131,9 +164,11 @@ def inference_script(config: TrainConfig, run_dir: Path, index: int) -> str:
 
     role = config.slurm.inference
     run = Path(run_dir).absolute()
+    options = _role_options(role) | {"time": staggered(
+        role.time, index, config.slurm.stagger_min, config.slurm.stagger_steps)}
     lines = sbatch_lines(role.extra, job_name=f"{job_prefix(config)}-inference-{index}",
                          output=str(run / "logs" / f"slurm-inference-{index}-%j.out"),
-                         nodes=1, ntasks_per_node=1, open_mode="append", **_role_options(role))
+                         nodes=1, ntasks_per_node=1, open_mode="append", **options)
     _, env = server_command(config, run, index, 0)  # the port is chosen on the node
     return render_template((TEMPLATES / "tmax-inference.sbatch").read_text(), {
         "sbatch_options": "\n".join(lines),
@@ -199,7 +234,7 @@ def detach(config: TrainConfig, slurm: Slurm | None = None) -> str:
 
     run = config.run_dir.absolute()
     run.mkdir(parents=True, exist_ok=True)
-    save_config(config, run / "config.yaml")
+    save_config(config, run / "config.yaml", launcher="slurm --detach")
     script = _write_script(run, "orchestrator.sbatch", orchestrator_script(config, run))
     job_id = (slurm or Slurm(config.slurm.command_timeout_s)).submit(script)
     record_job(run, role="orchestrator", name="orchestrator", job_id=job_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 from pathlib import Path
 
@@ -74,3 +75,29 @@ def test_a_private_fleet_on_the_slurm_partition_serves_leases_and_leaves_no_job(
     assert len(fleet_jobs) == 1  # its worker was a Slurm job
     assert jobs() == before  # and is gone with the fleet
     assert (root / "state").is_dir() and not (root / "state" / "controller.json").exists()
+
+
+@pytest.mark.sandbox
+def test_status_shows_the_runs_own_fleet_and_stop_takes_it_down(tmp_path):
+    from tests.test_fleet import Fleet
+    from tmax.train.cli import format_status
+    from tmax.train.config import load_train_config, save_config
+    from tmax.train.slurm import run_status, stop_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_train_config(None, [f"out_dir={tmp_path}"]), run / "config.yaml")
+    fleet = Fleet(run / "fleet", tmp_path / "cache", min_nodes=1)
+    fleet.up()
+    try:
+        fleet.wait_for(lambda: fleet.status()["nodes"], 30, "the worker to register")
+        (run / "fleet.json").write_text(json.dumps({"state_dir": str(fleet.state),
+                                                    "private": True}))
+        report = run_status(run)
+        assert report["fleet"]["up"] is True and report["fleet"]["nodes"] == 1
+        assert "fleet (private)   1 nodes, 0 leases held" in format_status(report)
+        said = stop_run(run)
+        assert any(line.startswith("fleet down") for line in said), said
+        assert run_status(run)["fleet"]["up"] is False
+    finally:
+        fleet.cli("down", check=False)

@@ -173,6 +173,17 @@ def format_status(report: dict) -> str:
     for name, proc in report["processes"].items():
         lines.append(f"  {name:14} pid {proc['pid']:>8}  "
                      f"{'alive' if proc['alive'] else 'gone'}")
+    fleet = report.get("fleet")
+    if fleet:
+        kind = "private" if fleet["private"] else "joined"
+        if not fleet["up"]:
+            lines.append(f"  fleet ({kind})   down  {fleet['state_dir']}")
+        else:
+            leases = fleet.get("leases", {})
+            lines.append(f"  fleet ({kind})   {fleet.get('nodes', 0)} nodes, "
+                         f"{leases.get('held', 0)} leases held, {leases.get('queued', 0)} "
+                         f"queued, worker jobs {' '.join(fleet.get('jobs', [])) or '-'}  "
+                         f"{fleet['state_dir']}")
     return "\n".join(lines)
 
 

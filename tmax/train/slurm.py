@@ -549,7 +549,34 @@ def run_status(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> dict[s
             "weights": latest[0] if latest else None, "done": is_done(handover, "trainer"),
             "jobs": [{**j, "state": states.get(j["job_id"], "UNKNOWN")} for j in jobs],
             "processes": {k: {"pid": p, "alive": _alive(p)}
-                          for k, p in _processes(run).items()}}
+                          for k, p in _processes(run).items()},
+            "fleet": fleet_status(run, config)}
+
+
+def fleet_status(run: Path, config: TrainConfig) -> dict[str, Any] | None:
+    """The run's fleet: its state dir, whether it is the run's own, and (when its controller
+    answers) its nodes, leases and worker jobs; None for a private local fleet (its state
+    is in a temporary folder of the launcher)."""
+    from sandfleet import FleetClient, InfraError, controller_alive, read_controller_info
+
+    record: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((run / "fleet.json").read_text())
+    state = record.get("state_dir") or config.fleet.state_dir
+    if not state:
+        return None
+    out: dict[str, Any] = {"state_dir": str(state), "private": bool(record.get("private")),
+                           "up": False}
+    if not controller_alive(read_controller_info(Path(state))):
+        return out
+    try:
+        with FleetClient(state) as client:
+            status = client.status()
+    except (InfraError, OSError) as e:
+        return out | {"error": str(e)}
+    nodes = [n for n in status.get("nodes", []) if n.get("state") != "lost"]
+    return out | {"up": True, "nodes": len(nodes), "leases": status.get("leases", {}),
+                  "jobs": [j["job_id"] for j in status.get("jobs", [])]}
 
 
 def stop_run(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> list[str]:
@@ -590,6 +617,11 @@ def stop_run(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> list[str
             if _alive(pid) and os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
                 said.append(f"{name} pid {pid}: SIGKILL")
+    from tmax.train.gc import stop_private_fleet
+
+    for action in stop_private_fleet(run, dry_run=False):  # its own fleet, if still up
+        said.append(action.line(False) + (f" (failed: {action.error})" if action.error
+                                          else ""))
     return said or [f"{run}: nothing of this run is running"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from pathlib import Path
+import time
 
 import pytest
 
@@ -65,15 +65,18 @@ def test_a_private_fleet_on_the_slurm_partition_serves_leases_and_leaves_no_job(
     before = jobs()
 
     async def go():
-        async with open_fleet(None, config=config, root=root) as fleet:
-            async with fleet.lease(base_sif, cpus=1, memory_mb=512, wait_s=90) as lease:
-                ran = await lease.run("echo from the partition")
-                return ran.output, (await fleet.status())["jobs"]
+        async with open_fleet(None, config=config, root=root) as fleet, \
+                fleet.lease(base_sif, cpus=1, memory_mb=512, wait_s=90) as lease:
+            ran = await lease.run("echo from the partition")
+            return ran.output, (await fleet.status())["jobs"]
 
     output, fleet_jobs = asyncio.run(go())
     assert output == "from the partition\n"
     assert len(fleet_jobs) == 1  # its worker was a Slurm job
-    assert jobs() == before  # and is gone with the fleet
+    deadline = time.monotonic() + 60  # and is gone with the fleet (cancelled, then ends)
+    while jobs() != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert jobs() == before
     assert (root / "state").is_dir() and not (root / "state" / "controller.json").exists()
 
 

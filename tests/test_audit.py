@@ -65,8 +65,9 @@ def test_listings_parse_and_diff_by_size_time_and_mode():
     assert files["/app/a.txt"] == Stat(5, "100.0", 0o644)
     assert files["/app/with\ttab"].size == 9 and len(files) == 4
     base = {"/app/a.txt": Stat(5, "100.0", 0o644), "/app/run.sh": Stat(7, "1.0", 0o755)}
-    # run.sh differs from the base by time; /tmp is scratch; a.txt is the base's own
-    assert added(files, base) == ["/app/run.sh", "/app/with\ttab"]
+    # run.sh differs from the base by time; a.txt is the base's own; an answer may hide in
+    # a scratch folder (/tmp) too
+    assert added(files, base) == ["/app/run.sh", "/app/with\ttab", "/tmp/x"]
     after = dict(files, **{"/app/run.sh": Stat(7, "100.0", 0o700),
                            "/app/out.txt": Stat(1, "200.0", 0o644),
                            "/app/__pycache__/m.pyc": Stat(1, "200.0", 0o644)})
@@ -112,6 +113,15 @@ def test_named_paths_and_what_counts_as_naming_an_output():
     assert not mentions(named_paths("Work in /app."), "/app/x.txt", "/app")  # the workdir
     assert instruction_names_other(named, "/app/out/report.txt") == "/app/report.txt"
     assert instruction_names_other(named, "/app/report.txt") is None
+    # relative paths with a folder, the home folder, build files without an extension
+    assert mentions(named_paths("Write it to output/report.txt."), "/app/output/report.txt",
+                    "/app", exact=True)
+    assert mentions(named_paths("Save it as ~/out.txt"), "/root/out.txt", "/app")
+    assert mentions(named_paths("Save it as `$HOME/r.txt`"), "/root/r.txt", "/app")
+    assert mentions(named_paths("Write a Makefile in /app"), "/app/Makefile", "/app")
+    both = named_paths("Read /data/config.json, write the fix to /app/config.json.")
+    assert mentions(both, "/app/config.json", "/app", exact=True)  # named as itself
+    assert not mentions(both, "/app/out/config.json", "/app", exact=True)
 
 
 # ---- mutations
@@ -530,3 +540,45 @@ def test_an_unavailable_teacher_leaves_the_repair_unfinished_never_dropped(tmp_p
     asyncio.run(go())  # a rerun tries it again: an unfinished record is not done
     lines = (tmp_path / "clean" / "repair.jsonl").read_text().splitlines()
     assert [json.loads(line)["action"] for line in lines] == ["error", "error"]
+
+
+def test_hidden_folders_and_stage_copies_in_copy_lines_and_exact_path_rewrites(tmp_path):
+    from tmax.audit.repair import _drop_from_definition
+
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM x\nCOPY .answers/expected.txt /app/\n"
+                          "COPY --from=build expected.txt /app/\n")
+    assert _drop_from_definition(dockerfile, ".answers/expected.txt")
+    assert dockerfile.read_text() == "FROM x\nCOPY --from=build expected.txt /app/\n"
+    assert not _drop_from_definition(dockerfile, "expected.txt")  # a stage's file, not ours
+    root = _copy("leak-opt-grader", tmp_path / "t")
+    check = root / "tests" / "check.py"
+    check.write_text(check.read_text() + "\nOTHER = '/data/opt/grader/expected.txt'\n")
+    leaked = (root / "environment/grader/expected.txt").read_bytes()
+    move_leaks(root, leaked_files(_leak_record("/opt/grader/expected.txt", leaked)))
+    text = check.read_text()
+    assert "'/data/opt/grader/expected.txt'" in text  # a longer path is not this one
+    assert "/tests/expected.txt" in text
+
+
+def test_a_task_that_breaks_the_audit_is_recorded_and_the_others_go_on(tmp_path):
+    from tmax.audit.run import Auditor
+    from tmax.tasks.native import load_task
+
+    class Images:
+        def entry(self, task):
+            raise ValueError("no plan")
+
+    class Prober:
+        images = Images()
+
+        async def run(self, task):
+            if task.task_id == "leak-opt-grader":
+                raise RuntimeError("planted link")
+            return ProbeReport(task.task_id)
+
+    tasks = [load_task(PLANTED / t) for t in ("leak-opt-grader", "clean-config-edit")]
+    records = asyncio.run(Auditor(Prober(), tmp_path).run(tasks, progress=False))
+    assert records[0].error == "audit failed: RuntimeError: planted link"
+    assert records[1].error == "" and records[1].label is None
+    assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 2

@@ -226,7 +226,7 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
                         f"({', '.join(stale[:5])}); run `tmax audit` on them again")
             repairer = Repairer(prober, builds, clean_dir, teacher=teacher, config=config,
                                 rounds=rounds)
-            return audits, await repairer.run(list(zip(tasks, audits)), jobs=1,
+            return audits, await repairer.run(list(zip(tasks, audits)), jobs=jobs,
                                               progress=not no_progress)
 
     try:

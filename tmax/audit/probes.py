@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
+import secrets
 import shlex
 import tarfile
 import tempfile
@@ -42,7 +42,7 @@ from sandfleet import ImageMissing, InfraError
 from tmax.audit.labels import PROBE_LABELS, Label
 from tmax.audit.settings import ProbeSettings
 from tmax.audit.static import (
-    LISTING,
+    PROBE_DIR,
     Stat,
     added,
     changed,
@@ -129,6 +129,16 @@ class Box:
                  settings: ProbeSettings, scratch: Path):
         self.shell, self.task, self.workdir, self.base_path = shell, task, workdir, base_path
         self.settings, self.scratch = settings, scratch
+        self.dir = PROBE_DIR + secrets.token_hex(8)  # unguessable, made fresh: no planted links
+        self._made = False
+
+    async def folder(self) -> str:
+        """The probe's own folder in the sandbox, made on first use (mkdir fails on
+        anything already there)."""
+        if not self._made:
+            await self.run(f"mkdir -m 700 {self.dir}", "making the probe's folder")
+            self._made = True
+        return self.dir
 
     async def run(self, command: str, what: str, timeout: float | None = None) -> str:
         result = await self.shell.run(command, timeout or self.settings.exec_timeout_s)
@@ -140,26 +150,26 @@ class Box:
         return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch)) / name
 
     async def listing(self) -> dict[str, Stat]:
-        await self.run(listing_command(), "listing the image's files")
-        got = await self.shell.get_file(f"{LISTING}/files", self._local("files"))
-        return parse_listing(got.read_bytes())
+        folder = await self.folder()
+        await self.run(listing_command(folder), "listing the image's files")
+        got = await self.shell.get_file(f"{folder}/files", self._local("files"))
+        return await asyncio.to_thread(lambda: parse_listing(got.read_bytes()))
 
     async def fetch(self, paths: list[str]) -> dict[str, bytes]:
-        """The contents of ``paths`` (one tar of them made in the sandbox)."""
+        """The contents of ``paths`` (one tar of them made in the sandbox; files that
+        vanished meanwhile are left out)."""
         if not paths:
             return {}
+        folder = await self.folder()
         want = self._local("want")
-        want.write_bytes(b"".join(p.lstrip("/").encode() + b"\0" for p in paths))
-        await self.shell.put_file(want, f"{LISTING}/want")
-        await self.run(f"tar -C / --null -T {LISTING}/want -cf {LISTING}/files.tar",
-                       "packing files to read")
-        tar_path = await self.shell.get_file(f"{LISTING}/files.tar", self._local("tar"))
-        files: dict[str, bytes] = {}
-        with tarfile.open(fileobj=io.BytesIO(tar_path.read_bytes())) as tar:
-            for member in tar.getmembers():
-                if member.isfile() and (f := tar.extractfile(member)) is not None:
-                    files["/" + member.name] = f.read()
-        await self.run(f"rm -f {LISTING}/files.tar {LISTING}/want", "cleaning up")
+        want.write_bytes(b"".join(p.lstrip("/").encode("utf-8", "surrogateescape") + b"\0"
+                                  for p in paths))
+        await self.shell.put_file(want, f"{folder}/want")
+        await self.run(f"tar -C / --null --ignore-failed-read -T {folder}/want "
+                       f"-cf {folder}/files.tar", "packing files to read")
+        tar_path = await self.shell.get_file(f"{folder}/files.tar", self._local("tar"))
+        files = await asyncio.to_thread(read_tar, tar_path, self.settings.max_file_bytes)
+        await self.run(f"rm -f {folder}/files.tar {folder}/want", "cleaning up")
         return files
 
     async def write(self, files: dict[str, tuple[bytes, int]]) -> None:
@@ -172,10 +182,11 @@ class Box:
         for i, (path, (data, mode)) in enumerate(sorted(files.items())):
             (stage / str(i)).write_bytes(data)
             q = shlex.quote(path)
-            lines.append(f"mkdir -p \"$(dirname {q})\" && cat {LISTING}/stage/{i} > {q} && "
+            lines.append(f"mkdir -p \"$(dirname {q})\" && cat {self.dir}/stage/{i} > {q} && "
                          f"chmod {mode & 0o7777:o} {q}")
-        await self.shell.put_file(stage, f"{LISTING}/stage")
-        await self.run(" && ".join(lines) + f" && rm -rf {LISTING}/stage", "writing files")
+        folder = await self.folder()
+        await self.shell.put_file(stage, f"{folder}/stage")
+        await self.run(" && ".join(lines) + f" && rm -rf {folder}/stage", "writing files")
 
     @property
     def _task(self) -> Task:
@@ -191,8 +202,20 @@ class Box:
         await self.shell.run(f"cd {shlex.quote(self.workdir)}", 30)
 
     async def verify(self) -> Grade:
-        await self.shell.run(f"rm -rf {LISTING}; cd {shlex.quote(self.workdir)}", 30)
+        await self.shell.run(f"rm -rf {self.dir}; cd {shlex.quote(self.workdir)}", 30)
         return await grade(self._task, self.shell, self.workdir, self.base_path)
+
+
+def read_tar(path: Path, max_file_bytes: int) -> dict[str, bytes]:
+    """The regular files of an uncompressed tar (``/``-rooted names), each at most
+    ``max_file_bytes``: read, never extracted, so names and links cannot reach the host."""
+    files: dict[str, bytes] = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if member.isfile() and member.size <= max_file_bytes and \
+                    (f := tar.extractfile(member)) is not None:
+                files["/" + member.name] = f.read()
+    return files
 
 
 class Prober:
@@ -223,6 +246,10 @@ class Prober:
             except ProbeError as e:
                 report.error = f"probe: {e}"
                 break
+            except Exception as e:  # a task that breaks a probe must not stop the others
+                log.exception("%s: the probes crashed", task.task_id)
+                report.error = f"probe crashed: {type(e).__name__}: {e}"
+                break
         report.wall_s = round(time.monotonic() - t0, 3)
         report.sandbox_s = round(report.sandbox_s, 3)
         if report.error:
@@ -246,7 +273,7 @@ class Prober:
             self._base_listings[sif] = asyncio.ensure_future(self._list_base(sif, scratch))
         try:
             return await asyncio.shield(self._base_listings[sif])
-        except (InfraError, ProbeError) as e:
+        except Exception as e:  # noqa: BLE001 -- any failure: scan without the base
             self._base_listings.pop(sif, None)
             log.info("base %s: not listed (%s); scanning outside system folders", base, e)
             return None
@@ -314,7 +341,7 @@ class _Probes:
                 await box.solve()
                 after = await box.listing()
                 paths = [p for p in changed(initial, after)
-                         if after[p].size <= self.settings.max_file_bytes]
+                         if after[p].size <= self.settings.max_file_bytes and _utf8(p)]
                 got = await box.fetch(paths)
                 oracle = await box.verify()
             outputs = [Output(p, got[p], after[p].mode, is_program(p, got[p], after[p].mode))
@@ -479,6 +506,8 @@ class _Probes:
         read = [o.path for o in outputs if mentions(verifier, o.path, self.workdir)]
         unnamed = []
         for path in read:
+            if mentions(instruction, path, self.workdir, exact=True):
+                continue
             other = instruction_names_other(instruction, path)
             if other:
                 unnamed.append(f"{path} (the instruction says {other})")
@@ -510,6 +539,15 @@ def scan_list(files: dict[str, Stat], base: dict[str, Stat] | None,
         chosen.append(p)
         total += files[p].size
     return chosen, len(new) - len(chosen)
+
+
+def _utf8(path: str) -> bool:
+    """Whether a listed path is UTF-8 (others cannot be named in a command to replay)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _grade_dict(g: Grade) -> dict[str, Any]:

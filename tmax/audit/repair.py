@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import tempfile
@@ -114,7 +115,7 @@ def _drop_from_definition(definition: Path, rel: str) -> bool:
             continue
         words = stripped.split()
         if words and words[0].upper() in ("COPY", "ADD") and not stripped.endswith("\\") \
-                and not any(w.startswith("[") for w in words):
+                and not any(w.startswith(("[", "--from")) for w in words):
             flags = [w for w in words[1:] if w.startswith("--")]
             paths = [w for w in words[1:] if not w.startswith("--")]
             sources, dest = paths[:-1], paths[-1:] if paths else []
@@ -131,7 +132,7 @@ def _drop_from_definition(definition: Path, rel: str) -> bool:
 
 
 def _norm(source: str) -> str:
-    return os.path.normpath(source.lstrip("./") or ".")
+    return posixpath.normpath(source.removeprefix("./") or ".")
 
 
 def _write(path: Path, text: str) -> None:
@@ -174,7 +175,7 @@ def move_leaks(root: Path, leaks: dict[str, str]) -> list[str]:
             for definition in definitions:
                 if _drop_from_definition(definition, rel):
                     changes.append(f"dropped {rel} from environment/{definition.name}")
-        pattern = re.compile(re.escape(image_path) + r"(?![\w.-])")
+        pattern = re.compile(r"(?<![\w./-])" + re.escape(image_path) + r"(?![\w.-])")
         for source in sorted(tests.rglob("*")):
             if not source.is_file() or source == target:
                 continue
@@ -221,8 +222,8 @@ class Repairer:
         if old is not None and old.digest == audit.digest and old.action != "error":
             return old
         label = audit.label
-        if audit.error:
-            record = RepairRecord(task.task_id, audit.digest, None, "dropped",
+        if audit.error:  # not the task's verdict: a later audit decides
+            record = RepairRecord(task.task_id, audit.digest, None, "error",
                                   reason=f"not audited ({audit.error[:200]}); audit again")
         elif label in (None, "clean"):
             await asyncio.to_thread(self._publish, task.root, task.task_id)
@@ -254,11 +255,17 @@ class Repairer:
             try:
                 shutil.copytree(task.root, root, symlinks=True)
                 if label == "answer_leak":
-                    changes = await asyncio.to_thread(move_leaks, root, leaked_files(audit))
+                    leaks = leaked_files(audit)
+                    if not leaks:
+                        raise RepairFailed("no file proven to leak by the copy probe (the "
+                                           "label is the auditor's): nothing to move")
+                    changes = await asyncio.to_thread(move_leaks, root, leaks)
                 else:
                     changes = await self._teacher_repair(task, audit, root, feedback)
+                if not changes:
+                    raise RepairFailed("the repair changed nothing")
                 record.changes = changes
-                await self._check(root, record)
+                await self._check(root, record, audit)
                 await asyncio.to_thread(self._publish, root, task.task_id)
                 record.action, record.reason = "repaired", ""
                 return record
@@ -268,6 +275,9 @@ class Repairer:
             except RepairUnfinished as e:
                 record.action, record.reason = "error", f"{e.reason}; rerun to try again"
                 log.warning("%s: repair not finished: %s", task.task_id, e.reason)
+                return record
+            except (OSError, shutil.Error) as e:  # the task's files cannot be copied or moved
+                record.reason = f"the task's files: {e}"
                 return record
             finally:
                 shutil.rmtree(work, ignore_errors=True)
@@ -289,9 +299,10 @@ class Repairer:
             raise RepairFailed(f"the teacher's repair was not usable: {e}") from None
         return [f"rewrote {path}" for path in written]
 
-    async def _check(self, root: Path, record: RepairRecord) -> None:
+    async def _check(self, root: Path, record: RepairRecord, audit: AuditRecord) -> None:
         """Rebuild and re-probe the repaired copy at ``root``; ``RepairFailed`` unless it
-        passes the build-time checks and no probe faults it."""
+        passes the build-time checks and no probe faults it, and, for a label the auditor
+        gave (no probe proved it), unless the auditor now calls it clean."""
         try:
             repaired = load_task(root)
         except TaskError as e:
@@ -311,6 +322,27 @@ class Repairer:
         if report.label is not None:
             raise RepairFailed(f"after the repair the probes still find {report.label}: "
                                + "; ".join(f.evidence for f in report.findings)[:600])
+        if audit.labelled_by == "auditor":
+            await self._ask_again(repaired, report, record)
+
+    async def _ask_again(self, repaired: Task, report: Any, record: RepairRecord) -> None:
+        from tmax.audit.llm import audit_task
+        from tmax.llm.client import StructuredOutputError, TeacherUnavailable
+
+        if self.teacher is None:
+            raise RepairFailed("the label was the auditor's: only the auditor can clear it")
+        evidence = {"findings": [], "probes": report.probes}
+        try:
+            reply = await audit_task(self.teacher, self.config, repaired, evidence)
+        except TeacherUnavailable as e:
+            raise RepairUnfinished(f"the teacher is unavailable: {e}") from None
+        except StructuredOutputError as e:
+            raise RepairFailed(f"the auditor gave no parsable verdict on the repair: {e}") \
+                from None
+        record.after = reply.label
+        if reply.label != "clean":
+            raise RepairFailed(f"after the repair the auditor says {reply.label}: "
+                               f"{reply.rationale[:400]}")
 
     def _publish(self, src: Path, task_id: str) -> None:
         """Copy ``src`` whole to CLEAN/tasks/<id> (temporary folder, then rename)."""

@@ -15,14 +15,17 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandfleet import InfraError
 from tmax.audit.probes import Prober, ProbeReport
 from tmax.images.store import tree_digest
+from tmax.rollout.run import plan_errors
 from tmax.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,9 @@ class AuditRecord:
     sandboxes: int = 0
     wall_s: float = 0.0
     error: str = ""
+    image: str = ""
+    """The digest of the image the probes ran in (a rebuilt image is audited again)."""
+    audited_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,10 +82,12 @@ def read_records(path: str | Path) -> dict[str, AuditRecord]:
 
 
 def read_all_records(folder: str | Path) -> dict[str, AuditRecord]:
-    """The latest record of each task over a folder's audit*.jsonl (all shards)."""
+    """The newest record of each task over a folder's audit*.jsonl (all shards)."""
     records: dict[str, AuditRecord] = {}
     for path in sorted(Path(folder).glob("audit*.jsonl")):
-        records.update(read_records(path))
+        for task, record in read_records(path).items():
+            if task not in records or record.audited_at >= records[task].audited_at:
+                records[task] = record
     return records
 
 
@@ -130,21 +138,46 @@ class Auditor:
         cut_torn_tail(self.path)
         self.done = read_records(self.path)
 
-    def up_to_date(self, task: Task, digest: str) -> bool:
+    def current(self, task: Task, digest: str, image: str) -> AuditRecord | None:
+        """The task's record when neither the task folder nor its image changed since."""
         old = self.done.get(task.task_id)
-        return old is not None and old.digest == digest and not old.error
+        if old is None or old.error or old.digest != digest or old.image != image:
+            return None
+        return old
 
     async def audit(self, task: Task) -> AuditRecord:
-        digest = await asyncio.to_thread(task_digest, task)
-        if self.up_to_date(task, digest):
-            return self.done[task.task_id]
-        report = await self.prober.run(task)
-        record = record_of(task, report, digest)
-        if self.teacher is not None and record.label is None and not record.error:
-            await self._ask(task, record)
+        """The task's record: the one on file when current (asking the teacher now about
+        an unlabelled one it was not asked about), else a new audit. Never raises."""
+        try:
+            digest = await asyncio.to_thread(task_digest, task)
+            image = await asyncio.to_thread(self._image, task)
+            old = self.current(task, digest, image)
+            if old is not None and (self.teacher is None or old.label is not None
+                                    or old.auditor is not None):
+                return old
+            if old is not None:
+                record = AuditRecord.from_dict(old.to_dict())
+            else:
+                record = record_of(task, await self.prober.run(task), digest)
+                record.image = image
+            if self.teacher is not None and record.label is None and not record.error:
+                await self._ask(task, record)
+        except Exception as e:  # one task's failure must not stop the others
+            log.exception("%s: the audit failed", task.task_id)
+            record = AuditRecord(task.task_id, str(task.root), "", None, None,
+                                 error=f"audit failed: {type(e).__name__}: {e}")
+        record.audited_at = time.time()
         append_record(self.path, record)
         self.done[task.task_id] = record
         return record
+
+    def _image(self, task: Task) -> str:
+        """The digest of the task's current image ("" when there is none: the probes say
+        why)."""
+        try:
+            return str(self.prober.images.entry(task).digest)
+        except (InfraError, *plan_errors()):
+            return ""
 
     async def _ask(self, task: Task, record: AuditRecord) -> None:
         from tmax.audit.llm import audit_task

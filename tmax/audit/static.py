@@ -8,10 +8,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-LISTING = "/tmp/.tmax-audit"
-"""The probes' own folder in a sandbox (left out of every listing)."""
+PROBE_DIR = "/tmp/.tmax-audit-"
+"""Prefix of a probe sandbox's own folder (a random suffix per sandbox, made fresh: a task
+cannot plant links there); left out of every listing."""
 
-PRUNED = ("/proc", "/sys", "/dev", "/run", "/logs", "/tests", "/solution", LISTING)
+PRUNED = ("/proc", "/sys", "/dev", "/run", "/logs", "/tests", "/solution")
 """Never listed: kernel and runtime mounts, the verifier's and oracle's folders."""
 
 SCRATCH = ("/tmp/", "/var/tmp/", "/var/cache/", "/var/lib/apt/", "/var/lib/dpkg/",
@@ -35,19 +36,21 @@ class Stat:
     mode: int
 
 
-def listing_command(out: str = f"{LISTING}/files") -> str:
+def listing_command(folder: str) -> str:
     """A POSIX find that writes ``size<TAB>mtime<TAB>mode<TAB>path<NUL>`` for each regular
-    file to ``out`` (not to stdout: a listing is larger than a command's output cap)."""
-    prune = " -o ".join(f"-path {p}" for p in PRUNED)
-    return (f"mkdir -p {LISTING} && find / \\( {prune} \\) -prune -o -type f "
-            f"-printf '%s\\t%T@\\t%m\\t%p\\0' > {out} 2>/dev/null; test -s {out}")
+    file to ``folder``/files (not to stdout: a listing is larger than a command's output
+    cap); ``folder`` itself is left out."""
+    prune = " -o ".join(f"-path {p}" for p in (*PRUNED, folder))
+    return (f"find / \\( {prune} \\) -prune -o -type f "
+            f"-printf '%s\\t%T@\\t%m\\t%p\\0' > {folder}/files 2>/dev/null; "
+            f"test -s {folder}/files")
 
 
 def parse_listing(data: bytes) -> dict[str, Stat]:
     """``listing_command``'s output as path -> ``Stat``; malformed records are skipped."""
     files: dict[str, Stat] = {}
     for record in data.split(b"\0"):
-        parts = record.decode("utf-8", "replace").split("\t", 3)
+        parts = record.decode("utf-8", "surrogateescape").split("\t", 3)
         if len(parts) != 4:
             continue
         size, mtime, mode, path = parts
@@ -64,10 +67,11 @@ def is_scratch(path: str) -> bool:
 
 def added(files: dict[str, Stat], base: dict[str, Stat] | None) -> list[str]:
     """Files of ``files`` that ``base`` lacks or holds with another size or time (what the
-    task's build and the runtime put in), scratch left out; every file without a base."""
-    return sorted(p for p, s in files.items() if not is_scratch(p) and
-                  (base is None or (b := base.get(p)) is None or
-                   (b.size, b.mtime) != (s.size, s.mtime)))
+    task's build and the runtime put in; scratch folders too: an answer may hide there);
+    every file without a base."""
+    return sorted(p for p, s in files.items()
+                  if base is None or (b := base.get(p)) is None or
+                  (b.size, b.mtime) != (s.size, s.mtime))
 
 
 def changed(before: dict[str, Stat], after: dict[str, Stat]) -> list[str]:
@@ -107,10 +111,20 @@ _ABS = re.compile(r"(?<![\w.$~-])(/(?:[\w.+-]+/)*[\w.+-]+)")
 _NAME = re.compile(r"(?<![\w/.-])([\w+-][\w.+-]*\.[A-Za-z0-9]{1,8})(?![\w/])")
 
 
+_REL = re.compile(r"(?<![\w./~$-])((?:[\w.+-]+/)+[\w.+-]+)")
+_HOME = re.compile(r"(?<![\w/])(?:~|\$HOME|\$\{HOME\})/")
+_BARE = re.compile(r"\b(" + "|".join(sorted(n for n in PROGRAM_NAMES if "." not in n))
+                   + r")\b")
+
+
 def named_paths(text: str) -> tuple[set[str], set[str]]:
-    """(absolute paths, file names with an extension) that ``text`` names."""
+    """(absolute paths, relative names) that ``text`` names: relative names are file names
+    with an extension, relative paths with a folder, and build files (Makefile); ``~/`` and
+    ``$HOME/`` are /root/ (the agent's home)."""
+    text = _HOME.sub("/root/", text)
     absolute = {m.rstrip(".") for m in _ABS.findall(text)}
-    names = {m.rstrip(".") for m in _NAME.findall(text)}
+    names = {m.rstrip(".") for m in (*_NAME.findall(text), *_REL.findall(text),
+                                     *_BARE.findall(text))}
     return absolute, names
 
 
@@ -126,14 +140,23 @@ def verifier_text(tests_dir: Path, max_bytes: int = 1 << 20) -> str:
     return "\n".join(parts)
 
 
-def mentions(text_paths: tuple[set[str], set[str]], path: str, workdir: str) -> bool:
+def mentions(text_paths: tuple[set[str], set[str]], path: str, workdir: str, *,
+             exact: bool = False) -> bool:
     """Whether ``text_paths`` (of ``named_paths``) names ``path``: as itself, relative to
     ``workdir``, by file name, or by a folder it is in (other than / and ``workdir``: a
-    task that says "extract it into /app/logs/" names the files that land there)."""
+    task that says "extract it into /app/logs/" names the files that land there).
+    ``exact``: only as itself or relative to ``workdir``."""
     absolute, names = text_paths
     p = PurePosixPath(path)
-    if path in absolute or any(str(a) in absolute for a in p.parents
-                               if str(a) not in ("/", workdir.rstrip("/") or "/")):
+    if path in absolute:
+        return True
+    if exact:  # the path itself, or relative to the workdir
+        try:
+            return str(p.relative_to(workdir)) in names
+        except ValueError:
+            return False
+    if any(str(a) in absolute for a in p.parents
+           if str(a) not in ("/", workdir.rstrip("/") or "/")):
         return True
     try:
         relative = str(p.relative_to(workdir))
@@ -164,6 +187,6 @@ def mutations(data: bytes) -> list[tuple[str, bytes]]:
     return [("empty", b""), ("altered", altered.encode())]
 
 
-__all__ = ["LISTING", "PRUNED", "Stat", "added", "changed", "instruction_names_other",
+__all__ = ["PROBE_DIR", "PRUNED", "Stat", "added", "changed", "instruction_names_other",
            "is_program", "is_scratch", "leak_matches", "listing_command", "mentions",
            "mutations", "named_paths", "normalized", "parse_listing", "verifier_text"]

@@ -70,11 +70,13 @@ def now() -> str:
 
 
 def checks_inputs(task: Task) -> str:
-    """Digest of what a task's build-time checks read besides its image."""
+    """Digest of what a task's build-time checks read besides its image: tests/,
+    solution/, and the verifier, agent and environment settings (limits, network)."""
     parts = [tree_digest(d) if d.is_dir() else "-" for d in (task.tests_dir,
                                                              task.solution_dir)]
     settings = json.dumps([task.config.verifier.model_dump(mode="json"),
-                           task.config.agent.model_dump(mode="json")], sort_keys=True)
+                           task.config.agent.model_dump(mode="json"),
+                           task.config.environment.model_dump(mode="json")], sort_keys=True)
     return digest_of(BUILD_FORMAT, "checks", *parts, settings)
 
 

@@ -50,8 +50,8 @@ class Checks(_Strict):
     log: str = ""
     """Path (relative to the store) of the checks' log."""
     inputs: str = ""
-    """Digest of what the checks read besides the image (tests/, solution/, the verifier
-    and agent settings): checks of other inputs are run again on a cached image."""
+    """Digest of what the checks read besides the image (tests/, solution/, the verifier,
+    agent and environment settings): checks of other inputs run again on a cached image."""
 
 
 class BaseEntry(_Strict):

@@ -476,6 +476,35 @@ def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, exam
     assert "Traceback" not in bad.output + empty.output
 
 
+@pytest.mark.sandbox
+@pytest.mark.slurm
+def test_an_array_job_audits_one_shard_per_task_and_the_shards_read_as_one(
+        local_slurm, audit_store, example_fleet, tmp_path):
+    import subprocess
+    import sys
+
+    from tmax.audit.run import read_all_records
+
+    ids = ["mismatch-output-dir", "weak-always-or-true", "clean-recompute-input"]
+    out = tmp_path / "audit"
+    command = " ".join([str(Path(sys.executable).parent / "tmax"), "audit",
+                        *(str(PLANTED / t) for t in ids), "--fleet", str(example_fleet.state),
+                        "--store", str(audit_store.store.root), "--out", str(out),
+                        "--shard", "slurm", "--no-progress"])
+    done = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "--array=0-1", "--cpus-per-task=1",
+         f"--output={tmp_path}/shard-%a.out", "--wrap", command],
+        env=local_slurm.env, capture_output=True, text=True, timeout=600, check=False)
+    logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("shard-*.out")))
+    assert done.returncode == 0, done.stderr + logs
+    shards = sorted(p.name for p in out.glob("audit*.jsonl"))
+    assert shards == ["audit.shard-0-of-2.jsonl", "audit.shard-1-of-2.jsonl"], logs
+    per_shard = [len((out / s).read_text().splitlines()) for s in shards]
+    assert sorted(per_shard) == [1, 2]  # the 3 tasks split, none audited twice
+    records = read_all_records(out)
+    assert {t: r.label for t, r in records.items()} == {t: EXPECTED[t]["label"] for t in ids}
+
+
 def test_shards_split_the_sorted_tasks_and_bad_shards_are_refused(monkeypatch):
     import click
 

@@ -70,6 +70,11 @@ def test_turns_spread_over_engines_and_a_dead_one_is_an_infra_failure(model_dir)
                 await pool.complete(CHAT)
             pool.in_flight[id(ea)] = 0
             assert (pool.live, pool.lost, lost) == ([ea], [eb], [eb])
+            described = pool.describe()  # what `tmax-train status` shows of each engine
+            assert [(d["name"], d["version"], d["live"]) for d in described] == [
+                (ea.name, 0, True), (eb.name, 0, False)]
+            assert [d["served"] for d in described] == [pool.served[id(ea)],
+                                                        pool.served[id(eb)]]
             after = await asyncio.gather(*(pool.complete(CHAT) for _ in range(3)))
             assert all(c.completion_ids for c in after)
             served.stop(0)

@@ -112,6 +112,12 @@ def test_a_run_of_separate_processes_survives_a_dead_server_and_a_dead_trainer(
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "resumed from" in trainer_log and "(step 2)" in trainer_log
     assert (run_dir / "logs" / "inference-1.log").exists()  # the replacement
+    from tmax.train.handover import Handover
+
+    engines = {e["name"]: e for e in Handover(run_dir).engines()}  # what status shows
+    assert set(engines) == {"inference-0", "inference-1"}, engines
+    assert engines["inference-0"]["live"] is False and engines["inference-1"]["live"] is True
+    assert engines["inference-1"]["version"] == 5 and engines["inference-1"]["served"] > 0
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text()
                 .splitlines()]
     infra = [r for r in rollouts if r["infra_failure"]]

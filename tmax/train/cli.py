@@ -170,6 +170,9 @@ def format_status(report: dict) -> str:
     for job in report["jobs"]:
         lines.append(f"  {job['name']:14} job {job['job_id']:>8}  {job['state']:12} "
                      f"{job['log']}")
+    for engine in report.get("engines", []):
+        lines.append(f"  engine {engine['name']:14} v{engine['version']:<6} "
+                     f"{'serving' if engine['live'] else 'lost':8} {engine['served']} turns")
     for name, proc in report["processes"].items():
         lines.append(f"  {name:14} pid {proc['pid']:>8}  "
                      f"{'alive' if proc['alive'] else 'gone'}")

@@ -57,6 +57,12 @@ class EnginePool:
         """The oldest weights version a live engine serves (``target`` with none live)."""
         return min((e.version for e in self.live), default=self.target)
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Each engine the pool has held: its name, the weights version it serves, whether
+        it is in rotation, and how many turns it answered."""
+        return [{"name": e.name, "version": e.version, "live": e in self.live,
+                 "served": self.served.get(id(e), 0)} for e in [*self.live, *self.lost]]
+
     def add(self, engine: InferenceEngine) -> None:
         """Put a (restarted) engine into rotation; it must serve ``target`` or newer."""
         if engine.version < self.target:

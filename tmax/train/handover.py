@@ -217,6 +217,20 @@ class Handover:
             shutil.rmtree(old, ignore_errors=True)
 
 
+    # ---- the engines' state (orchestrator -> `tmax-train status`)
+
+    def put_engines(self, engines: list[dict[str, Any]]) -> Path:
+        """What each inference engine serves now (``EnginePool.describe``), whole."""
+        text = json.dumps({"engines": engines, "at": time.time()}, indent=1) + "\n"
+        return _atomic_file(self.root / "engines.json", lambda p: _write_text(p, text))
+
+    def engines(self) -> list[dict[str, Any]]:
+        """The last ``put_engines``; [] before any (or when it cannot be read)."""
+        try:
+            return list(json.loads((self.root / "engines.json").read_text())["engines"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
 # ---- liveness (files, so that it works across nodes on shared scratch)
 
 

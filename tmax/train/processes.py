@@ -243,10 +243,14 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
         append_jsonl(rollouts_path, {**traj.to_dict(), "trainer_step": pool.version})
 
     async def follow_weights() -> None:
+        said: list[dict[str, Any]] = []
         while True:
             latest = handover.latest_weights()
             if latest is not None and latest[0] > pool.target:
                 await pool.sync(latest[1], latest[0])
+            if (now := pool.describe()) != said:
+                said = now  # for `tmax-train status`: each engine's version
+                await asyncio.to_thread(handover.put_engines, now)
             await asyncio.sleep(0.2)
 
     async def wait_version(wanted: int) -> None:
@@ -289,6 +293,7 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
                 bar.set_postfix(reward=f"{meta['reward_mean']:.2f}", engines=len(pool.live))
             await wait_version(config.steps)
             bar.update(max(0, pool.version - bar.n))
+            await asyncio.to_thread(handover.put_engines, pool.describe())
         finally:
             bar.close()
             follower.cancel()

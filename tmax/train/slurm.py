@@ -526,7 +526,8 @@ def _processes(run_dir: Path) -> dict[str, int]:
 
 def run_status(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> dict[str, Any]:
     """``tmax-train status``: each recorded job's Slurm state (one squeue for all), each
-    recorded local process, the last step and its reward, the newest weights version."""
+    recorded local process, the last step and its reward, the newest weights version, the
+    weights version each inference engine serves (as the orchestrator last wrote it)."""
     from tmax.train.handover import Handover, is_done
 
     run = Path(run_dir)
@@ -547,6 +548,7 @@ def run_status(run_dir: str | os.PathLike, slurm: Slurm | None = None) -> dict[s
             "step": rows[-1]["step"] if rows else 0,
             "reward": rows[-1].get("reward_mean") if rows else None,
             "weights": latest[0] if latest else None, "done": is_done(handover, "trainer"),
+            "engines": handover.engines(),
             "jobs": [{**j, "state": states.get(j["job_id"], "UNKNOWN")} for j in jobs],
             "processes": {k: {"pid": p, "alive": _alive(p)}
                           for k, p in _processes(run).items()},

@@ -478,31 +478,62 @@ def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, exam
 
 @pytest.mark.sandbox
 @pytest.mark.slurm
-def test_an_array_job_audits_one_shard_per_task_and_the_shards_read_as_one(
+def test_audit_array_runs_one_shard_per_slurm_array_task_and_reads_them_as_one(
         local_slurm, audit_store, example_fleet, tmp_path):
-    import subprocess
-    import sys
+    from click.testing import CliRunner
 
     from tmax.audit.run import read_all_records
+    from tmax.cli import main
 
     ids = ["mismatch-output-dir", "weak-always-or-true", "clean-recompute-input"]
     out = tmp_path / "audit"
-    command = " ".join([str(Path(sys.executable).parent / "tmax"), "audit",
-                        *(str(PLANTED / t) for t in ids), "--fleet", str(example_fleet.state),
-                        "--store", str(audit_store.store.root), "--out", str(out),
-                        "--shard", "slurm", "--no-progress"])
-    done = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "--array=0-1", "--cpus-per-task=1",
-         f"--output={tmp_path}/shard-%a.out", "--wrap", command],
-        env=local_slurm.env, capture_output=True, text=True, timeout=600, check=False)
-    logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("shard-*.out")))
-    assert done.returncode == 0, done.stderr + logs
+    got = CliRunner().invoke(main, [
+        "audit", *(str(PLANTED / t) for t in ids), "--fleet", str(example_fleet.state),
+        "--store", str(audit_store.store.root), "--out", str(out), "--array", "2",
+        "--jobs", "1", "--time-min", "20", "-o", "json", "--no-progress"])
+    logs = "\n".join(p.read_text() for p in sorted((out / "slurm").rglob("*.err")))
+    assert got.exit_code == 0, got.output + logs
+    result = json.loads(got.output[got.output.index("{"):])
+    assert result["array"]["shards"] == 2 and result["array"]["failed"] == 0
+    array_ids = {j.split("_")[0] for j in result["array"]["jobs"]}
+    assert len(array_ids) == 1  # one sbatch --array, two tasks
     shards = sorted(p.name for p in out.glob("audit*.jsonl"))
     assert shards == ["audit.shard-0-of-2.jsonl", "audit.shard-1-of-2.jsonl"], logs
     per_shard = [len((out / s).read_text().splitlines()) for s in shards]
     assert sorted(per_shard) == [1, 2]  # the 3 tasks split, none audited twice
-    records = read_all_records(out)
-    assert {t: r.label for t, r in records.items()} == {t: EXPECTED[t]["label"] for t in ids}
+    want = {t: EXPECTED[t]["label"] for t in ids}
+    assert {t: r.label for t, r in read_all_records(out).items()} == want
+    assert {r["task"]: r["label"] for r in result["records"]} == want
+
+
+def test_array_tasks_rerun_the_command_line_with_their_shard_and_sbatch_options(tmp_path):
+    import click
+
+    from tmax.audit.cli import audit_cmd
+    from tmax.launch.array import ArrayOptions, shard_argv
+    from tmax.launch.cli import ARRAY_PARAMS
+
+    ctx = audit_cmd.make_context("audit", [
+        "t1", "t2", "--out", "rel/out", "--fleet", str(tmp_path), "--jobs", "3", "--teacher",
+        "--array", "4", "--partition", "cpu", "--setup", "module load x", "-o", "json"])
+    argv = shard_argv(ctx.params, audit_cmd, (*ARRAY_PARAMS, "shard", "no_progress"))
+    assert argv == ["--out", str(Path("rel/out").resolve()), "--teacher", "--fleet",
+                    str(tmp_path), "--jobs", "3", "--output", "json", "t1", "t2"]
+    again = audit_cmd.make_context("audit", argv)  # what each array task parses
+    assert {k: again.params[k] for k in ("task_specs", "jobs", "use_teacher", "output")} == \
+        {"task_specs": ("t1", "t2"), "jobs": 3, "use_teacher": True, "output": "json"}
+    assert again.params["array"] is None
+    assert ArrayOptions(name="tmax-audit", partition="cpu", cpus=4, time_min=30,
+                        setup=("module load x",)).submitit_parameters() == {
+        "name": "tmax-audit", "timeout_min": 30, "cpus_per_task": 4, "nodes": 1,
+        "tasks_per_node": 1, "slurm_array_parallelism": 256, "slurm_partition": "cpu",
+        "slurm_setup": ["module load x"]}
+    with pytest.raises(click.UsageError, match="leave out --shard"):
+        from tmax.launch.cli import submit_shards
+
+        ctx = audit_cmd.make_context("audit", ["t1", "--out", "o", "--array", "2",
+                                               "--shard", "0/2"])
+        submit_shards(ctx, "audit", tmp_path)
 
 
 def test_shards_split_the_sorted_tasks_and_bad_shards_are_refused(monkeypatch):

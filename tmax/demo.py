@@ -75,25 +75,16 @@ class LocalCluster:
 
 def run_on_slurm(fn, args: list[list], folder: Path, cpus: int) -> list[dict]:
     """One Slurm job per argument tuple (a submitit job array); results in order."""
-    import submitit
-    from tqdm import tqdm
+    from tmax.launch.array import ArrayOptions, run_array
 
-    # A cluster without accounting (the local one) makes submitit warn on every poll
-    # that sacct failed; job results still come back through its own files.
-    logging.getLogger("submitit").setLevel(logging.ERROR)
-    executor = submitit.AutoExecutor(folder=folder / "submitit", cluster="slurm")
-    executor.update_parameters(timeout_min=30, cpus_per_task=cpus, slurm_partition="debug",
-                               name="tmax-demo")
-    jobs = executor.map_array(fn, *args)
-    with tqdm(total=len(jobs), desc="slurm jobs", unit="job") as bar:
-        pending = set(range(len(jobs)))
-        while pending:
-            done = {i for i in pending if jobs[i].done()}
-            bar.update(len(done))
-            pending -= done
-            if pending:
-                time.sleep(1.0)
-    return [job.result() for job in jobs]
+    outcomes = run_array(fn, list(zip(*args, strict=True)), folder / "submitit",
+                         ArrayOptions(name="tmax-demo", partition="debug", cpus=cpus,
+                                      time_min=30))
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        raise RuntimeError("; ".join(f"array task {o.index} (job {o.job_id}) failed: "
+                                     f"{o.error} (log {o.log})" for o in failed))
+    return [o.result for o in outcomes]
 
 
 def run_demo(tasks_dir: Path, out_dir: Path, store: Path, cache: Path, slurm_dir: Path, *,

@@ -14,6 +14,7 @@ import click
 
 from tmax.data.cli import parse_shard
 from tmax.images.cli import base_map_option, store_option
+from tmax.launch.cli import array_options, describe, failed, submit_shards
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "audit.yaml"
 
@@ -112,8 +113,10 @@ def _common(f):
               help="Audit only the tasks with index %% N == K (sorted by id) into their own "
                    "audit.shard-K-of-N.jsonl; 'slurm' takes K and N from the array task.")
 @_common
-def audit_cmd(task_specs, out_dir, shard, config_path, use_teacher, base_url, model, store,
-              base_map, fleet_dir, jobs, output, no_progress) -> None:
+@array_options
+@click.pass_context
+def audit_cmd(ctx, task_specs, out_dir, shard, config_path, use_teacher, base_url, model,
+              store, base_map, fleet_dir, jobs, output, no_progress, **_array) -> None:
     """Label every task of TASK_SPECS (task folders, folders of them, globs): the
     deterministic probes in real sandboxes of each task's image (nop, oracle, leak scan,
     copy, replay, mutation, paths) and, with --teacher, the LLM auditor for what they cannot
@@ -124,6 +127,8 @@ def audit_cmd(task_specs, out_dir, shard, config_path, use_teacher, base_url, mo
     from tmax.audit.run import Auditor, format_audit, label_counts
     from tmax.fleet import FleetUnavailable
 
+    if ctx.params["array"]:
+        return _audit_array(ctx, task_specs, out_dir, output, no_progress)
     shard_of = parse_shard(shard)
     config = _config(config_path, base_url, model)
     use_teacher = use_teacher or bool(base_url)
@@ -162,6 +167,30 @@ def audit_cmd(task_specs, out_dir, shard, config_path, use_teacher, base_url, mo
     if any(r.error for r in records):
         click.echo(f"{sum(bool(r.error) for r in records)} tasks not audited (see above); "
                    "run the same command to retry them", err=True)
+        sys.exit(1)
+
+
+def _audit_array(ctx, task_specs, out_dir, output, no_progress) -> None:
+    """--array N: the shards as Slurm array tasks, then their records as one audit."""
+    from tmax.audit.run import format_audit, label_counts, read_all_records
+
+    tasks = _tasks(task_specs, None)
+    outcomes = submit_shards(ctx, "audit", out_dir, progress=not no_progress)
+    found = read_all_records(out_dir)
+    records = [found[t.task_id] for t in tasks if t.task_id in found]
+    if output == "json":
+        click.echo(json.dumps({"counts": label_counts(records), "array": describe(outcomes),
+                               "records": [r.to_dict() for r in records]}, indent=2,
+                              default=str))
+    else:
+        click.echo(format_audit(records))
+        click.echo(f"records: {out_dir}/audit.shard-*-of-{len(outcomes)}.jsonl "
+                   f"({len(outcomes)} array tasks, jobs {outcomes[0].job_id.split('_')[0]})")
+    missing = len(tasks) - len(records)
+    if failed(outcomes) or missing or any(r.error for r in records):
+        click.echo(f"{failed(outcomes)} shards failed, {missing} tasks without a record, "
+                   f"{sum(bool(r.error) for r in records)} not audited: run the same "
+                   "command to retry them", err=True)
         sys.exit(1)
 
 

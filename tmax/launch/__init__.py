@@ -1,0 +1,1 @@
+"""Running TMax work on Slurm: job arrays of one function (``tmax.launch.array``)."""

@@ -1,0 +1,143 @@
+"""One function over many arguments as a Slurm job array, through submitit.
+
+``run_array(fn, args, folder, options)`` submits ``fn(*args[i])`` as array task i (one
+``sbatch --array``), shows a progress bar while they run, and returns each task's outcome in
+order: its result, or the error and the log to read. It waits for every task and never
+cancels a job it did not submit. ``tmax gen --array N`` and ``tmax audit --array N`` use
+it to run their N shards; ``tmax demo`` to build the example images.
+
+``shard_argv`` turns the options a click command was called with back into an argument
+list (what each array task re-runs with ``--shard K/N``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArrayOptions:
+    """The sbatch options of every task of one array (None: the cluster's default)."""
+
+    name: str = "tmax"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    cpus: int = 1
+    mem: str | None = None
+    """Memory per node, e.g. 16G."""
+    time_min: int = 120
+    setup: tuple[str, ...] = ()
+    """Shell lines each task runs first (module loads, venv activation)."""
+    parallelism: int = 256
+    """Array tasks running at once (``%N``)."""
+
+    def submitit_parameters(self) -> dict[str, Any]:
+        """submitit's ``update_parameters`` keywords for these options."""
+        params: dict[str, Any] = {"name": self.name, "timeout_min": self.time_min,
+                                  "cpus_per_task": self.cpus, "nodes": 1, "tasks_per_node": 1,
+                                  "slurm_array_parallelism": self.parallelism}
+        params |= {key: value for key, value in (
+            ("slurm_partition", self.partition), ("slurm_account", self.account),
+            ("slurm_qos", self.qos), ("slurm_mem", self.mem)) if value is not None}
+        if self.setup:
+            params["slurm_setup"] = list(self.setup)
+        return params
+
+
+@dataclass
+class Outcome:
+    """What one array task came back with."""
+
+    index: int
+    job_id: str
+    result: Any = None
+    error: str | None = None
+    log: str = ""
+    """The task's stderr file (submitit writes stdout beside it)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_array(fn: Callable[..., Any], args: Sequence[Sequence[Any]], folder: Path,
+              options: ArrayOptions, *, progress: bool = True,
+              poll_s: float = 1.0) -> list[Outcome]:
+    """``fn(*args[i])`` as task i of one job array; every task's outcome, in order."""
+    import submitit
+    from tqdm.auto import tqdm
+
+    if not args:
+        return []
+    # A cluster without accounting (e.g. the local one) makes submitit warn on every poll
+    # that sacct failed; outcomes still come back through its own files.
+    logging.getLogger("submitit").setLevel(logging.ERROR)
+    executor = submitit.AutoExecutor(folder=Path(folder) / "%j", cluster="slurm")
+    executor.update_parameters(**options.submitit_parameters())
+    jobs = executor.map_array(fn, *zip(*args, strict=True))
+    log.info("%s: %d array tasks submitted as job %s", options.name, len(jobs),
+             jobs[0].job_id.split("_")[0])
+    with tqdm(total=len(jobs), desc=options.name, unit="job", disable=not progress) as bar:
+        pending = set(range(len(jobs)))
+        while pending:
+            done = {i for i in pending if jobs[i].done()}
+            bar.update(len(done))
+            pending -= done
+            if pending:
+                time.sleep(poll_s)
+    return [_outcome(i, job) for i, job in enumerate(jobs)]
+
+
+def _outcome(index: int, job: Any) -> Outcome:
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    out = Outcome(index, str(job.job_id), log=str(job.paths.stderr))
+    try:
+        out.result = job.result()
+    except (FailedJobError, UncompletedJobError) as e:  # its exception, or why it stopped
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        out.error = lines[-1] if lines else type(e).__name__
+    return out
+
+
+def shard_argv(params: dict[str, Any], command: Any, drop: Sequence[str]) -> list[str]:
+    """The arguments that call ``command`` (a click command) with ``params`` again, minus
+    the parameters named in ``drop``: options first (those not at their default), then the
+    positional arguments."""
+    import click
+
+    options: list[str] = []
+    positional: list[str] = []
+    for param in command.params:
+        name = param.name
+        if name in drop or name not in params:
+            continue
+        value = params[name]
+        if isinstance(param.type, click.Path) and value is not None:  # tasks run elsewhere
+            value = [os.path.abspath(v) for v in value] if param.multiple or \
+                param.nargs == -1 else os.path.abspath(value)
+        if isinstance(param, click.Argument):
+            positional += [str(v) for v in value] if param.multiple or param.nargs == -1 \
+                else [str(value)]
+            continue
+        default = param.default() if callable(param.default) else param.default
+        if not isinstance(param, click.Option) or value == default or value is None:
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            if param.secondary_opts and not value:
+                options.append(max(param.secondary_opts, key=len))
+            elif value:
+                options.append(flag)
+        elif param.multiple:
+            for v in value:
+                options += [flag, str(v)]
+        else:
+            options += [flag, str(value)]
+    return options + positional

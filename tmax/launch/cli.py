@@ -1,0 +1,86 @@
+"""``--array N`` for sharded commands (``tmax gen``, ``tmax audit``): the same command line
+as N Slurm array tasks, each with ``--shard K/N``, submitted through submitit; the
+launching command waits with a progress bar, then reads the shards' records as one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tmax.launch.array import ArrayOptions, Outcome, run_array, shard_argv
+
+ARRAY_PARAMS = ("array", "partition", "account", "qos", "cpus_per_job", "mem", "time_min",
+                "setup")
+"""The options ``array_options`` adds (an array task does not get them again)."""
+
+
+def array_options(f):
+    """--array N and the sbatch options of its tasks."""
+    f = click.option("--setup", multiple=True, metavar="LINE",
+                     help="With --array: a shell line each task runs first (repeatable), "
+                          "e.g. 'source ~/venv/bin/activate'.")(f)
+    f = click.option("--time-min", default=240, show_default=True,
+                     type=click.IntRange(min=1), help="With --array: walltime per task.")(f)
+    f = click.option("--mem", default=None, help="With --array: memory per task, e.g. 16G.")(f)
+    f = click.option("--cpus-per-job", default=None, type=click.IntRange(min=1),
+                     help="With --array: CPUs per task (default: --jobs + 1).")(f)
+    f = click.option("--qos", default=None, help="With --array: --qos of the tasks.")(f)
+    f = click.option("--account", default=None, help="With --array: --account.")(f)
+    f = click.option("--partition", default=None, help="With --array: --partition.")(f)
+    return click.option("--array", "array", default=None, type=click.IntRange(min=1),
+                        metavar="N", help="Run as N Slurm array tasks (one shard each, "
+                        "through submitit) and wait for them; logs in OUT/slurm/.")(f)
+
+
+def cli_shard(argv: list[str], k: int, n: int) -> int:
+    """Array task k: ``tmax ARGV --shard k/n --no-progress``; its exit code (a click error
+    is raised, so the launcher shows its message)."""
+    from tmax.cli import main
+
+    try:
+        main.main(args=[*argv, "--shard", f"{k}/{n}", "--no-progress"], prog_name="tmax",
+                  standalone_mode=False)
+    except SystemExit as e:
+        return int(e.code or 0) if isinstance(e.code, int | None) else 1
+    except click.ClickException as e:
+        raise RuntimeError(e.format_message()) from None
+    return 0
+
+
+def submit_shards(ctx: click.Context, command: str, out_dir: Path, *,
+                  progress: bool = True) -> list[Outcome]:
+    """Run ``ctx``'s command as ``--array`` N shards; echo each failed shard with its log.
+    The caller reads the shards' records afterwards."""
+    p = ctx.params
+    if p.get("shard") is not None:
+        raise click.UsageError("--array runs every shard itself: leave out --shard")
+    n = p["array"]
+    argv = [command, *shard_argv(p, ctx.command, (*ARRAY_PARAMS, "shard", "no_progress"))]
+    options = ArrayOptions(name=f"tmax-{command}", partition=p["partition"],
+                           account=p["account"], qos=p["qos"],
+                           cpus=p["cpus_per_job"] or p.get("jobs", 1) + 1, mem=p["mem"],
+                           time_min=p["time_min"], setup=tuple(p["setup"]))
+    from submitit.core.utils import FailedSubmissionError
+
+    try:
+        outcomes = run_array(cli_shard, [(argv, k, n) for k in range(n)],
+                             Path(out_dir) / "slurm", options, progress=progress)
+    except (FailedSubmissionError, OSError, RuntimeError) as e:  # no sbatch, or refused
+        raise click.ClickException(f"--array {n}: could not submit the array: {e}") from None
+    for o in outcomes:
+        if o.error is not None or o.result != 0:
+            click.echo(f"shard {o.index}/{n} (job {o.job_id}) "
+                       f"{'failed: ' + o.error if o.error else f'exited {o.result}'}; "
+                       f"its log: {o.log}", err=True)
+    return outcomes
+
+
+def failed(outcomes: list[Outcome]) -> int:
+    return sum(o.error is not None or o.result != 0 for o in outcomes)
+
+
+def describe(outcomes: list[Outcome]) -> dict[str, Any]:
+    return {"shards": len(outcomes), "failed": failed(outcomes),
+            "jobs": [o.job_id for o in outcomes]}

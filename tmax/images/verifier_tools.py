@@ -311,6 +311,7 @@ def commands(text: str) -> list[tuple[int, list[Word]]]:
     while i < n:
         c = text[i]
         if quote == "'":
+            assert cur is not None  # the opening quote started a word; only end_word ends it
             if c == "'":
                 quote = ""
             else:
@@ -319,6 +320,7 @@ def commands(text: str) -> list[tuple[int, list[Word]]]:
             i += 1
             continue
         if quote == '"':
+            assert cur is not None  # the opening quote started a word; only end_word ends it
             if c == '"':
                 quote = ""
             elif c == "\\" and i + 1 < n and text[i + 1] in '$`"\\\n':
@@ -495,13 +497,14 @@ class _Reader:
         for opt, value in _options(tuple(head)):
             if opt in PYTHON_OPTIONS:
                 self.python(value)
-        head = self.inline(head, "--with-requirements", "--with", where)
-        if head is None:
+        inlined = self.inline(head, "--with-requirements", "--with", where)
+        if inlined is None:
             return
-        self.steps.append(Step("tool", (*head, tool), where, tuple(env)))
+        self.steps.append(Step("tool", (*inlined, tool), where, tuple(env)))
 
     def uv_subcommand(self, where: str, env: list[str], args: list[str]) -> None:
         shown = f"{where}: uv {' '.join(args)}"
+        rest: list[str] | None  # None: a requirement file not in tests/ (see inline)
         sub, rest = (args[0] if args else ""), args[1:]
         if sub == "pip" and rest[:1] == ["install"]:
             kind, rest = "pip", rest[1:]

@@ -117,14 +117,32 @@ def yield_cmd(run_dir, output) -> None:
 
 @data_group.command("stats")
 @click.argument("dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--eval", "evals", multiple=True, type=click.Path(exists=True),
+              help="A `tmax eval` results.jsonl (or its --out folder) for pass@k: once for "
+                   "every folder, or once per folder in their order.")
+@click.option("--threshold", default=1.0, show_default=True,
+              help="An eval trial passes when its reward >= this.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Write PNG plots (the folders side by side) into this folder.")
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
-def stats_cmd(dirs, output) -> None:
+def stats_cmd(dirs, evals, threshold, plot_dir, output) -> None:
     """Counts by axis, balance (exp(entropy) / categories), instruction and verifier lengths
-    of one or more task folders, side by side."""
-    from tmax.data.stats import dataset_stats, format_stats
+    of one or more task folders, side by side; the yield per stage of `tmax gen` run folders
+    (RUN or RUN/tasks); pass@k from `tmax eval` results (--eval); PNG plots (--plot)."""
+    from tmax.data.stats import StatsError, dataset_stats, format_stats, write_plots
 
-    all_stats = [dataset_stats(d) for d in dirs]
+    if len(evals) not in (0, 1, len(dirs)):
+        raise click.BadParameter(f"{len(evals)} given for {len(dirs)} folders: give one for "
+                                 "every folder, or one per folder", param_hint="--eval")
+    paths = list(evals) * len(dirs) if len(evals) == 1 else list(evals) or [None] * len(dirs)
+    try:
+        all_stats = [dataset_stats(d, e, threshold=threshold)
+                     for d, e in zip(dirs, paths, strict=True)]
+    except StatsError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(json.dumps(all_stats, indent=2) if output == "json" else format_stats(all_stats))
+    for path in write_plots(all_stats, plot_dir) if plot_dir else []:
+        click.echo(f"plot {path}", err=output == "json")
 
 
 @data_group.command("decontam")

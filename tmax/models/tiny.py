@@ -21,6 +21,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -52,7 +53,9 @@ def corpus_texts(task_dirs: Iterable[str | Path]) -> list[str]:
         if solve.is_file():
             body = solve.read_text()
             texts += [body, f"```bash\n{body.strip()}\n```"]
-    for config in (load_agent_config(), AgentConfig()):
+    # model_validate({}): the defaults (AgentConfig() is the same, but mypy without the
+    # pydantic plugin reads Field(default, ...) as required)
+    for config in (load_agent_config(), AgentConfig.model_validate({})):
         fields = config.fields("")
         texts += [config.system_template.format(**fields),
                   config.text_protocol_template.format(**fields),
@@ -105,7 +108,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, n_layers: int = 2,
     return model.float().eval()
 
 
-def save_pretrained_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+def save_pretrained_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                         path: str | Path) -> Path:
     """Save model and tokenizer to ``path`` atomically: written into a temporary sibling,
     then renamed into place (an existing folder is swapped out and removed)."""
@@ -129,9 +132,10 @@ def save_pretrained_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFa
     return final
 
 
-def load_pretrained_dir(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+def load_pretrained_dir(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model (float32, eval mode) and tokenizer saved by ``save_pretrained_dir`` (or any
-    local transformers folder)."""
+    local transformers folder: a fast tokenizer, or a slow one where the folder has only
+    that)."""
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval(), tokenizer

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from tmax.agent.scripted_server import ScriptedServer
@@ -468,6 +469,26 @@ def test_shards_split_the_seeds_and_share_the_run_folder(tmp_path):
         Generator(gen_config(server.url, tmp_path), tmp_path / "x", NoBuilds(), shard=(2, 2))  # type: ignore[arg-type]
     res = CliRunner().invoke(main, ["gen", "--out", str(tmp_path / "y"), "--shard", "3"])
     assert res.exit_code == 2 and "K/N with 0 <= K < N" in res.output
+
+
+@pytest.mark.slurm
+def test_gen_array_runs_the_shards_as_one_slurm_array_and_reads_their_records(
+        local_slurm, tmp_path):
+    with ScriptedServer([{"content": "no"}] * 8) as server:
+        config = tmp_path / "gen.yaml"
+        config.write_text(yaml.safe_dump(gen_config(server.url, tmp_path).model_dump()))
+        res = CliRunner().invoke(main, [
+            "gen", "--config", str(config), "--out", str(tmp_path / "run"), "-n", "4",
+            "--jobs", "1", "--store", str(tmp_path / "store"), "--array", "2",
+            "--time-min", "10", "--no-progress"])
+        logs = "\n".join(p.read_text() for p in (tmp_path / "run" / "slurm").rglob("*.err"))
+        assert res.exit_code == 0, res.output + logs
+        assert len(server.requests) == 8  # 4 seeds x (1 + parse_retries), each asked once
+    assert sorted(p.name for p in (tmp_path / "run").glob("records*.jsonl")) == [
+        "records.shard-0-of-2.jsonl", "records.shard-1-of-2.jsonl"]
+    assert [line.split() for line in res.output.splitlines() if line.startswith("all")] == [
+        ["all", "4", "0", "0", "0", "0"]]
+    assert "2 array tasks (job " in res.output and ", 0 failed;" in res.output
 
 
 @pytest.mark.slow

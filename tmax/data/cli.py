@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 
 import click
+
+from tmax.launch.cli import array_options, failed, submit_shards
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
 
@@ -31,17 +34,33 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
               help="Run only the seeds with seed %% N == K (own records file); 'slurm' takes "
                    "K and N from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def gen_cmd(config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, store, builder,
-            shard, no_progress) -> None:
+@array_options
+@click.pass_context
+def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, store,
+            builder, shard, no_progress, **_array) -> None:
     """Generate native tasks with a teacher LLM: sample the axes of each task seed, ask the
     teacher, build the image and check it (untouched < 1, oracle = 1), send failures back
     for repair, keep or drop each task with its reason. Resumable: a rerun skips seeds
     already kept or dropped and reads paid replies from the cache."""
     from tmax.data.config import GenConfigError, load_gen_config
     from tmax.data.gen import Generator, drop_reasons, format_yield, yield_table
+    from tmax.data.stats import run_records
     from tmax.images import open_builds
     from tmax.images.store import default_store
 
+    if ctx.params["array"]:
+        outcomes = submit_shards(ctx, "gen", Path(out_dir), progress=not no_progress)
+        wanted = set(range(first_seed, first_seed + num_tasks))
+        records = [r for r in run_records(Path(out_dir)) if r["seed"] in wanted]
+        click.echo(format_yield(yield_table(records)))
+        click.echo(f"{len(outcomes)} array tasks (job {outcomes[0].job_id.split('_')[0]}), "
+                   f"{failed(outcomes)} failed; records in {out_dir}/records.shard-*.jsonl, "
+                   f"tasks in {Path(out_dir) / 'tasks'}")
+        if failed(outcomes) or len(records) < len(wanted):
+            click.echo(f"{len(wanted) - len(records)} seeds without a record: run the same "
+                       "command to go on", err=True)
+            sys.exit(1)
+        return
     shard_of = parse_shard(shard)
     try:
         config = load_gen_config(config_path)
@@ -102,16 +121,9 @@ def data_group() -> None:
 def yield_cmd(run_dir, output) -> None:
     """The yield table of a `tmax gen` run folder (from its records.jsonl)."""
     from tmax.data.gen import format_yield, yield_table
+    from tmax.data.stats import run_records
 
-    latest = {}
-    for path in sorted(Path(run_dir).glob("records*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            latest[r["seed"]] = r
-    table = yield_table(list(latest.values()))
+    table = yield_table(run_records(Path(run_dir)))
     click.echo(json.dumps(table, indent=2) if output == "json" else format_yield(table))
 
 

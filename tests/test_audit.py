@@ -389,14 +389,19 @@ def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hol
                 "except OSError:\n    got = None\n"
                 "os.makedirs('/logs/verifier', exist_ok=True)\n"
                 "open('/logs/verifier/reward.txt', 'w').write('1' if got == want else '0')\n")
+    mismatch = PLANTED / "mismatch-output-dir" / "instruction.md"
+    renamed = mismatch.read_text().replace("/app/output/", "/app/outputs/")
+    assert renamed != mismatch.read_text()
     script = [
         {"content": json.dumps({"label": "clean", "rationale": "recomputes from the input"})},
         {"content": json.dumps({"files": {"tests/check.py": still_weak},
                                 "rationale": "check it is not empty"})},
         {"content": json.dumps({"files": {"tests/check.py": hardened},
                                 "rationale": "recompute the maximum from the input"})},
+        {"content": json.dumps({"files": {"instruction.md": renamed},
+                                "rationale": "the instruction names the folder it reads"})},
     ]
-    ids = ["clean-recompute-input", "weak-exists-max-temp"]
+    ids = ["clean-recompute-input", "weak-exists-max-temp", "mismatch-output-dir"]
     with ScriptedServer(script) as server:
         config = _teacher_config(server)
 
@@ -418,13 +423,23 @@ def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hol
     assert by["clean-recompute-input"].rationale == "recomputes from the input"
     # a probe-proven label is not asked about: one auditor request, then two repairs
     assert by["weak-exists-max-temp"].labelled_by == "probes"
-    assert len(requests) == 3
+    assert len(requests) == 4
+    assert by["mismatch-output-dir"].label == "instruction_verifier_mismatch"
     weak = next(r for r in repairs if r.task == "weak-exists-max-temp")
     assert weak.action == "repaired" and weak.attempts == 2, weak
     feedback = "\n".join(m["content"] for m in requests[2]["messages"])
     assert "still find verifier_too_weak" in feedback  # the rejection went back
     fixed = load_task(tmp_path / "clean" / "tasks" / "weak-exists-max-temp")
     assert (fixed.tests_dir / "check.py").read_text() == hardened
+    # the mismatch: the teacher's instruction names the verifier's folder; rebuilt, it
+    # passes oracle, fails nop, and the paths probe no longer finds a mismatch
+    moved = next(r for r in repairs if r.task == "mismatch-output-dir")
+    assert moved.action == "repaired" and moved.attempts == 1, moved
+    assert "instruction.md" in json.dumps(moved.to_dict())
+    again = load_task(tmp_path / "clean" / "tasks" / "mismatch-output-dir")
+    assert again.instruction.strip() == renamed.strip()
+    entry = audit_store.store.read().tasks["mismatch-output-dir"]
+    assert entry.checks.ok and entry.checks.oracle_reward == 1.0
 
 
 @pytest.mark.sandbox

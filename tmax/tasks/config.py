@@ -47,7 +47,8 @@ from __future__ import annotations
 import copy
 import ipaddress
 import re
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -371,6 +372,14 @@ class Environment(_NetworkPolicy):
 
 # --------------------------------------------------------------------------- the file
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _defaults(model: type[_M]) -> Callable[[], _M]:
+    """A default_factory: ``model`` with every field at its default, as ``model()`` makes
+    it (mypy, without the pydantic plugin, reads a ``Field(default, ...)`` as required)."""
+    return lambda: model.model_validate({})
+
 
 class TaskConfig(_Harbor):
     """The whole of task.toml."""
@@ -381,10 +390,10 @@ class TaskConfig(_Harbor):
     """Harbor 1.0's name for ``schema_version`` (older TMax files write it too)."""
     task: PackageInfo | None = None
     metadata: Metadata = Field(default_factory=Metadata)
-    verifier: Verifier = Field(default_factory=Verifier)
-    agent: Agent = Field(default_factory=Agent)
+    verifier: Verifier = Field(default_factory=_defaults(Verifier))
+    agent: Agent = Field(default_factory=_defaults(Agent))
     solution: Solution = Field(default_factory=Solution)
-    environment: Environment = Field(default_factory=Environment)
+    environment: Environment = Field(default_factory=_defaults(Environment))
     source: str | None = None
     """Harbor: where the task came from (top level)."""
     multi_step_reward_strategy: Literal["mean", "final"] | None = None

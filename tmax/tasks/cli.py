@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict
 
 import click
 
@@ -14,6 +15,27 @@ from tmax.tasks.readers import detect_format, read_any
 
 output_option = click.option("-o", "--output", type=click.Choice(["text", "json"]),
                              default="text", show_default=True, help="Output format.")
+
+
+class _Validated(TypedDict):
+    """One task of `tmax tasks validate`'s report."""
+
+    task: str
+    path: str
+    format: str
+    problems: list[dict[str, Any]]  # Problem.to_dict()
+
+
+class _Converted(TypedDict):
+    """One task of `tmax tasks convert`'s report (format, to and path when it converted)."""
+
+    task: str
+    source: str
+    ok: bool
+    problems: list[dict[str, Any]]  # Problem.to_dict()
+    format: NotRequired[str]
+    to: NotRequired[str]
+    path: NotRequired[str]
 
 
 def _find(paths: tuple[str, ...]) -> list[Path]:
@@ -48,7 +70,7 @@ def tasks_group() -> None:
 @output_option
 def validate_cmd(paths: tuple[str, ...], strict: bool, output: str) -> None:
     """Check task directories (or folders of them); exit 1 on any error."""
-    report = []
+    report: list[_Validated] = []
     for path in _find(paths):
         fmt = detect_format(path)
         problems = validate_task(path) if fmt == "native" else _convert_problems(path)
@@ -141,7 +163,7 @@ def convert_cmd(paths: tuple[str, ...], dest: str, force: bool, layout: str,
     Each task is written to a temporary folder, validated, then renamed into place:
     a failure leaves nothing half-written.
     """
-    results = []
+    results: list[_Converted] = []
     for path in _find(paths):
         try:
             draft = read_any(path)

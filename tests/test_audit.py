@@ -525,8 +525,8 @@ def test_array_tasks_rerun_the_command_line_with_their_shard_and_sbatch_options(
     import click
 
     from tmax.audit.cli import audit_cmd
-    from tmax.launch.array import ArrayOptions, shard_argv
-    from tmax.launch.cli import ARRAY_PARAMS
+    from tmax.launch.array import ArrayOptions
+    from tmax.launch.cli import ARRAY_PARAMS, shard_argv
 
     ctx = audit_cmd.make_context("audit", [
         "t1", "t2", "--out", "rel/out", "--fleet", str(tmp_path), "--jobs", "3", "--teacher",

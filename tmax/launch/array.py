@@ -5,15 +5,11 @@
 order: its result, or the error and the log to read. It waits for every task and never
 cancels a job it did not submit. ``tmax gen --array N`` and ``tmax audit --array N`` use
 it to run their N shards; ``tmax demo`` to build the example images.
-
-``shard_argv`` turns the options a click command was called with back into an argument
-list (what each array task re-runs with ``--shard K/N``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,40 +100,3 @@ def _outcome(index: int, job: Any) -> Outcome:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         out.error = lines[-1] if lines else type(e).__name__
     return out
-
-
-def shard_argv(params: dict[str, Any], command: Any, drop: Sequence[str]) -> list[str]:
-    """The arguments that call ``command`` (a click command) with ``params`` again, minus
-    the parameters named in ``drop``: options first (those not at their default), then the
-    positional arguments."""
-    import click
-
-    options: list[str] = []
-    positional: list[str] = []
-    for param in command.params:
-        name = param.name
-        if name in drop or name not in params:
-            continue
-        value = params[name]
-        if isinstance(param.type, click.Path) and value is not None:  # tasks run elsewhere
-            value = [os.path.abspath(v) for v in value] if param.multiple or \
-                param.nargs == -1 else os.path.abspath(value)
-        if isinstance(param, click.Argument):
-            positional += [str(v) for v in value] if param.multiple or param.nargs == -1 \
-                else [str(value)]
-            continue
-        default = param.default() if callable(param.default) else param.default
-        if not isinstance(param, click.Option) or value == default or value is None:
-            continue
-        flag = max(param.opts, key=len)
-        if param.is_flag:
-            if param.secondary_opts and not value:
-                options.append(max(param.secondary_opts, key=len))
-            elif value:
-                options.append(flag)
-        elif param.multiple:
-            for v in value:
-                options += [flag, str(v)]
-        else:
-            options += [flag, str(value)]
-    return options + positional

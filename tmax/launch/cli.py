@@ -4,12 +4,14 @@ launching command waits with a progress bar, then reads the shards' records as o
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from tmax.launch.array import ArrayOptions, Outcome, run_array, shard_argv
+from tmax.launch.array import ArrayOptions, Outcome, run_array
 
 ARRAY_PARAMS = ("array", "partition", "account", "qos", "cpus_per_job", "mem", "time_min",
                 "setup")
@@ -84,3 +86,38 @@ def failed(outcomes: list[Outcome]) -> int:
 def describe(outcomes: list[Outcome]) -> dict[str, Any]:
     return {"shards": len(outcomes), "failed": failed(outcomes),
             "jobs": [o.job_id for o in outcomes]}
+
+
+def shard_argv(params: dict[str, Any], command: Any, drop: Sequence[str]) -> list[str]:
+    """The arguments that call ``command`` (a click command) with ``params`` again, minus
+    the parameters named in ``drop``: options first (those not at their default), then the
+    positional arguments."""
+    options: list[str] = []
+    positional: list[str] = []
+    for param in command.params:
+        name = param.name
+        if name in drop or name not in params:
+            continue
+        value = params[name]
+        if isinstance(param.type, click.Path) and value is not None:  # tasks run elsewhere
+            value = [os.path.abspath(v) for v in value] if param.multiple or \
+                param.nargs == -1 else os.path.abspath(value)
+        if isinstance(param, click.Argument):
+            positional += [str(v) for v in value] if param.multiple or param.nargs == -1 \
+                else [str(value)]
+            continue
+        default = param.default() if callable(param.default) else param.default
+        if not isinstance(param, click.Option) or value == default or value is None:
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            if param.secondary_opts and not value:
+                options.append(max(param.secondary_opts, key=len))
+            elif value:
+                options.append(flag)
+        elif param.multiple:
+            for v in value:
+                options += [flag, str(v)]
+        else:
+            options += [flag, str(value)]
+    return options + positional

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -34,6 +35,15 @@ class TrainConfigError(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _defaults(model: type[_M]) -> Callable[[], _M]:
+    """A default_factory: ``model`` with every field at its default, as ``model()`` makes
+    it (mypy, without the pydantic plugin, reads a ``Field(default, ...)`` as required)."""
+    return lambda: model.model_validate({})
 
 
 class ModelSection(_Strict):
@@ -219,11 +229,11 @@ class SlurmSection(_Strict):
     """Where ``--launcher slurm`` runs each role. The orchestrator runs in the launching
     process, which is a job of its own with ``--detach`` (see ``tmax.train.slurm``)."""
 
-    inference: SlurmRole = Field(default_factory=SlurmRole, description="One job per "
+    inference: SlurmRole = Field(default_factory=_defaults(SlurmRole), description="One job per "
                                  "inference server (one node, one task).")
-    trainer: SlurmRole = Field(default_factory=SlurmRole, description="The trainer job: "
+    trainer: SlurmRole = Field(default_factory=_defaults(SlurmRole), description="The trainer job: "
                                "trainer_nodes nodes x (ranks / nodes) tasks per node.")
-    orchestrator: SlurmRole = Field(default_factory=SlurmRole, description="With "
+    orchestrator: SlurmRole = Field(default_factory=_defaults(SlurmRole), description="With "
                                     "`tmax-train --detach`: the launcher itself (the "
                                     "orchestrator) as a one-node CPU job.")
     trainer_nodes: int = Field(1, ge=1, description="Nodes of the trainer job; "
@@ -255,18 +265,18 @@ class TrainConfig(_Strict):
                                       "torch's default); 1 is fastest for the tiny model.")
     checkpoint_every: int = Field(5, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    model: ModelSection = Field(default_factory=ModelSection)
-    sft: SFTSection = Field(default_factory=SFTSection)
-    tasks: TasksSection = Field(default_factory=TasksSection)
-    fleet: FleetSection = Field(default_factory=FleetSection)
-    agent: AgentSection = Field(default_factory=AgentSection)
-    rollout: RolloutSection = Field(default_factory=RolloutSection)
-    algo: AlgoSection = Field(default_factory=AlgoSection)
-    optim: OptimSection = Field(default_factory=OptimSection)
-    trainer: TrainerSection = TrainerSection()
-    distributed: DistributedSection = Field(default_factory=DistributedSection)
-    vllm: VLLMSection = Field(default_factory=VLLMSection)
-    slurm: SlurmSection = Field(default_factory=SlurmSection)
+    model: ModelSection = Field(default_factory=_defaults(ModelSection))
+    sft: SFTSection = Field(default_factory=_defaults(SFTSection))
+    tasks: TasksSection = Field(default_factory=_defaults(TasksSection))
+    fleet: FleetSection = Field(default_factory=_defaults(FleetSection))
+    agent: AgentSection = Field(default_factory=_defaults(AgentSection))
+    rollout: RolloutSection = Field(default_factory=_defaults(RolloutSection))
+    algo: AlgoSection = Field(default_factory=_defaults(AlgoSection))
+    optim: OptimSection = Field(default_factory=_defaults(OptimSection))
+    trainer: TrainerSection = TrainerSection.model_validate({})  # TrainerSection(), typed
+    distributed: DistributedSection = Field(default_factory=_defaults(DistributedSection))
+    vllm: VLLMSection = Field(default_factory=_defaults(VLLMSection))
+    slurm: SlurmSection = Field(default_factory=_defaults(SlurmSection))
     tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @model_validator(mode="after")
@@ -339,7 +349,7 @@ def expand_vars(data: Any, source: str, environ: dict[str, str] | None = None,
     return out
 
 
-def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config from ``path`` (YAML) with ``key=value`` overrides applied."""
     data: dict[str, Any] = {}
     source = str(path) if path else "<defaults>"

@@ -197,6 +197,16 @@ class SandboxRecord:
     def save(self, path: Path) -> None:
         write_json_atomic(path, asdict(self))
 
+    def init_pid(self) -> int:
+        """pid 1's host pid: for a sandbox that is up (``init`` set, as ``_live`` checks)."""
+        assert self.init is not None, f"sandbox {self.sandbox_id} is not up"
+        return self.init[0]
+
+    def monitor_pid(self) -> int:
+        """bwrap's host-side pid: for a sandbox that is up (``_check_monitor`` checks it)."""
+        assert self.monitor is not None, f"sandbox {self.sandbox_id} has no monitor"
+        return self.monitor[0]
+
     def alive(self) -> bool:
         return self.init is not None and proc_start_time(self.init[0]) == self.init[1]
 
@@ -523,7 +533,7 @@ class LocalRuntime(CommandRuntime):
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
                env: dict[str, str] | None) -> list[str]:
         record = self._live(sandbox_id)
-        return enter_argv(init_pid=record.init[0], cgroup_procs=self._procs_files(record),
+        return enter_argv(init_pid=record.init_pid(), cgroup_procs=self._procs_files(record),
                           cpus=self._cpus(record), cwd=cwd or record.spec["workdir"],
                           env={**record.env, **(env or {})}, argv=argv)
 
@@ -743,7 +753,7 @@ class LocalRuntime(CommandRuntime):
             log.warning("sandbox %s: agent would not freeze; killing its processes",
                         record.sandbox_id)
             for pid in _read(str(freezer / "cgroup.procs")).split():
-                if int(pid) != record.init[0]:
+                if int(pid) != record.init_pid():
                     _kill(int(pid))
         try:
             spec = self._verifier_view(record, agent_system)
@@ -763,8 +773,8 @@ class LocalRuntime(CommandRuntime):
         if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
             tools = f"{self.mnt / 'image'}{VERIFIER_TOOLS}"
         argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
-                 "nsenter", f"--mount=/proc/{record.monitor[0]}/ns/mnt",
-                 f"--net=/proc/{record.init[0]}/ns/net", "--",
+                 "nsenter", f"--mount=/proc/{record.monitor_pid()}/ns/mnt",
+                 f"--net=/proc/{record.init_pid()}/ns/net", "--",
                  "unshare", "-m", "--propagation", "private", "--",
                  "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
                  f"{base}:{base}", str(tests), str(logs), tools,
@@ -820,7 +830,7 @@ class LocalRuntime(CommandRuntime):
         directory needs nothing but the mount over it). The host works through the sandbox's mount namespace (the monitor's /proc root) on
         paths whose every component but the last it controls."""
         self._check_monitor(record)
-        ns = f"/proc/{record.monitor[0]}/root"
+        ns = f"/proc/{record.monitor_pid()}/root"
         root, image = str(self.mnt / "root"), str(self.mnt / "image")
         fix = _ViewFixer(ns, record.uid_base, f"{self._dir(record.sandbox_id)}/disk/reserve")
         spec = BwrapSpec(root=root, env={})

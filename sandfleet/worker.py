@@ -371,6 +371,7 @@ class Worker:
     async def _start(self, req: StartSandbox) -> StartReply:
         held = self.leases.get(req.lease_id)
         if held is not None:  # a retried start: wait for the first one
+            assert held.ready is not None  # every Held of self.leases is made with it, below
             await asyncio.shield(held.ready)
             return StartReply()
         if self._stopping.is_set():
@@ -379,7 +380,8 @@ class Worker:
             spec = SandboxSpec.from_dict(req.spec.model_dump())
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad sandbox spec: {e}") from None
-        held = Held(req.lease_id, spec, ready=asyncio.get_running_loop().create_future())
+        ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        held = Held(req.lease_id, spec, ready=ready)
         self.leases[req.lease_id] = held
         try:
             await self._call(self.runtime.start, req.lease_id, spec)
@@ -388,13 +390,13 @@ class Worker:
             await shell.start()
         except BaseException as e:
             self.leases.pop(req.lease_id, None)
-            held.ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
-            held.ready.exception()
+            ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            ready.exception()
             await self._call(self.runtime.stop, req.lease_id)
             raise
         held.shell = shell
         held.touch()
-        held.ready.set_result(True)
+        ready.set_result(True)
         if self.leases.get(req.lease_id) is not held:  # stopped while starting
             await self._teardown(held)
         return StartReply()

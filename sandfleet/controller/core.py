@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeGuard
 
 from sandfleet.config import CONFIG_FILE, FleetConfig
 from sandfleet.controller import monitor, placement
@@ -73,7 +74,8 @@ COMPACT_AFTER = 200_000
 """Journal lines after which the running controller rewrites it as a snapshot."""
 
 
-def controller_alive(info: ControllerInfo | None) -> bool:
+def controller_alive(info: ControllerInfo | None) -> TypeGuard[ControllerInfo]:
+    """Whether ``info``'s controller process still runs (True: ``info`` is not None)."""
     return info is not None and info.pid > 0 and proc_start_time(info.pid) == info.pid_start
 
 

@@ -18,7 +18,6 @@ import concurrent.futures
 import errno
 import fcntl
 import functools
-import itertools
 import logging
 import os
 import secrets
@@ -28,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, NamedTuple, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypedDict, TypeVar
 
 from sandfleet.errors import SandboxLost, SandboxStartError
 from sandfleet.runtime.base import (
@@ -175,7 +174,8 @@ class SandboxProcs:
         finds none (they may fork while we look), for up to ``settle_s`` (SIGKILL takes a
         moment); how many were signalled."""
         total, give_up = 0, time.monotonic() + settle_s
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             hit = 0
             for pid in self.pids():
                 try:
@@ -196,6 +196,7 @@ class SandboxProcs:
                 return total
             if attempt >= 10:
                 time.sleep(0.002)
+            attempt += 1
 
     def close(self) -> None:
         os.close(self.fd)
@@ -303,7 +304,9 @@ class _Bash:
 
     def __init__(self, proc: subprocess.Popen, limit: int, loop: asyncio.AbstractEventLoop):
         self.proc, self.loop = proc, loop
-        self.out_fd, self.in_fd = proc.stdout.fileno(), proc.stdin.fileno()
+        assert proc.stdin is not None and proc.stdout is not None  # popen'd with PIPEs (_spawn)
+        self.stdin, self.stdout = proc.stdin, proc.stdout
+        self.out_fd, self.in_fd = self.stdout.fileno(), self.stdin.fileno()
         try:
             fcntl.fcntl(self.out_fd, F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups on big output
         except OSError:
@@ -334,6 +337,7 @@ class _Bash:
         if said.strip():
             log.info("shell start-up said: %s", said.strip()[-500:])
         procs = await blocking(self._find, ns_pid, procs)
+        assert self.pidfd is not None  # opened by _find
         self._watch(self.pidfd, self._pid_ready)
         return procs
 
@@ -426,7 +430,8 @@ class _Bash:
     def _pid_ready(self) -> None:
         self._read_some(64)  # bash's last words are in the pipe
         self.exited = True
-        self._unwatch(self.pidfd)
+        if self.pidfd is not None:  # (None is never watched: _unwatch would do nothing)
+            self._unwatch(self.pidfd)
         self._notify()
 
     def _notify(self) -> None:
@@ -473,8 +478,8 @@ class _Bash:
         for fd in list(self.watched):
             self._unwatch(fd)
         self.procs = None
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        self.stdin.close()
+        self.stdout.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
@@ -483,6 +488,12 @@ class _Bash:
 
     def alive(self) -> bool:
         return not (self.exited or self.eof)
+
+    def sandbox_procs(self) -> SandboxProcs:
+        """The procfs handle of a started shell: set by the handshake, dropped only by
+        ``stop``, which the session calls with its lock held (never while a command runs)."""
+        assert self.procs is not None, "the shell has not started, or was stopped"
+        return self.procs
 
     def signal(self, sig: int) -> None:
         if self.pidfd is not None and not self.stopping:
@@ -494,7 +505,7 @@ class _Bash:
     def kill_since(self, before: Snapshot, settle_s: float = 0.0) -> int:
         """Blocking: kill what the command started (see ``spawned_since``)."""
         try:
-            return self.procs.kill(spawned_since(before, self.pid, self.pgid),
+            return self.sandbox_procs().kill(spawned_since(before, self.pid, self.pgid),
                                    settle_s=settle_s)
         except OSError:  # the sandbox's procfs empties with its last process
             return 0
@@ -736,7 +747,7 @@ class AsyncShellSession:
             bash = await self._replace(bash)
         oom_before = self.runtime.oom_kills(self.sandbox_id)  # a small file, cached path
         try:
-            before = bash.procs.snapshot()  # the sandbox's /proc: no disk, no waiting
+            before = bash.sandbox_procs().snapshot()  # the sandbox's /proc: no disk, no waiting
         except OSError:
             await self._check_sandbox()
             raise
@@ -770,6 +781,7 @@ class AsyncShellSession:
             await self._replace(bash)
             output = _with_note(output, f"{why}; {RESET}")
         oom_after = self.runtime.oom_kills(self.sandbox_id)
+        assert status is not None  # a "marker" outcome's, from the scanner; else reap's
         for note in sent.notes:
             output = f"[{note}]\n{output}"
         return ExecResult(
@@ -828,6 +840,15 @@ class _LoopThread:
             self.executor.shutdown(wait=True)
 
 
+class _Options(TypedDict):
+    """What ``ShellSession`` passes on to its ``AsyncShellSession``."""
+
+    cwd: str | None
+    env: dict[str, str] | None
+    max_output_bytes: int
+    abort_grace_s: float
+
+
 class ShellSession:
     """``AsyncShellSession`` for synchronous callers (any threads, one command at a time).
 
@@ -844,7 +865,7 @@ class ShellSession:
                  env: dict[str, str] | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES,
                  abort_grace_s: float = ABORT_GRACE_S):
         self.runtime, self.sandbox_id = runtime, sandbox_id
-        self._options = {"cwd": cwd, "env": env, "max_output_bytes": max_output_bytes,
+        self._options: _Options = {"cwd": cwd, "env": env, "max_output_bytes": max_output_bytes,
                          "abort_grace_s": abort_grace_s}
         self._shell: AsyncShellSession | None = None
         self._runner: _LoopThread | None = None
@@ -887,6 +908,7 @@ class ShellSession:
             if runner is None:
                 return
             try:
+                assert self._shell is not None  # made with the runner, in _call
                 runner.submit(self._shell.close()).result()
             finally:
                 runner.close()
@@ -899,7 +921,9 @@ class ShellSession:
                 self._runner = _LoopThread(f"shell-{self.sandbox_id}")
                 self._shell = AsyncShellSession(self.runtime, self.sandbox_id,
                                                 **self._options)
-            done = self._runner.submit(work(self._shell))
+            shell = self._shell
+            assert shell is not None  # made with the runner, just above or by an earlier call
+            done = self._runner.submit(work(shell))
         try:
             return done.result()
         except concurrent.futures.CancelledError:  # left on the loop when it closed

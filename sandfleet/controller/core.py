@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeGuard
+from typing import NoReturn, TypeGuard
 
 from sandfleet.config import CONFIG_FILE, FleetConfig
 from sandfleet.controller import monitor, placement
@@ -60,6 +60,7 @@ from sandfleet.wire.messages import (
     Register,
     Release,
     Renew,
+    SandboxSpecModel,
     Shutdown,
     StartSandbox,
     Status,
@@ -373,7 +374,7 @@ class Controller:
             f"{up} nodes (max {self.config.max_nodes})"))
         self.reg.failures["capacity"] += 1
 
-    def _fail_waiter(self, waiter: Waiter, error: Exception) -> None:
+    def _fail_waiter(self, waiter: Waiter, error: BaseException) -> None:
         if waiter.timer is not None:
             waiter.timer.cancel()
         if not waiter.future.done():
@@ -403,7 +404,8 @@ class Controller:
         self.reg.index(node)
         lease.queued_s = round(time.monotonic() - waiter.enqueued, 4)  # until a slot, not start
         started = self._pool.call(node, StartSandbox(
-            id=new_id(), token=self.token, lease_id=lease.lease_id, spec=lease.spec),
+            id=new_id(), token=self.token, lease_id=lease.lease_id,
+            spec=SandboxSpecModel.model_validate(lease.spec)),  # as pydantic reads the dict
             timeout=self.config.sandbox_start_timeout_s + 10)
         started.add_done_callback(functools.partial(self._started, waiter, lease, node))
 
@@ -452,7 +454,7 @@ class Controller:
         if not waiter.future.done():
             waiter.future.set_result(lease.grant())
 
-    def _start_failed(self, waiter: Waiter, error: Exception) -> None:
+    def _start_failed(self, waiter: Waiter, error: BaseException) -> None:
         self.reg.note(getattr(error, "cause", "bad_request"), str(error)[:500])
         self._fail_waiter(waiter, error)
         self._schedule()
@@ -467,7 +469,7 @@ class Controller:
             return {**lease.grant(), "state": lease.state}
         self._raise_ended(lease_id)
 
-    def _raise_ended(self, lease_id: str):
+    def _raise_ended(self, lease_id: str) -> NoReturn:
         ended = self.reg.ended.get(lease_id)
         if ended is None:
             raise SandboxLost(lease_id, "no such lease in this fleet")
@@ -641,8 +643,8 @@ def _follow(shared: asyncio.Future) -> asyncio.Future:
             return
         if shared.cancelled():
             answer.cancel()
-        elif shared.exception() is not None:
-            answer.set_exception(shared.exception())
+        elif (error := shared.exception()) is not None:
+            answer.set_exception(error)
         else:
             answer.set_result(shared.result())
 

@@ -214,10 +214,10 @@ class Registry:
             self.nodes[ev.worker_id] = Node(ev.worker_id, ev.name, ev.address, ev.node,
                                             ev.slots, ev.memory_mb, ev.job_id, ev.ends_at,
                                             ev.registered_at, last_seen=mono, idle_since=mono)
-        for ev in replayed.leases.values():
-            lease = Lease(ev.lease_id, ev.request_id, ev.client, ev.worker_id, ev.node,
-                          ev.address, ev.spec, ev.cpus, ev.memory_mb, ev.ttl_s, ev.granted_at,
-                          ev.queued_s, renewed_at=now, state="held")
+        for g in replayed.leases.values():
+            lease = Lease(g.lease_id, g.request_id, g.client, g.worker_id, g.node,
+                          g.address, g.spec, g.cpus, g.memory_mb, g.ttl_s, g.granted_at,
+                          g.queued_s, renewed_at=now, state="held")
             node = self.nodes.get(lease.worker_id)
             if node is None:
                 self.remember_end(lease.lease_id, "node_lost", NodeLost(
@@ -229,14 +229,14 @@ class Registry:
         for node in self.nodes.values():
             self.index(node)
             self.by_name[node.name] = node.worker_id
-        for ev in list(replayed.ends.values())[-ENDED_KEEP:]:
-            self.remember_end(ev.lease_id, ev.cause, ev.error, ev.request_id)
-            if ev.cause not in ("released", "expired"):
-                self.failures[ev.cause] += 1
-        for ev in replayed.jobs.values():
-            self.jobs[ev.job_id] = Job(ev.job_id, ev.name, int(ev.index), state="running",
-                                       submitted_at=now if ev.t is None else ev.t,
-                                       registered=True)
+        for end in list(replayed.ends.values())[-ENDED_KEEP:]:
+            self.remember_end(end.lease_id, end.cause, end.error, end.request_id)
+            if end.cause not in ("released", "expired"):
+                self.failures[end.cause] += 1
+        for job in replayed.jobs.values():
+            self.jobs[job.job_id] = Job(job.job_id, job.name, int(job.index), state="running",
+                                        submitted_at=now if job.t is None else job.t,
+                                        registered=True)
         self.next_index = max(self.next_index, replayed.next_index)
 
     def snapshot(self, now: float) -> list[Event]:

@@ -54,7 +54,14 @@ from typing import Any
 
 import click
 
-from tmax.train.slurm import read_jobs
+
+def _read_jobs(run: Path) -> list[dict[str, Any]]:
+    """RUN/jobs.json (imported here: tmax.train.slurm pulls the run config, and with it
+    torch, into `tmax --help`)."""
+    from tmax.train.slurm import read_jobs
+
+    return read_jobs(run)
+
 
 MARK = "gc.json"
 FLEET_RECORD = "fleet.json"
@@ -271,7 +278,7 @@ def launcher_state(run: Path, launcher: Launcher | None, queue: Queue
 
 
 def newest_orchestrator_job(run: Path) -> str | None:
-    jobs = [j for j in read_jobs(run) if j.get("role") == "orchestrator"]
+    jobs = [j for j in _read_jobs(run) if j.get("role") == "orchestrator"]
     return str(jobs[-1]["job_id"]) if jobs else None
 
 
@@ -280,7 +287,7 @@ def newest_orchestrator_job(run: Path) -> str | None:
 
 def cancel_jobs(run: Path, queue: Queue, dry_run: bool) -> list[Action]:
     """scancel, by id, each job of ``jobs.json`` that squeue still lists as this user's."""
-    jobs = read_jobs(run)
+    jobs = _read_jobs(run)
     if not jobs:
         return []
     try:
@@ -428,7 +435,7 @@ def stop_private_fleet(run: Path, dry_run: bool) -> list[Action]:
 def identity(run: Path, launcher: Launcher | None) -> dict[str, Any]:
     """What a gc collected: the launcher and the run's job ids. A resume changes it."""
     return {"launcher": asdict(launcher) if launcher else None,
-            "jobs": sorted(str(j["job_id"]) for j in read_jobs(run))}
+            "jobs": sorted(str(j["job_id"]) for j in _read_jobs(run))}
 
 
 def read_mark(run: Path) -> dict[str, Any] | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,3 +178,29 @@ def pytest_collection_modifyitems(config, items):
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or \
                 item.get_closest_marker("slurm") or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+MYPY_TEST = "tests/test_lint.py::test_mypy_finds_nothing"
+early_mypy: dict[str, Any] = {}
+"""The type check, started in the background when the session holds its test (it takes
+about two minutes of one core on a fresh clone, much of it while other tests wait on
+sandboxes and Slurm); the test collects its result."""
+
+
+def pytest_collection_finish(session):
+    import tempfile
+
+    if not any(item.nodeid == MYPY_TEST for item in session.items):
+        return
+    out = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "mypy", "sandfleet", "tmax"],
+                            cwd=Path(__file__).resolve().parents[1], stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    early_mypy.update(proc=proc, out=out)
+
+
+def pytest_sessionfinish(session):
+    proc = early_mypy.get("proc")
+    if proc is not None and proc.poll() is None:  # the session ended before its test ran
+        proc.kill()
+        proc.wait()

@@ -293,7 +293,7 @@ def test_tmax_train_status_and_stop_of_a_run_launched_from_the_command_line(
         print(status)
         assert f"run {run_dir}: step " in status and "/50, reward " in status
         assert status.count("RUNNING") == 2 and "launcher" in status
-        assert "  engine inference-0     v" in status and " serving " in status
+        assert "  engine inference-0    v" in status and " serving " in status
         ids = {j["job_id"] for j in read_jobs(run_dir)}
         assert len(ids) == 2 and ids <= squeue_ids(local_slurm.env)
         stop = subprocess.run([cli, "stop", str(run_dir)], env=local_slurm.env,

@@ -427,6 +427,25 @@ def test_a_task_without_a_solution_builds_with_its_oracle_not_checked(checked_bu
 
 
 @pytest.mark.sandbox
+def test_the_checks_run_the_verifier_on_the_images_own_path(checked_builds, tmp_path):
+    """A tool the image puts on its ENV PATH (e.g. a venv with pytest, as real TB1 tasks
+    do) is the verifier's too, in the checks as in rollouts; before, the checks ran it on
+    the default PATH and scored the reference solution 0."""
+    src = make_task(tmp_path / "tasks", "venv-path", **{
+        "environment/Dockerfile": (
+            "FROM python:3.11-slim\nWORKDIR /app\n"
+            "RUN mkdir -p /opt/tool/bin && printf '#!/bin/sh\\ngrep -qx 42 /app/answer.txt'"
+            " > /opt/tool/bin/grade-answer && chmod +x /opt/tool/bin/grade-answer\n"
+            'ENV PATH="/opt/tool/bin:${PATH}"\n'),
+        "tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\n"
+                         "grade-answer && r=1 || r=0\necho $r > /logs/verifier/reward.txt\n"})
+    result = checked_builds.build(load_task(src))
+    assert result.status == "built", result.error
+    assert (result.checks["ok"], result.checks["nop_reward"],
+            result.checks["oracle_reward"]) == (True, 0.0, 1.0), result.checks
+
+
+@pytest.mark.sandbox
 def test_every_example_builds_and_passes_checks(example_store):
     """All example tasks (built with checks by the session fixture): oracle 1, untouched < 1."""
     from tmax.tasks import find_tasks

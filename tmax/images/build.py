@@ -38,6 +38,8 @@ from tmax.tasks import Task
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
+CHECKS_FORMAT = "checks-v2"  # bump when the checks change what they measure (v2: the
+# verifier runs on the image's own PATH, as in rollouts)
 
 
 @dataclass
@@ -77,7 +79,7 @@ def checks_inputs(task: Task) -> str:
     settings = json.dumps([task.config.verifier.model_dump(mode="json"),
                            task.config.agent.model_dump(mode="json"),
                            task.config.environment.model_dump(mode="json")], sort_keys=True)
-    return digest_of(BUILD_FORMAT, "checks", *parts, settings)
+    return digest_of(BUILD_FORMAT, CHECKS_FORMAT, *parts, settings)
 
 
 class ImageBuilds:

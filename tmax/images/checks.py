@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sandfleet import InfraError, Runtime, SandboxSpec
+from tmax.images.rootfs import DEFAULT_PATH
 from tmax.images.store import Checks
 from tmax.tasks import Task
 from tmax.tasks.check import run_solution
@@ -30,6 +31,14 @@ class RuntimeBox:
 
     def __init__(self, runtime: Runtime, sandbox_id: str, workdir: str, log: list[str]):
         self.runtime, self.id, self.workdir, self.log = runtime, sandbox_id, workdir, log
+        self.base_path = DEFAULT_PATH
+        """The PATH the sandbox starts with (the image's ENV PATH): the verifier's, as in
+        rollouts (``tmax.rollout.run.grade``)."""
+
+    def probe_path(self) -> None:
+        """Read the sandbox's PATH before anything runs in it."""
+        result = self.runtime.exec(self.id, 'printf %s "$PATH"', timeout=30, cwd="/")
+        self.base_path = result.output.strip() or DEFAULT_PATH
 
     def run(self, command: str, timeout: float, cwd: str | None = None) -> int:
         result = self.runtime.exec(self.id, command, timeout=timeout, cwd=cwd or self.workdir)
@@ -53,7 +62,7 @@ class RuntimeBox:
         result = self.runtime.verify(self.id, ["/bin/bash", "/tests/test.sh"],
                                      tests=task.tests_dir, logs=logs,
                                      timeout=verifier.timeout_sec, cwd=self.workdir,
-                                     env=dict(verifier.env),
+                                     env={"PATH": self.base_path, **verifier.env},
                                      agent_system=verifier.agent_system)
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")
@@ -83,6 +92,7 @@ def run_mode(runtime: Runtime, task: Task, sif: Path, workdir: str, mode: str,
     runtime.start(sandbox_id, task_spec(task, sif, workdir))
     try:
         box = RuntimeBox(runtime, sandbox_id, workdir, log)
+        box.probe_path()
         if mode == "oracle":
             run_solution(box, task)
         with tempfile.TemporaryDirectory(prefix="tmax-check-") as scratch:

@@ -50,6 +50,22 @@ def errors(path: Path):
     return [p for p in validate_task(path) if p.severity == "error"]
 
 
+def test_another_datasets_domain_is_kept_with_a_warning_and_a_misspelling_is_an_error(
+        tmp_path):
+    from tmax.tasks.native import load_task
+
+    task = make_task(tmp_path, "mcm", **{"task.toml": '[metadata]\ndomain = "MCM"\n'})
+    problems = validate_task(task)
+    assert not [p for p in problems if p.severity == "error"], problems
+    said = [p for p in problems if p.field == "metadata.domain"]
+    assert [p.severity for p in said] == ["warning"]
+    assert "domain 'MCM' is not one of TMax's nine; kept as written" in said[0].message
+    assert load_task(task).config.metadata.domain == "MCM"
+    typo = make_task(tmp_path, "typo", **{"task.toml": '[metadata]\ndomain = "debuging"\n'})
+    with pytest.raises(TaskError, match="did you mean 'debugging'"):
+        load_task(typo)
+
+
 def test_minimal_task_loads(tmp_path):
     task = load_task(make_task(tmp_path))
     assert task.task_id == "demo"
@@ -68,8 +84,8 @@ def test_minimal_task_loads(tmp_path):
     ({"task.toml": "[environment]\nallow_internt = false\n"}, "task.toml",
      "environment.allow_internt", "did you mean 'allow_internet'"),
     ({"task.toml": "[agent]\ntimeout = 3\n"}, "task.toml", "agent.timeout", "unknown key"),
-    ({"task.toml": "[metadata]\ndomain = 'cooking'\n"}, "task.toml", "metadata.domain",
-     "invalid domain"),
+    ({"task.toml": "[metadata]\ndomain = 'securty'\n"}, "task.toml", "metadata.domain",
+     "invalid domain 'securty': did you mean 'security'?"),
     ({"task.toml": "[environment]\ncpus = 0\n"}, "task.toml", "environment.cpus", ""),
     ({"task.toml": None}, "task.toml", "", "missing task.toml"),
     ({"environment/Dockerfile": None}, "environment", "", "no environment definition"),

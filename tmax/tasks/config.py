@@ -66,17 +66,15 @@ DOMAINS: tuple[str, ...] = (
 )
 """The nine task domains of the TMax recipe."""
 
-Domain = Literal[
-    "security",
-    "software-engineering",
-    "data-science",
-    "data-processing",
-    "data-querying",
-    "scientific-computing",
-    "system-administration",
-    "file-operations",
-    "debugging",
-]
+
+def near_domain(value: str) -> str | None:
+    """The one of the nine that ``value`` misspells (None: it is another name)."""
+    import difflib
+
+    found = difflib.get_close_matches(value.lower(), DOMAINS, n=1, cutoff=0.8)
+    return found[0] if found else None
+
+
 Difficulty = Literal["easy", "medium", "hard"]
 NetworkMode = Literal["no-network", "public", "allowlist"]
 
@@ -123,8 +121,9 @@ class Metadata(BaseModel):
     """easy | medium | hard."""
     category: str = ""
     """Free-form category (Harbor's field); TMax uses ``domain`` for its nine domains."""
-    domain: Domain | None = None
-    """One of the nine TMax domains (see ``DOMAINS``)."""
+    domain: str | None = None
+    """One of the nine TMax domains (see ``DOMAINS``); another dataset's own domain is kept
+    as written (validate warns), a near miss of one of the nine is an error."""
     tags: tuple[str, ...] = ()
     skills: tuple[str, ...] = ()
     """Short names of the skills the task exercises."""
@@ -134,6 +133,13 @@ class Metadata(BaseModel):
     """Where the task came from (e.g. ``converted from terminal-bench-1``)."""
     extra: dict[str, str | int | float | bool | list[str]] = Field(default_factory=dict)
     """Free-form data (older TMax files); any other [metadata] key is kept the same way."""
+
+    @field_validator("domain")
+    @classmethod
+    def _domain_not_misspelt(cls, value: str | None) -> str | None:
+        if value is not None and value not in DOMAINS and (near := near_domain(value)):
+            raise ValueError(f"did you mean {near!r}?")
+        return value
 
     @property
     def free(self) -> dict[str, Any]:

@@ -122,7 +122,8 @@ def _problem_from_pydantic(task_id: str, file: str, err: Any,
                        '"no-network" | "allowlist" (with allowed_hosts) in [environment]',
                        dotted)
     if loc and loc[-1] == "domain":
-        return Problem(task_id, file, f"invalid domain {err.get('input')!r}",
+        message = err["msg"].removeprefix("Value error, ")
+        return Problem(task_id, file, f"invalid domain {err.get('input')!r}: {message}",
                        f"use one of: {', '.join(DOMAINS)}", dotted)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a whole table
@@ -187,9 +188,15 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
         except TaskError as e:
             problems.extend(e.problems)
         else:
-            if config.metadata.domain is None:
+            domain = config.metadata.domain
+            if domain is None:
                 problem(TASK_TOML, "no domain", f"set one of: {', '.join(DOMAINS)}",
                         "metadata.domain", "warning")
+            elif domain not in DOMAINS:
+                problem(TASK_TOML, f"domain {domain!r} is not one of TMax's nine; kept as "
+                        "written (eval and stats group by it, generation never samples it)",
+                        f"nothing to do for another dataset's domain; TMax's are: "
+                        f"{', '.join(DOMAINS)}", "metadata.domain", "warning")
             problems.extend(config_problems(task_id, config))
             problems.extend(unknown_key_problems(task_id, config))
 

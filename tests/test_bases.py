@@ -62,6 +62,8 @@ IMAGES = REPO / "images"
     ("buildpack-deps:noble", "buildpack-deps-trixie"),
     ("gcc:12.4", "buildpack-deps-bookworm"),
     ("gcc:14", "buildpack-deps-trixie"),
+    ("gcc:13.3.0-bookworm", "buildpack-deps-bookworm"),  # a real TB2 task pins bookworm's
+    ("gcc:12-trixie", "buildpack-deps-trixie"),
     ("eclipse-temurin:17-jdk", "java-17"),
     ("openjdk:17-slim", "java-17"),
     ("eclipse-temurin:21-jdk-jammy", "java-21"),

@@ -190,6 +190,8 @@ sandboxes and Slurm); the test collects its result."""
 def pytest_collection_finish(session):
     import tempfile
 
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: every worker
+        return  # collects every test; the one that runs it runs mypy then
     if not any(item.nodeid == MYPY_TEST for item in session.items):
         return
     out = tempfile.TemporaryFile()

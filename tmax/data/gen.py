@@ -224,6 +224,19 @@ def _file_tail(path: Path | None, n: int) -> str:
         return ""
 
 
+def latest_records(run: Path) -> dict[int, dict[str, Any]]:
+    """Seed -> its latest record over ``run/records*.jsonl`` (every shard)."""
+    found: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(run).glob("records*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+            found[int(r["seed"])] = r
+    return found
+
+
 class Generator:
     """One generation run into ``out`` (see the module docstring)."""
 
@@ -246,15 +259,7 @@ class Generator:
 
     def records(self) -> dict[int, dict[str, Any]]:
         """The latest record of each seed in ``records*.jsonl`` (all shards)."""
-        found: dict[int, dict[str, Any]] = {}
-        for path in sorted(self.out.glob("records*.jsonl")):
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a crash
-                found[int(r["seed"])] = r
-        return found
+        return latest_records(self.out)
 
     def _append(self, record: Record) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

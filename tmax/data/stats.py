@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tmax.data.gen import drop_reasons, format_yield, yield_table
+from tmax.data.gen import drop_reasons, format_yield, latest_records, yield_table
 from tmax.eval.summary import final_records, group_row, pass_at_k
 from tmax.rollout.trajectory import Trajectory
 from tmax.tasks import TaskError, find_tasks, load_task
@@ -88,16 +88,8 @@ def locate(folder: str | Path) -> tuple[Path, Path | None]:
 
 
 def run_records(run: Path) -> list[dict[str, Any]]:
-    """The latest record of each seed in ``run/records*.jsonl``, all shards (the rule of
-    ``gen.Generator.records``, which needs a whole generator to call)."""
-    found: dict[int, dict[str, Any]] = {}
-    for path in sorted(run.glob("records*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a crash
-            found[int(r["seed"])] = r
+    """The latest record of each seed in ``run/records*.jsonl``, all shards, by seed."""
+    found = latest_records(run)
     return [found[s] for s in sorted(found)]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -156,10 +157,17 @@ def test_submitit_runs_a_function(local_slurm, tmp_path):
 
 
 @pytest.fixture
-def small_dir(tmp_path):
-    root = tmp_path / "cluster"
+def small_dir():
+    """A short folder: slurmd's sockets live under it, and a unix socket's path has at most
+    107 bytes (pytest's tmp_path under pytest-xdist, .../popen-gwN/test_<long name>0/, can
+    be longer)."""
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="tls-", dir="/tmp"))
+    root = top / "cluster"
     yield root
     local_slurm_cmd("down", "--dir", str(root))
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def daemon_pids(root: Path) -> dict[str, int]:

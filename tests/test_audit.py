@@ -519,6 +519,20 @@ def test_audit_array_runs_one_shard_per_slurm_array_task_and_reads_them_as_one(
     want = {t: EXPECTED[t]["label"] for t in ids}
     assert {t: r.label for t, r in read_all_records(out).items()} == want
     assert {r["task"]: r["label"] for r in result["records"]} == want
+    # the repair of the same tasks as an array too: one report over both shards
+    clean = tmp_path / "clean"
+    fixed = CliRunner().invoke(main, [
+        "repair", *(str(PLANTED / t) for t in ids), "--fleet", str(example_fleet.state),
+        "--store", str(audit_store.store.root), "--audit", str(out), "--out", str(clean),
+        "--array", "2", "--jobs", "1", "--time-min", "20", "-o", "json", "--no-progress"])
+    logs = "\n".join(p.read_text() for p in sorted((clean / "slurm").rglob("*.err")))
+    assert fixed.exit_code == 0, fixed.output + logs
+    report = json.loads(fixed.output[fixed.output.index("{"):])
+    assert report["actions"] == {"kept": 1, "dropped": 2} and report["array"]["failed"] == 0
+    assert sorted(p.name for p in clean.glob("repair*.jsonl")) == [
+        "repair.shard-0-of-2.jsonl", "repair.shard-1-of-2.jsonl"]
+    assert json.loads((clean / "report.json").read_text())["actions"] == report["actions"]
+    assert [p.name for p in (clean / "tasks").iterdir()] == ["clean-recompute-input"]
 
 
 def test_array_tasks_rerun_the_command_line_with_their_shard_and_sbatch_options(tmp_path):

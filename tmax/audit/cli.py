@@ -194,6 +194,30 @@ def _audit_array(ctx, task_specs, out_dir, output, no_progress) -> None:
         sys.exit(1)
 
 
+def _repair_array(ctx, task_specs, clean_dir, audit_dir, output, no_progress) -> None:
+    """--array N: the shards as Slurm array tasks, then one report over all of them."""
+    from tmax.audit.repair import read_repairs
+    from tmax.audit.report import format_report, repair_report, write_report
+    from tmax.audit.run import read_all_records
+
+    tasks = _tasks(task_specs, None)
+    outcomes = submit_shards(ctx, "repair", clean_dir, progress=not no_progress)
+    audits_found = read_all_records(audit_dir or clean_dir / "audit")
+    repairs_found = read_repairs(clean_dir)
+    done = [t for t in tasks if t.task_id in audits_found and t.task_id in repairs_found]
+    report = repair_report([audits_found[t.task_id] for t in done],
+                           [repairs_found[t.task_id] for t in done])
+    report["array"] = describe(outcomes)
+    write_report(report, clean_dir)
+    click.echo(json.dumps(report, indent=2) if output == "json" else format_report(report))
+    missing = len(tasks) - len(done)
+    if failed(outcomes) or missing or report["unfinished"]:
+        click.echo(f"{failed(outcomes)} shards failed, {missing} tasks without a record, "
+                   f"{len(report['unfinished'])} not finished: run the same command to go on",
+                   err=True)
+        sys.exit(1)
+
+
 @click.command("repair")
 @click.argument("task_specs", nargs=-1, required=True)
 @click.option("--out", "clean_dir", required=True, type=click.Path(file_okay=False,
@@ -207,10 +231,16 @@ def _audit_array(ctx, task_specs, out_dir, output, no_progress) -> None:
               help="Teacher repair attempts per task (each rejection is sent back).")
 @click.option("--builder", type=click.Choice(["auto", "apptainer", "local"]), default="auto",
               show_default=True, help="Builder of the repaired tasks' images.")
+@click.option("--shard", default=None, metavar="K/N|slurm",
+              help="Repair only the tasks with index %% N == K (sorted by id), recorded in "
+                   "repair.shard-K-of-N.jsonl; the report is written by a run of all shards "
+                   "(--array, or a rerun without --shard).")
 @_common
-def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, use_teacher,
-               base_url, model, store, base_map, fleet_dir, jobs, output,
-               no_progress) -> None:
+@array_options
+@click.pass_context
+def repair_cmd(ctx, task_specs, clean_dir, audit_dir, rounds, builder, shard, config_path,
+               use_teacher, base_url, model, store, base_map, fleet_dir, jobs, output,
+               no_progress, **_array) -> None:
     """Keep, repair or drop each task of TASK_SPECS by its audit label into OUT/tasks:
     unlabelled and clean tasks are kept; answer leaks are moved out of the image into
     tests/ (no LLM); weak verifiers and instruction/verifier mismatches are rewritten by
@@ -225,9 +255,13 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
     from tmax.fleet import FleetUnavailable
     from tmax.images import open_builds
 
+    if ctx.params["array"]:
+        return _repair_array(ctx, task_specs, clean_dir, audit_dir, output, no_progress)
+    shard_of = parse_shard(shard)
+    suffix = "" if shard_of is None else f".shard-{shard_of[0]}-of-{shard_of[1]}"
     config = _config(config_path, base_url, model)
     use_teacher = use_teacher or bool(base_url)
-    tasks = _tasks(task_specs, None)
+    tasks = _tasks(task_specs, shard_of)
     images = _images(store, base_map)
     builds = open_builds(store, builder=builder, base_map=base_map)
 
@@ -237,7 +271,8 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
                                          clean_dir / "teacher-cache")
             prober = Prober(fleet, images, config.probes)
             if audit_dir is None:
-                auditor = Auditor(prober, clean_dir / "audit", teacher=teacher, config=config)
+                auditor = Auditor(prober, clean_dir / "audit", teacher=teacher, config=config,
+                                  records_name=f"audit{suffix}.jsonl")
                 audits = await auditor.run(tasks, jobs=jobs, progress=not no_progress)
             else:
                 found = read_all_records(audit_dir)
@@ -254,7 +289,7 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
                         f"{len(stale)} tasks changed since their audit in {audit_dir} "
                         f"({', '.join(stale[:5])}); run `tmax audit` on them again")
             repairer = Repairer(prober, builds, clean_dir, teacher=teacher, config=config,
-                                rounds=rounds)
+                                rounds=rounds, records_name=f"repair{suffix}.jsonl")
             return audits, await repairer.run(list(zip(tasks, audits)), jobs=jobs,
                                               progress=not no_progress)
 
@@ -267,7 +302,8 @@ def repair_cmd(task_specs, clean_dir, audit_dir, rounds, builder, config_path, u
                    err=True)
         sys.exit(130)
     report = repair_report(audits, repairs)
-    write_report(report, clean_dir)
+    if shard_of is None:  # a shard's report would be one part of the whole
+        write_report(report, clean_dir)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_report(report))
     if report["unfinished"]:
         click.echo(f"{len(report['unfinished'])} tasks not finished (see above); run the same "

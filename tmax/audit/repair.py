@@ -194,11 +194,27 @@ def move_leaks(root: Path, leaks: dict[str, str]) -> list[str]:
 # ------------------------------------------------------------------ the repair loop
 
 
+def read_repairs(clean: str | Path) -> dict[str, RepairRecord]:
+    """The last record of each task over ``clean``'s repair*.jsonl (every shard)."""
+    done: dict[str, RepairRecord] = {}
+    for path in sorted(Path(clean).glob("repair*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                data = json.loads(line)
+                done[data["task"]] = RepairRecord(**data)
+            except (ValueError, TypeError, KeyError):
+                continue  # a torn last line
+    return done
+
+
 class Repairer:
     """Keeps, repairs or drops audited tasks into ``clean``: see the module doc."""
 
     def __init__(self, prober: Prober, builds: Any, clean: str | Path, *,
-                 teacher: Any = None, config: Any = None, rounds: int = 2):
+                 teacher: Any = None, config: Any = None, rounds: int = 2,
+                 records_name: str = REPAIRS):
+        """``records_name``: this run's records file in ``clean`` (a shard's own); what is
+        done is read from every ``repair*.jsonl`` there."""
         self.prober, self.builds = prober, builds
         self.clean = Path(clean)
         self.teacher, self.config, self.rounds = teacher, config, rounds
@@ -206,16 +222,9 @@ class Repairer:
         self.work = self.clean / ".work"
         self.tasks_dir.mkdir(parents=True, exist_ok=True)
         self.work.mkdir(exist_ok=True)
-        self.path = self.clean / REPAIRS
+        self.path = self.clean / records_name
         cut_torn_tail(self.path)
-        self.done: dict[str, RepairRecord] = {}
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    data = json.loads(line)
-                    self.done[data["task"]] = RepairRecord(**data)
-                except (ValueError, TypeError, KeyError):
-                    continue
+        self.done: dict[str, RepairRecord] = read_repairs(self.clean)
 
     async def handle(self, task: Task, audit: AuditRecord) -> RepairRecord:
         old = self.done.get(task.task_id)
@@ -381,4 +390,4 @@ class Repairer:
 
 
 __all__ = ["REPAIRS", "RepairFailed", "RepairRecord", "RepairUnfinished", "Repairer",
-           "leaked_files", "move_leaks"]
+           "leaked_files", "move_leaks", "read_repairs"]

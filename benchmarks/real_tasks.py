@@ -347,9 +347,18 @@ def _not_boilerplate(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not BOILERPLATE_NET.search(line))
 
 
+def checks_window(log_text: str, head: int = 30000, end: int = 10000) -> str:
+    """The checks log from its oracle section on (where there is one), its start and its
+    end: a long untouched-environment section, or a long verifier output, must not push
+    the solution's own output (e.g. a failed download) out of what is read."""
+    at = log_text.find("## oracle in sandbox")
+    part = log_text[at:] if at >= 0 else log_text
+    return part if len(part) <= head + end else part[:head] + "\n...\n" + part[-end:]
+
+
 def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
     reason = checks.get("reason", "")
-    log_text = tail(store / checks["log"], 20000) if checks.get("log") else ""
+    log_text = checks_window(tail(store / checks["log"], 400000)) if checks.get("log") else ""
     oracle, nop = checks.get("oracle_reward"), checks.get("nop_reward")
     if reason.startswith("image does not start"):
         return "image does not start", reason[:200]
@@ -498,7 +507,10 @@ def cmd_measure(args) -> None:
 
 
 def print_report(data: dict, sources: list[Source]) -> None:
-    recs = [data["tasks"][s.id] for s in sources if s.id in data["tasks"]]
+    # the marks (self-contained or not, and why) are SOURCES.tsv's as it is now, not as
+    # they were when a task was measured
+    recs = [{**data["tasks"][s.id], "self_contained": s.self_contained, "reason": s.reason}
+            for s in sources if s.id in data["tasks"]]
     if not recs:
         print("no results")
         return

@@ -245,6 +245,27 @@ class NoShell:
         raise AssertionError(f"no command should run, got {command!r}")
 
 
+class KillDuringFirstTurn:
+    """The engine as the agent's policy; its first turn's request is sent, then the server
+    is SIGKILLed (whether the tiny model would end the episode on its own in time or not)."""
+
+    def __init__(self, engine, pid: int):
+        self.engine, self.pid, self.turns = engine, pid, 0
+        self.name, self.supports_tools = engine.name, engine.supports_tools
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def complete(self, messages, tools=None):
+        self.turns += 1
+        turn = asyncio.ensure_future(self.engine.complete(messages, tools))
+        if self.turns == 1:
+            await asyncio.sleep(0.05)  # the request is on its way (or in generation)
+            os.killpg(self.pid, signal.SIGKILL)
+        return await turn
+
+
 @pytest.mark.slow  # a `tmax serve` subprocess: 11 s idle, 30 s on a loaded 2-core box
 def test_killing_the_server_mid_episode_is_policy_unavailable(model_dir, tmp_path):
     port = free_port()
@@ -259,13 +280,10 @@ def test_killing_the_server_mid_episode_is_policy_unavailable(model_dir, tmp_pat
             async with httpx.AsyncClient(timeout=60) as client:
                 warm = (await client.post(engine.root + "/v1/chat/completions", json={
                     "messages": CHAT, "max_tokens": 2, "return_token_ids": True})).json()
-            agent = Agent(engine, NoShell(), load_agent_config())
-            episode = asyncio.ensure_future(agent.run("List /app.", time.time() + 120))
-            await asyncio.sleep(1.0)
-            assert not episode.done()
-            os.killpg(server.pid, signal.SIGKILL)
+            agent = Agent(KillDuringFirstTurn(engine, server.pid), NoShell(),
+                          load_agent_config())
             try:
-                await episode
+                await agent.run("List /app.", time.time() + 120)
             except PolicyUnavailable as e:
                 return warm, e, await engine.health()
             finally:

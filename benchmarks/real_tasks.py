@@ -181,14 +181,24 @@ def selected(sources: list[Source], only: list[str] | None) -> list[Source]:
 
 
 def cmd_materialise(args) -> None:
+    failed = []
     for src in selected(read_sources(args.sources), args.only):
         dest = args.dest / src.collection / src.task
         if dest.exists() and not args.force:
             print(f"have  {src.id}")
             continue
-        git_dir = find_git_dir(src.repo, args.mirror_root, args.clone_root)
-        n = materialise_one(src, git_dir, dest)
+        try:
+            git_dir = find_git_dir(src.repo, args.mirror_root, args.clone_root)
+            n = materialise_one(src, git_dir, dest)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, SystemExit) as e:
+            # a missing snapshot or a file the snapshot lacks: this task only
+            shutil.rmtree(dest.with_name(dest.name + ".part"), ignore_errors=True)
+            failed.append(src.id)
+            print(f"FAILED {src.id}: {str(e).strip()[:300]}")
+            continue
         print(f"wrote {src.id}: {n} files from {src.repo}@{src.commit[:12]}:{src.path}")
+    if failed:
+        raise SystemExit(f"{len(failed)} tasks not materialised: {', '.join(failed)}")
 
 
 # --------------------------------------------------------------------------- running tmax

@@ -116,6 +116,14 @@ def test_a_reply_becomes_a_valid_native_task_with_its_axes(tmp_path):
     assert (task.root / "environment" / "data" / "in.txt").read_text() == "x\n"
     assert (task.root / "tests" / "helper.py").is_file()
     assert (task.root / "tests" / "test.sh").stat().st_mode & 0o111
+    # a run of its own in a shared store: its own ids
+    mine = config.model_copy(update={"generation": config.generation.model_copy(
+        update={"id_prefix": "run2"})})
+    assert draft_of(reply, 7, axes, mine).task_id == "run2-000007"
+    with pytest.raises(ValueError, match="id_prefix"):
+        load_gen_config().generation.model_validate({"id_prefix": "Run 2"})
+    res = CliRunner().invoke(main, ["gen", "--out", str(tmp_path / "r"), "--id-prefix", "a b"])
+    assert res.exit_code == 2 and "--id-prefix" in res.output and "lower-case" in res.output
 
 
 @pytest.mark.parametrize("over, message", [

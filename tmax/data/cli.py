@@ -33,11 +33,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
 @click.option("--shard", default=None, metavar="K/N|slurm",
               help="Run only the seeds with seed %% N == K (own records file); 'slurm' takes "
                    "K and N from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT.")
+@click.option("--id-prefix", default=None, metavar="PREFIX",
+              help="Task ids PREFIX-<seed> (overrides generation.id_prefix; give each run "
+                   "that shares an image store its own).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @array_options
 @click.pass_context
 def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, model, store,
-            builder, shard, no_progress, **_array) -> None:
+            builder, shard, id_prefix, no_progress, **_array) -> None:
     """Generate native tasks with a teacher LLM: sample the axes of each task seed, ask the
     teacher, build the image and check it (untouched < 1, oracle = 1), send failures back
     for repair, keep or drop each task with its reason. Resumable: a rerun skips seeds
@@ -70,6 +73,15 @@ def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, mo
     if overrides:
         config = config.model_copy(update={"teacher": config.teacher.model_copy(
             update=overrides)})
+    if id_prefix is not None:
+        try:
+            generation = type(config.generation).model_validate(
+                {**config.generation.model_dump(), "id_prefix": id_prefix})
+        except ValueError:
+            raise click.BadParameter(f"{id_prefix!r}: 1-41 lower-case letters, digits and "
+                                     "'-', starting with a letter or digit",
+                                     param_hint="--id-prefix") from None
+        config = config.model_copy(update={"generation": generation})
     builds = open_builds(store or default_store(), builder=builder)
     gen = Generator(config, Path(out_dir), builds, shard=shard_of)
     seeds = range(first_seed, first_seed + num_tasks)

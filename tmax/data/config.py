@@ -31,6 +31,9 @@ class Generation(_Strict):
     """[agent] timeout_sec of the generated tasks."""
     verifier_timeout_sec: float = Field(default=180.0, gt=0)
     """[verifier] timeout_sec of the generated tasks."""
+    id_prefix: str = Field(default="gen", pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
+    """Task ids are ``<id_prefix>-<seed:06d>``: give each run that shares an image store
+    its own (images are keyed by task id there)."""
 
 
 class Prompts(_Strict):

@@ -99,8 +99,8 @@ class TaskReply(BaseModel):
         return _relative(v)
 
 
-def task_id_of(seed: int) -> str:
-    return f"gen-{seed:06d}"
+def task_id_of(seed: int, prefix: str = "gen") -> str:
+    return f"{prefix}-{seed:06d}"
 
 
 def render_fixtures(reply: TaskReply) -> dict[str, bytes]:
@@ -132,7 +132,7 @@ def draft_of(reply: TaskReply, seed: int, axes: dict[str, str], config: GenConfi
             files.setdefault(f"{folder}/{rel}", FileSpec(text.encode(), mode))
     for rel, data in (fixtures or {}).items():
         files[rel] = FileSpec(data, 0o755 if data[:4] == b"\x7fELF" else 0o644)
-    return TaskDraft(task_id_of(seed), reply.instruction, task_config, files)
+    return TaskDraft(task_id_of(seed, g.id_prefix), reply.instruction, task_config, files)
 
 
 LEAK_MIN_BYTES = 8
@@ -274,7 +274,7 @@ class Generator:
         """One task seed through every stage; always returns its record (and writes it)."""
         start = time.monotonic()
         axes = sample_axes(self.config.axes, seed)
-        record = Record(seed, task_id_of(seed), axes)
+        record = Record(seed, task_id_of(seed, self.config.generation.id_prefix), axes)
         with track_usage() as usage:
             try:
                 await self._rounds(record)

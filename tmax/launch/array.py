@@ -3,18 +3,22 @@
 ``run_array(fn, args, folder, options)`` submits ``fn(*args[i])`` as array task i (one
 ``sbatch --array``), shows a progress bar while they run, and returns each task's outcome in
 order: its result, or the error and the log to read. It waits for every task and never
-cancels a job it did not submit. ``tmax gen --array N`` and ``tmax audit --array N`` use
+cancels a job it did not submit; interrupted (Ctrl-C), it cancels its unfinished
+tasks by id and re-raises. ``tmax gen --array N`` and ``tmax audit --array N`` use
 it to run their N shards; ``tmax demo`` to build the example images.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,6 @@ class Outcome:
     error: str | None = None
     log: str = ""
     """The task's stderr file (submitit writes stdout beside it)."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_array(fn: Callable[..., Any], args: Sequence[Sequence[Any]], folder: Path,
@@ -76,18 +79,51 @@ def run_array(fn: Callable[..., Any], args: Sequence[Sequence[Any]], folder: Pat
     logging.getLogger("submitit").setLevel(logging.ERROR)
     executor = submitit.AutoExecutor(folder=Path(folder) / "%j", cluster="slurm")
     executor.update_parameters(**options.submitit_parameters())
-    jobs = executor.map_array(fn, *zip(*args, strict=True))
-    log.info("%s: %d array tasks submitted as job %s", options.name, len(jobs),
+    pending: set[int] = set()
+    chatter = Path(folder) / "slurm-client.log"
+    try:
+        # sbatch/squeue/sacct's own stderr (e.g. "Slurm accounting storage is disabled" on
+        # every poll) goes to a log, not the terminal; the progress bar still does
+        with _stderr_to(chatter) as terminal:
+            jobs = executor.map_array(fn, *zip(*args, strict=True))
+            pending = set(range(len(jobs)))
+            with tqdm(total=len(jobs), desc=options.name, unit="job", file=terminal,
+                      disable=not progress) as bar:
+                while pending:
+                    done = {i for i in pending if jobs[i].done()}
+                    bar.update(len(done))
+                    pending -= done
+                    if pending:
+                        time.sleep(poll_s)
+    except BaseException:  # Ctrl-C: the array dies with its launcher, by job id
+        if pending:
+            for i in sorted(pending):
+                jobs[i].cancel(check=False)
+            log.warning("%s: cancelled %d unfinished array tasks (%s)", options.name,
+                        len(pending), ", ".join(jobs[i].job_id for i in sorted(pending)))
+        raise
+    log.info("%s: %d array tasks ran as job %s", options.name, len(jobs),
              jobs[0].job_id.split("_")[0])
-    with tqdm(total=len(jobs), desc=options.name, unit="job", disable=not progress) as bar:
-        pending = set(range(len(jobs)))
-        while pending:
-            done = {i for i in pending if jobs[i].done()}
-            bar.update(len(done))
-            pending -= done
-            if pending:
-                time.sleep(poll_s)
     return [_outcome(i, job) for i, job in enumerate(jobs)]
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[TextIO]:
+    """File descriptor 2 (what child processes write to) appended to ``path`` for the
+    block; yields a stream on the terminal's stderr as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = os.dup(2)
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
+    try:
+        with open(path, "ab") as sink:
+            sys.stderr.flush()
+            os.dup2(sink.fileno(), 2)
+            yield terminal
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        terminal.close()
 
 
 def _outcome(index: int, job: Any) -> Outcome:
@@ -97,6 +133,14 @@ def _outcome(index: int, job: Any) -> Outcome:
     try:
         out.result = job.result()
     except (FailedJobError, UncompletedJobError) as e:  # its exception, or why it stopped
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        out.error = lines[-1] if lines else type(e).__name__
+        out.error = failure_line(str(e)) or type(e).__name__
     return out
+
+
+def failure_line(text: str) -> str:
+    """The line that says what went wrong in submitit's report of a failed job: the last
+    line of its traceback (``ValueError: ...``), before the part that lists the logs."""
+    body = text.split("You can check full logs", 1)[0]
+    lines = [line.strip() for line in body.splitlines()
+             if line.strip() and not set(line.strip()) <= {"-"}]
+    return lines[-1] if lines else ""

@@ -14,7 +14,7 @@ import click
 
 from tmax.data.cli import parse_shard
 from tmax.images.cli import base_map_option, store_option
-from tmax.launch.cli import array_options, describe, failed, submit_shards
+from tmax.launch.cli import array_job, array_options, describe, failed, submit_shards
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "audit.yaml"
 
@@ -185,7 +185,7 @@ def _audit_array(ctx, task_specs, out_dir, output, no_progress) -> None:
     else:
         click.echo(format_audit(records))
         click.echo(f"records: {out_dir}/audit.shard-*-of-{len(outcomes)}.jsonl "
-                   f"({len(outcomes)} array tasks, jobs {outcomes[0].job_id.split('_')[0]})")
+                   f"({len(outcomes)} array tasks, job {array_job(outcomes)})")
     missing = len(tasks) - len(records)
     if failed(outcomes) or missing or any(r.error for r in records):
         click.echo(f"{failed(outcomes)} shards failed, {missing} tasks without a record, "

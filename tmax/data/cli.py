@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from tmax.launch.cli import array_options, failed, submit_shards
+from tmax.launch.cli import array_job, array_options, failed, submit_shards
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
 
@@ -56,7 +56,7 @@ def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, mo
         wanted = set(range(first_seed, first_seed + num_tasks))
         records = [r for r in run_records(Path(out_dir)) if r["seed"] in wanted]
         click.echo(format_yield(yield_table(records)))
-        click.echo(f"{len(outcomes)} array tasks (job {outcomes[0].job_id.split('_')[0]}), "
+        click.echo(f"{len(outcomes)} array tasks (job {array_job(outcomes)}), "
                    f"{failed(outcomes)} failed; records in {out_dir}/records.shard-*.jsonl, "
                    f"tasks in {Path(out_dir) / 'tasks'}")
         if failed(outcomes) or len(records) < len(wanted):

@@ -102,8 +102,6 @@ def run_array(fn: Callable[..., Any], args: Sequence[Sequence[Any]], folder: Pat
             log.warning("%s: cancelled %d unfinished array tasks (%s)", options.name,
                         len(pending), ", ".join(jobs[i].job_id for i in sorted(pending)))
         raise
-    log.info("%s: %d array tasks ran as job %s", options.name, len(jobs),
-             jobs[0].job_id.split("_")[0])
     return [_outcome(i, job) for i, job in enumerate(jobs)]
 
 

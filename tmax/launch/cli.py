@@ -72,20 +72,30 @@ def submit_shards(ctx: click.Context, command: str, out_dir: Path, *,
     except (FailedSubmissionError, OSError, RuntimeError) as e:  # no sbatch, or refused
         raise click.ClickException(f"--array {n}: could not submit the array: {e}") from None
     for o in outcomes:
-        if o.error is not None or o.result != 0:
+        if shard_failed(o):
             click.echo(f"shard {o.index}/{n} (job {o.job_id}) "
                        f"{'failed: ' + o.error if o.error else f'exited {o.result}'}; "
                        f"its log: {o.log}", err=True)
     return outcomes
 
 
+def shard_failed(o: Outcome) -> bool:
+    """The task raised, or the command it ran exited non-zero."""
+    return o.error is not None or o.result != 0
+
+
 def failed(outcomes: list[Outcome]) -> int:
-    return sum(o.error is not None or o.result != 0 for o in outcomes)
+    return sum(shard_failed(o) for o in outcomes)
+
+
+def array_job(outcomes: list[Outcome]) -> str:
+    """The array's own job id (its tasks are ``<id>_<k>``)."""
+    return outcomes[0].job_id.split("_")[0] if outcomes else "-"
 
 
 def describe(outcomes: list[Outcome]) -> dict[str, Any]:
     return {"shards": len(outcomes), "failed": failed(outcomes),
-            "jobs": [o.job_id for o in outcomes]}
+            "array_job": array_job(outcomes), "jobs": [o.job_id for o in outcomes]}
 
 
 def shard_argv(params: dict[str, Any], command: Any, drop: Sequence[str]) -> list[str]:

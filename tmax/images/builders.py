@@ -21,7 +21,7 @@ from typing import Protocol
 from filelock import FileLock
 
 from sandfleet import sif
-from tmax.images import verifier_tools
+from tmax.images import installers, verifier_tools
 from tmax.images.definition import Definition, TaskDefinition, parse_definition
 from tmax.images.dockerbuild import (
     STAGING,
@@ -214,6 +214,8 @@ class ApptainerBuilder:
                         f"s{stage.index}",
                         image_root=lambda ref: external_image(ref, tmp, log, timeout),
                         ca=verifier_tools.build_ca())
+            installers.prepare(installers.find([stage]), tmp / f"s{stage.index}" /
+                               installers.SHIM_DIR.lstrip("/"), tmp, log, timeout)
         text = dockerfile_over(task, base_sif, tmp)
         if not verifier:
             return text
@@ -327,6 +329,9 @@ class LocalBuilder:
                             image_root=lambda ref: external_image(ref, self.cache_dir, log,
                                                                   timeout),
                             stage_root=roots.__getitem__, ca=verifier_tools.build_ca())
+                installers.prepare(installers.find([stage]),
+                                   rootfs / installers.SHIM_DIR.lstrip("/"), self.cache_dir,
+                                   log, timeout)
                 try:
                     run_in_rootfs(rootfs, ["/bin/sh", "-c", stage_script(stage)], log, timeout,
                                   f"Dockerfile stage {stage.name or stage.index}",

@@ -36,13 +36,25 @@ def images_group() -> None:
 @click.option("-j", "--jobs", default=2, show_default=True, help="Parallel builds.")
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs did not change.")
 @click.option("--no-check", is_flag=True, help="Skip the build-time checks.")
+@click.option("--installers", type=click.Choice(["registries", "network"]), default="registries",
+              envvar="TMAX_INSTALLERS", show_envvar=True, show_default=True,
+              help="Vendor installers that RUN steps download (astral.sh's uv, Go tarballs, "
+                   "NodeSource, rustup): 'registries' serves stand-ins fetched from PyPI and "
+                   "Debian (for build nodes that reach only those), 'network' lets the RUN "
+                   "steps fetch them (see tmax.images.installers).")
 @base_map_option
 @output_option
-def build_cmd(paths, store, builder, mirror, jobs, force, no_check, base_map, output) -> None:
+def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, base_map,
+              output) -> None:
     """Build (or reuse) the image of every task; then check each new image: it starts,
     the untouched environment scores below 1, the reference solution scores 1."""
+    import os
+
     from tmax.images import open_builds
     from tmax.images.bases import BaseMapError
+    from tmax.images.installers import MODE_ENV
+
+    os.environ[MODE_ENV] = installers  # (read where the build script is made, and by jobs)
 
     tasks, errors = load_all(paths)
     if errors:

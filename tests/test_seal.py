@@ -146,14 +146,15 @@ _ids = itertools.count()
 
 @pytest.fixture
 def make(runtime, base_sif):
-    """Start sandboxes from the base image (spec fields as keywords); all stopped after."""
+    """Start sandboxes from the base image (spec fields, ``image`` too, as keywords); all
+    stopped after."""
     from sandfleet.runtime.base import SandboxSpec
 
     started = []
 
     def make(**spec) -> str:
         sandbox_id = f"x{next(_ids)}"
-        runtime.start(sandbox_id, SandboxSpec(image=base_sif, **spec))
+        runtime.start(sandbox_id, SandboxSpec(**{"image": base_sif, **spec}))
         started.append(sandbox_id)
         return sandbox_id
 
@@ -472,6 +473,137 @@ def test_agent_system_opt_in_shows_the_agents_system_tools(runtime, make, tmp_pa
                "agent-tool > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
     assert verify(runtime, sid, tmp_path, test_sh)[1] == "0"
     assert verify(runtime, sid, tmp_path, test_sh, agent_system=True)[1] == "1"
+
+
+@pytest.fixture(scope="module")
+def venv_sif(base_sif, tmp_path_factory) -> Path:
+    """The base image plus tools outside /usr, as images install them on their PATH: a
+    "venv" /opt/tool (its program /opt/tool/bin/runner runs the code in /opt/tool/lib,
+    which writes reward 0.25), /app/bin/app-tool and /srv/work/bin/work-tool (each prints
+    "image")."""
+    from sandfleet.runtime import sif
+
+    root = tmp_path_factory.mktemp("venv-image") / "root"
+    sif.extract(base_sif, root)
+    files = {"opt/tool/bin/runner": "#!/bin/sh\n. /opt/tool/lib/grade.sh\n",
+             "opt/tool/lib/grade.sh": "echo 0.25 > /logs/verifier/reward.txt\n",
+             "app/bin/app-tool": "#!/bin/sh\necho image\n",
+             "srv/work/bin/work-tool": "#!/bin/sh\necho image\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+        (root / name).chmod(0o755)
+    return sif.pack(root, root.parent / "venv.sif")
+
+
+VENV_PATH = f"/opt/tool/bin:{HOST_PATH}"
+"""The verifier's PATH for venv_sif: an image's ENV PATH with its venv first."""
+RUNNER_SH = "echo 0 > /logs/verifier/reward.txt\nrunner\n"
+"""A test.sh that leaves what the image's runner writes: 0.25."""
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("attack", [
+    "cp /tmp/forge /opt/tool/bin/runner",
+    "cp /tmp/forge /opt/tool/lib/grade.sh",  # the venv's library code, run by its program
+    # the whole folder, and the folder holding it, replaced by links to the agent's copies
+    ("cp -a /opt/tool /root/tool && cp /tmp/forge /root/tool/bin/runner && rm -rf /opt/tool"
+     " && ln -s /root/tool /opt/tool"),
+    ("cp -a /opt /root/opt && cp /tmp/forge /root/opt/tool/bin/runner && rm -rf /opt"
+     " && ln -s /root/opt /opt"),
+    ("rm -rf /opt/tool/bin && mkdir /root/bin && cp /tmp/forge /root/bin/runner"
+     " && ln -s /root/bin /opt/tool/bin"),
+], ids=["program", "library", "folder-linked", "parent-linked", "bin-linked"])
+def test_the_verifier_runs_the_images_tools_on_its_path_outside_usr(attack, runtime, make,
+                                                                     venv_sif, tmp_path):
+    """The hole found on a real Terminal-Bench task: the image's ENV PATH starts with a venv
+    in /opt, test.sh runs its pytest, and an agent that replaces that pytest (or the
+    library code it runs, or the venv by a link to its own copy) with a script writing
+    reward 1 scored 1. The verifier gets the image's copy of every folder its PATH names
+    outside /usr (here /opt/tool, whole), so the image's runner writes its 0.25; the
+    agent's own files are still there for the agent, set aside where they were links."""
+    sid = make(image=venv_sif)
+    forge = write_file("/tmp/forge", FORGE_SH, "755")
+    check = ("rm -f /logs/verifier/reward.txt; /opt/tool/bin/runner 2>/dev/null; "
+             "cat /logs/verifier/reward.txt 2>/dev/null; ls -a / /opt")
+    assert run(runtime, sid, f"{forge} && {attack} && {check}").output.startswith("1\n")
+    result, reward = verify(runtime, sid, tmp_path, RUNNER_SH, env={"PATH": VENV_PATH})
+    assert (result.exit_code, reward) == (0, "0.25"), result.output
+    # the agent keeps its files; a link where the image has a folder on the way to a mount
+    # point (/opt, /opt/tool) is renamed beside it, and its target is untouched
+    after = run(runtime, sid, check + "; ls /root/tool/bin /root/opt/tool/bin").output.split()
+    aside = [n.rsplit("-", 1)[0] for n in after if n.startswith(".tmax-set-aside-")]
+    if attack.endswith(("/opt/tool", "/opt")):
+        assert aside == [f".tmax-set-aside-{attack.rsplit('/', 1)[1]}"], after
+        assert "runner" in after, after
+    else:
+        assert (after[0], aside) == ("1", []), after
+
+
+@pytest.mark.sandbox
+def test_the_verifier_view_never_follows_an_agents_link_on_the_host(runtime, make, venv_sif,
+                                                                    tmp_path):
+    """/opt replaced by a link to an absolute path that exists on the host, not inside:
+    the host makes the mount points (/opt, /opt/tool) real directories of the agent's tree
+    one component at a time, so it never creates or renames anything through that link
+    (here: in a host folder, which stays empty)."""
+    host = tmp_path / "host-side"
+    host.mkdir()
+    sid = make(image=venv_sif)
+    run(runtime, sid, f"rm -rf /opt && ln -s {host} /opt")
+    result, reward = verify(runtime, sid, tmp_path, RUNNER_SH, env={"PATH": VENV_PATH})
+    assert list(host.iterdir()) == []
+    assert (result.exit_code, reward) == (0, "0.25"), result.output
+
+
+@pytest.mark.sandbox
+def test_the_workdir_and_top_level_folders_on_the_verifiers_path_stay_the_agents(
+        runtime, make, venv_sif, tmp_path):
+    """A PATH entry in a top-level folder (/app/bin: /app) or the workdir's (/srv/work/bin:
+    /srv/work) names the agent's work, not a tool: the verifier sees the agent's version,
+    while /opt/tool/bin on the same PATH is still the image's; without a PATH in ``env``
+    nothing beyond /usr is the image's (the default PATH is all in it)."""
+    sid = make(image=venv_sif, workdir="/srv/work")
+    tools = {"/app/bin/app-tool": "#!/bin/sh\necho agent-app\n",
+             "/srv/work/bin/work-tool": "#!/bin/sh\necho agent-work\n",
+             "/app/solve": "#!/bin/sh\necho agent-solve\n",
+             "/tmp/forge": FORGE_SH}
+    run(runtime, sid, " && ".join(write_file(p, t, "755") for p, t in tools.items())
+        + " && cp /tmp/forge /opt/tool/bin/runner")
+    test_sh = "pwd\napp-tool\nwork-tool\nsolve\n" + RUNNER_SH
+    path = f"/app:/app/bin:/srv/work/bin:{VENV_PATH}"
+    result, reward = verify(runtime, sid, tmp_path, test_sh, env={"PATH": path})
+    assert result.output.split() == ["/srv/work", "agent-app", "agent-work", "agent-solve"], \
+        result.output
+    assert reward == "0.25", result.output
+    # no PATH given: nothing is bound beyond the system folders
+    result, reward = verify(runtime, sid, tmp_path, "/opt/tool/bin/runner\n", env={})
+    assert reward == "1", result.output
+
+
+@pytest.mark.sandbox
+def test_agent_system_opt_in_keeps_the_agents_tools_on_its_path(runtime, make, venv_sif,
+                                                                 tmp_path):
+    sid = make(image=venv_sif)
+    run(runtime, sid, write_file("/tmp/forge", FORGE_SH, "755")
+        + " && cp /tmp/forge /opt/tool/bin/runner")
+    env = {"PATH": VENV_PATH}
+    assert verify(runtime, sid, tmp_path, RUNNER_SH, env=env)[1] == "0.25"
+    assert verify(runtime, sid, tmp_path, RUNNER_SH, env=env, agent_system=True)[1] == "1"
+
+
+def test_path_roots_pick_the_folders_of_tools_outside_the_system_and_the_work():
+    from sandfleet.runtime.local import path_roots
+
+    image_path = ("/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    assert path_roots(image_path) == ["/opt/venv"]
+    path = ("/root/.local/bin:/root/.cargo/bin:/opt/conda/bin:/opt/conda/condabin:"
+            "/opt/venv//bin/:/opt/venv/lib/x/bin:/usr/lib/jvm/bin:/app/bin:/app:/opt/bin:"
+            "bin:./x:/opt/x/../y/bin::/tmp/a/bin:/logs/x/bin:/tests/x:/run/x/bin:"
+            "/.tmax/verifier/bin:/srv/work/bin:/srv/proj/.venv/bin:/home/u/work/tools/bin")
+    assert path_roots(path, keep=["/srv/work", "/home/u/work/tools/sub/"]) == [
+        "/opt/conda", "/opt/venv", "/root/.cargo", "/root/.local", "/srv/proj/.venv"]
+    assert path_roots(None) == path_roots("") == []
 
 
 @pytest.mark.sandbox

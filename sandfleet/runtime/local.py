@@ -50,7 +50,9 @@ Enforced (threat model: an untrusted agent as root inside, a semi-trusted image)
 - The verifier (``verify``) runs in a fresh process tree the agent cannot see, signal or
   trace (its own pid, mount, ipc and user namespaces; the sandbox's network), over the
   agent's final files but with the image's own system directories and tool configuration
-  (``PRISTINE``), and writes its reward into a host folder only it has mounted.
+  (``PRISTINE``) and the image's own copy of the folders its PATH names outside them (a
+  venv in /opt: ``path_roots``), and writes its reward into a host folder only it has
+  mounted.
 
 Not enforced: no CPU time quota (pinning bounds parallelism only), no seccomp filter, no
 per-task network policy (``spec.network`` shares the host's network). Pids are checked by
@@ -121,6 +123,9 @@ PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "l
 PRISTINE_ETC_PREFIXES = ("python3.",)
 """Entries of /etc that decide which program or library runs (the loader's cache and
 preload list, the alternatives' links, interpreters' site customisation): the image's."""
+PATH_KEEP = ("tmp", "dev", "proc", "sys", "run", "logs", "tests")
+"""Top-level folders whose PATH entries the verifier takes from the agent's tree (scratch
+space, kernel file systems, the verifier's own mounts): see ``path_roots``."""
 
 # Pid 1 inside: writes the image's environment (its env files sourced in a subshell, as
 # NUL-separated entries and one more NUL) to fd $3, drops the host's log file and bwrap's
@@ -732,8 +737,10 @@ class LocalRuntime(CommandRuntime):
         ``tests`` covers /tests, and a fresh folder covers /logs/verifier, both on a tmpfs
         of the verifier's own (bounded, in the sandbox's
         memory cgroup); what it leaves in /logs/verifier is copied to host folder ``logs``
-        at the end: the only place it writes that the caller reads. The agent is frozen
-        while that view is built, so it cannot race it."""
+        at the end: the only place it writes that the caller reads. Unless
+        ``agent_system``, the folders that ``env``'s PATH names outside ``PRISTINE`` (a
+        venv's, /root/.local: ``path_roots``) are the image's too, where the image has
+        them. The agent is frozen while that view is built, so it cannot race it."""
         record = self._live(sandbox_id)
         self._check_monitor(record)
         logs = Path(logs)
@@ -756,7 +763,8 @@ class LocalRuntime(CommandRuntime):
                 if int(pid) != record.init_pid():
                     _kill(int(pid))
         try:
-            spec = self._verifier_view(record, agent_system)
+            spec = self._verifier_view(record, agent_system, path=(env or {}).get("PATH"),
+                                       cwd=cwd)
         except BaseException:
             Cgroups.freeze(freezer, False)
             raise
@@ -817,23 +825,32 @@ class LocalRuntime(CommandRuntime):
         if record.monitor is None or proc_start_time(record.monitor[0]) != record.monitor[1]:
             raise SandboxLost(record.sandbox_id, "its mount namespace is gone")
 
-    def _verifier_view(self, record: SandboxRecord, agent_system: bool) -> BwrapSpec:
+    def _verifier_view(self, record: SandboxRecord, agent_system: bool, *,
+                       path: str | None = None, cwd: str | None = None) -> BwrapSpec:
         """The verifier's mounts (see ``verify``): the agent's root, with the image's own
-        ``PRISTINE`` directories and ``PRISTINE_ETC`` entries bound over it read-only and
-        the verifier's tests and logs at /tests and /logs/verifier.
+        ``PRISTINE`` directories and ``PRISTINE_ETC`` entries bound over it read-only, as
+        is the image's copy of each folder ``path_roots`` picks from ``path`` (the
+        verifier's PATH) and from the PATH of the image's verifier tools, where every
+        component of that folder is a real directory in the image (one reached through a
+        link of the image is left out: bwrap would follow that link on the host), and the
+        verifier's tests and logs at /tests and /logs/verifier.
 
         With the agent frozen, the host first makes every mount point a real directory (or
         file) of the agent's tree, setting aside whatever the agent put there instead (a
         link, a file, a /etc/ld.so.preload the image has not, a /conftest.py): an entry is
         renamed to ``.tmax-set-aside-<name>-<random>`` in its folder, which follows no link
         (an image's directory is never set aside: overlayfs cannot rename one, and a real
-        directory needs nothing but the mount over it). The host works through the sandbox's mount namespace (the monitor's /proc root) on
-        paths whose every component but the last it controls."""
+        directory needs nothing but the mount over it). The host works through the
+        sandbox's mount namespace (the monitor's /proc root) on paths whose every component
+        but the last it controls: a nested mount point (/opt/venv) is made one component at
+        a time, top down (/opt, then /opt/venv)."""
         self._check_monitor(record)
         ns = f"/proc/{record.monitor_pid()}/root"
         root, image = str(self.mnt / "root"), str(self.mnt / "image")
         fix = _ViewFixer(ns, record.uid_base, f"{self._dir(record.sandbox_id)}/disk/reserve")
         spec = BwrapSpec(root=root, env={})
+        has_tools = fix.is_dir(f"{image}{VERIFIER_TOOLS}")  # the image's, never the agent's
+        tools_env = _tools_env(fix.read(f"{image}{VERIFIER_TOOLS}/env")) if has_tools else {}
         if not agent_system:
             image_top = set(fix.names(image))
             for name in fix.names(root):  # files and links the image has not at / go
@@ -854,13 +871,21 @@ class LocalRuntime(CommandRuntime):
                     if _pristine_etc(name) and \
                             fix.like(f"{image}/etc/{name}", f"{root}/etc/{name}") == "bind":
                         spec.ro_binds.append((f"{image}/etc/{name}", f"/etc/{name}"))
-        for path in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
-            fix.real_dir(f"{root}/{path}")                             # mounts cover them
+            keep = [record.spec["workdir"]] + ([cwd] if cwd else [])
+            for found in path_roots(f"{path or ''}:{tools_env.get('PATH', '')}", keep=keep):
+                steps = list(_prefixes(found))
+                # every component in the image is checked before the next is looked at
+                if all(fix.is_dir(f"{image}{step}") for step in steps):
+                    for step in steps:  # top down: only the last component is the agent's
+                        fix.real_dir(f"{root}{step}")
+                    spec.ro_binds.append((f"{image}{found}", found))
+        for sub in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
+            fix.real_dir(f"{root}/{sub}")                             # mounts cover them
         spec.binds += [(str(self.mnt / "verifier" / "tests"), "/tests"),
                        (str(self.mnt / "verifier" / "logs"), "/logs/verifier")]
-        if fix.is_dir(f"{image}{VERIFIER_TOOLS}"):  # the image's, never the agent's
+        if has_tools:
             spec.binds.append((str(self.mnt / "verifier" / "tools"), VERIFIER_TOOLS))
-            spec.env = _tools_env(fix.read(f"{image}{VERIFIER_TOOLS}/env"))
+            spec.env = tools_env
         return spec
 
     def stop(self, sandbox_id: str) -> None:
@@ -1040,6 +1065,45 @@ class _ViewFixer:
                                                 | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
             os.lchown(f"{self.ns}{path}", self.uid, self.uid)
         return "bind"
+
+
+def path_roots(path: str | None, keep: Iterable[str] = ()) -> list[str]:
+    """The folders of a PATH value that the verifier gets from the image (lexically; the
+    view also needs them to be real directories there): for each absolute entry, its
+    parent when its last component is ``bin`` or ``sbin`` (/opt/venv/bin: /opt/venv, the
+    venv's libraries with its programs), else the entry itself. Left out: relative
+    entries and entries with a ``..``; a root at the top level (/app, /opt, /root: that
+    would hide the agent's work); one in a ``PRISTINE`` folder (bound whole already; with
+    a merged /usr, /bin is the image's link to usr/bin); one under ``PATH_KEEP``; the
+    verifier tools' folder, what is in it and what holds it; one of ``keep`` (the workdir,
+    the verifier's cwd) or a folder holding one. Sorted, without duplicates, the
+    outermost of nested roots only."""
+    kept = [os.path.normpath(k) for k in keep if k and k.startswith("/")]
+    roots = set()
+    for entry in (path or "").split(":"):
+        parts = [p for p in entry.split("/") if p not in ("", ".")]
+        if not entry.startswith("/") or ".." in parts:
+            continue
+        if parts and parts[-1] in ("bin", "sbin"):
+            parts.pop()
+        if len(parts) < 2 or parts[0] in PRISTINE or parts[0] in PATH_KEEP:
+            continue
+        found = "/" + "/".join(parts)
+        if _within(found, VERIFIER_TOOLS) or _within(VERIFIER_TOOLS, found) or \
+                any(_within(k, found) for k in kept):
+            continue
+        roots.add(found)
+    return [r for r in sorted(roots) if not any(o != r and _within(r, o) for o in roots)]
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _prefixes(path: str) -> Iterable[str]:
+    """/a, /a/b, /a/b/c for /a/b/c."""
+    parts = path.strip("/").split("/")
+    return ("/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1))
 
 
 def _tools_env(text: str) -> dict[str, str]:

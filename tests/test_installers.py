@@ -34,10 +34,12 @@ def test_the_vendor_urls_of_run_steps_get_stand_ins_with_their_versions(monkeypa
         'RUN curl -L "https://golang.org/dl/go1.21.5.linux-$GOARCH.tar.gz" -o go.tar.gz\n'
         "RUN curl -fsSL https://deb.nodesource.com/setup_20.x | bash -\n"
         "RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y\n"
-        "RUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"))  # the same URL again
+        "RUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"  # the same URL again
+        "RUN add-apt-repository -y ppa:deadsnakes/ppa && apt-get install -y python3.11\n"
+        "RUN add-apt-repository ppa:git-core/ppa\n"))
     assert [(s.kind, s.version, s.line) for s in found] == [
         ("uv", "0.5.11", 2), ("uv", "", 3), ("go", "1.21.5", 4), ("node", "20", 5),
-        ("rust", "", 6)]
+        ("rust", "", 6), ("ppa", "", 8)]
     go = found[2]
     assert go.url == "https://golang.org/dl/go1.21.5.linux-$GOARCH.tar.gz"
 
@@ -87,13 +89,14 @@ def wrappers(tmp_path):
     (shim / "served.sh").write_text("echo the stand-in\n")
     (shim / "table").write_text(
         "https://astral\\.sh/uv/0\\.7\\.13/install\\.sh\t" + f"{shim}/served.sh\n")
-    for tool, script in (("curl", installers.CURL_SH), ("wget", installers.WGET_SH)):
+    for tool, script in (("curl", installers.CURL_SH), ("wget", installers.WGET_SH),
+                         ("add-apt-repository", installers.ADD_APT_REPOSITORY_SH)):
         path = shim / "bin" / tool
         path.write_text((installers.COMMON_SH + script).replace(installers.SHIM_DIR, str(shim)))
         path.chmod(0o755)
     real = tmp_path / "real"
     real.mkdir()
-    for tool in ("curl", "wget"):
+    for tool in ("curl", "wget", "add-apt-repository"):
         (real / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {tmp_path}/calls.txt\n')
         (real / tool).chmod(0o755)
     tools = tmp_path / "tools"  # what the wrappers use, and no curl or wget of the host's
@@ -145,12 +148,22 @@ def test_a_served_url_is_served_where_the_tool_would_write_it(wrappers, command,
     "curl -s http://astral.sh/uv/0.7.13/install.sh",  # http: not what the table says
     "wget -q https://pypi.org/simple/",
     "curl --version",
+    "add-apt-repository -y ppa:git-core/ppa",
 ])
 def test_anything_else_goes_to_the_real_tool_with_its_arguments_unchanged(wrappers, command):
     run, tmp = wrappers
     result = run(command)
     assert result.returncode == 0, result.stderr
     assert (tmp / "calls.txt").read_text() == command + "\n"
+
+
+def test_the_deadsnakes_ppa_is_not_added_and_says_why(wrappers):
+    run, tmp = wrappers
+    result = run("add-apt-repository -y ppa:deadsnakes/ppa")
+    assert result.returncode == 0 and "not added" in result.stderr
+    assert not (tmp / "calls.txt").exists()
+    result = run("add-apt-repository -y ppa:deadsnakes/ppa", with_real=False)
+    assert result.returncode == 127  # software-properties-common not installed: as Docker
 
 
 def test_an_image_without_the_tool_fails_as_it_would_under_docker(wrappers):
@@ -205,6 +218,7 @@ def test_uv_and_go_install_from_their_vendor_urls_with_only_the_registries(tmp_p
 
 def test_the_served_installers_are_well_formed_shell():
     for script in (installers.UV_INSTALL_SH, installers.NODE_SETUP_SH, installers.RUSTUP_SH,
+                   installers.COMMON_SH + installers.ADD_APT_REPOSITORY_SH,
                    installers.COMMON_SH + installers.CURL_SH,
                    installers.COMMON_SH + installers.WGET_SH):
         check = subprocess.run(["sh", "-n"], input=script, capture_output=True, text=True,

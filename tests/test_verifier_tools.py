@@ -392,3 +392,21 @@ def test_unmodified_boilerplates_grade_without_a_network(image_store, tmp_path):
             assert graded.exit_code == 0 and "1 passed" in graded.output, graded.output
     finally:
         runtime.stop("offline")
+
+
+def test_an_oracle_failure_names_what_the_verifier_tools_could_not_prepare(tmp_path):
+    """The checks' reason quotes /.tmax/verifier/unmet of the SIF (e.g. a Python the image
+    lacks, which uv may not download): read from the image's own file system."""
+    from sandfleet.runtime.sif import pack
+    from tmax.images.checks import unmet_needs
+
+    root = tmp_path / "root"
+    (root / ".tmax" / "verifier").mkdir(parents=True)
+    (root / ".tmax" / "verifier" / "unmet").write_text(
+        "Python 3.12 is not in the image\ntests/test.sh:5: uvx --python 3.12 pytest\n")
+    assert unmet_needs(pack(root, tmp_path / "a.sif")) == [
+        "Python 3.12 is not in the image", "tests/test.sh:5: uvx --python 3.12 pytest"]
+    (root / ".tmax" / "verifier" / "unmet").unlink()
+    assert unmet_needs(pack(root, tmp_path / "b.sif")) == []
+    (tmp_path / "c.sif").write_text("not a SIF")
+    assert unmet_needs(tmp_path / "c.sif") == []

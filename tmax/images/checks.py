@@ -123,10 +123,32 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, work
             reason = f"the untouched environment already scores {rewards['nop']}"
         elif "oracle" in modes and rewards["oracle"] != 1.0:
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
+            if unmet := unmet_needs(sif):
+                reason += f" (the verifier's tools could not be prepared offline: " \
+                          f"{'; '.join(unmet)})"
     log.append(f"## result: {reason or 'ok'}")
     log_path.write_text("\n".join(log) + "\n")
     return Checks(runtime=runtime_name, starts=starts, nop_reward=rewards["nop"],
                   oracle_reward=rewards["oracle"], ok=not reason, reason=reason, note=note)
+
+
+def unmet_needs(sif: Path) -> list[str]:
+    """What the image's verifier tools could not prepare (/.tmax/verifier/unmet, written
+    by the build: tmax.images.verifier_tools), read from the SIF's file system; [] when
+    there is nothing, or nothing can be read."""
+    import subprocess
+
+    from sandfleet.runtime.sif import SifError, read_partition
+
+    try:
+        offset = read_partition(sif).offset
+        out = subprocess.run(["unsquashfs", "-o", str(offset), "-cat", str(sif),
+                              ".tmax/verifier/unmet"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    except (OSError, SifError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] \
+        if out.returncode == 0 else []
 
 
 def image_checker(cache_dir: Path, runtime: str = "auto"

@@ -177,11 +177,11 @@ def test_an_image_without_the_tool_fails_as_it_would_under_docker(wrappers):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
-def test_uv_and_go_install_from_their_vendor_urls_with_only_the_registries(tmp_path,
-                                                                          image_store):
+def test_uv_go_and_node_install_from_their_vendor_urls_with_only_the_registries(
+        tmp_path, image_store):
     """The build's RUN steps reach PyPI and Debian only (this machine reaches nothing else:
-    astral.sh and golang.org do not resolve), yet uv's installer script and Go's tarball
-    work as the Dockerfile uses them; before curl is installed a download fails with 127,
+    astral.sh, golang.org and deb.nodesource.com do not resolve), yet uv's installer script,
+    Go's tarball and NodeSource's setup script work as the Dockerfile uses them; before curl is installed a download fails with 127,
     as under Docker; no wrapper is left in the image."""
     result, store = _build(tmp_path, image_store, (
         "FROM debian:bookworm-slim\n"
@@ -194,6 +194,8 @@ def test_uv_and_go_install_from_their_vendor_urls_with_only_the_registries(tmp_p
         "else GOARCH=arm64; fi && curl -L \"https://golang.org/dl/go1.21.5.linux-$GOARCH"
         ".tar.gz\" -o go.tar.gz && tar -C /usr/local -xzf go.tar.gz && rm go.tar.gz\n"
         "RUN /usr/local/go/bin/go version > /go.txt\n"
+        "RUN curl -fsSL https://deb.nodesource.com/setup_20.x | bash - && node --version > "
+        "/node.txt && npm --version > /npm.txt && npx --version > /npx.txt\n"
         "RUN echo $PATH > /path.txt\n"), {})
     assert result.status == "built", result.error
     sif = store.path(store.read().tasks["demo"].sif)
@@ -209,6 +211,8 @@ def test_uv_and_go_install_from_their_vendor_urls_with_only_the_registries(tmp_p
     assert 'export PATH="$HOME/.local/bin:$PATH"' in cat("/root/.local/bin/env")
     assert '. "$HOME/.local/bin/env"' in cat("/root/.profile")
     assert cat("/go.txt").startswith("go version go1.21.")
+    assert cat("/node.txt").startswith("v20.") and cat("/npm.txt").strip()[0].isdigit()
+    assert cat("/npx.txt") == cat("/npm.txt")  # npx is npm's, under /usr/local
     assert installers.SHIM_DIR in cat("/path.txt")  # (what the step saw, not the image)
     assert ".tmax-build" not in list_sif(sif)
     log = store.path(result.log).read_text()

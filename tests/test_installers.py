@@ -258,3 +258,50 @@ def test_the_uv_installer_puts_uv_where_the_vendors_does(tmp_path):
     assert (tmp_path / "xdg/uv").exists() and not (tmp_path / "h4/.profile").exists()
     install("0.7.13", False, tmp_path / "h5", UV_UNMANAGED_INSTALL=str(tmp_path / "unm"))
     assert (tmp_path / "unm/uv").exists() and not (tmp_path / "unm/env").exists()
+
+
+def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copies(
+        tmp_path, monkeypatch):
+    """`apptainer build` gets the wrappers, the table and the served installer in the staged
+    /.tmax-build its %files copies, and the RUN step's PATH starts with them (a stand-in
+    apptainer keeps a copy of what it was given; uv itself is not downloaded here)."""
+    from tests.test_images import TABLE
+    from tests.test_tasks import make_task
+    from tmax.images import verifier_tools
+    from tmax.images.bases import BaseTable
+    from tmax.images.builders import ApptainerBuilder
+    from tmax.images.definition import task_definition
+
+    monkeypatch.delenv(installers.MODE_ENV, raising=False)
+    fake = tmp_path / "apptainer"
+    fake.write_text('#!/bin/bash\ncat "${@: -1}" > "$RECORD.def"\ntouch "${@: -2:1}"\n'
+                    'cp -r "$(dirname "${@: -1}")" "$RECORD.tmp"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("RECORD", str(tmp_path / "rec"))
+
+    def stage_uv(version, cache_dir, log, timeout):  # type: ignore[no-untyped-def]
+        tree = Path(cache_dir) / "uv-tree"
+        (tree / verifier_tools.ROOT.lstrip("/") / "bin").mkdir(parents=True, exist_ok=True)
+        for tool in ("uv", "uvx"):
+            (tree / verifier_tools.ROOT.lstrip("/") / "bin" / tool).write_text(version)
+        return tree
+
+    monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
+    task = make_task(tmp_path, **{"environment/Dockerfile":
+                                  "FROM python:3.11-slim\n"
+                                  "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"})
+    tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
+    out = tmp_path / "out" / "image.sif"
+    out.parent.mkdir()
+    ApptainerBuilder(apptainer=str(fake), fakeroot=False).build_task(
+        tdef, task / "environment", Path("/store/bases/b.sif"), out, tmp_path / "log", 60)
+    definition = (tmp_path / "rec.def").read_text()
+    assert f"PATH={installers.SHIM_DIR}/bin:" in definition
+    shim = tmp_path / "rec.tmp" / "s0" / installers.SHIM_DIR.lstrip("/")
+    assert (shim / "bin" / "curl").stat().st_mode & 0o111
+    (row,) = (shim / "table").read_text().splitlines()
+    pattern, served = row.split("\t")
+    assert pattern == r"https://astral\.sh/uv/0\.7\.13/install\.sh"
+    assert served.startswith(installers.SHIM_DIR + "/files/")
+    assert "uv 0.7.13" in (shim / served[len(installers.SHIM_DIR) + 1:]).read_text()
+    assert (shim / "uv-0.7.13" / "uvx").read_text() == "0.7.13"

@@ -133,10 +133,6 @@ def find(stages: Iterable[object]) -> list[StandIn]:
     return list(found.values())
 
 
-def digest_text(stand_ins: list[StandIn]) -> str:
-    return json.dumps([FORMAT] + [[s.kind, s.url, s.version] for s in stand_ins])
-
-
 # --------------------------------------------------------------------------- staging
 
 
@@ -180,8 +176,7 @@ def _say(log: Path, line: str) -> None:
 
 def _describe(stand: StandIn, served: Path) -> str:
     meta = served.with_name("served.json")
-    what = json.loads(meta.read_text())["what"] if meta.exists() else stand.kind
-    return what
+    return str(json.loads(meta.read_text())["what"]) if meta.exists() else stand.kind
 
 
 def _pip_download(spec: str, platform_tag: str, where: Path, log: Path, timeout: float,

@@ -1067,3 +1067,32 @@ def test_FINDING_many_names_at_the_root_end_the_episode_as_an_infra_failure(exam
     traj = roll(HELLO, [make], example_store, example_fleet)
     assert scored(traj) == (0.0, None, None, "submitted"), \
         (scored(traj), traj.verifier_output[-500:])
+
+
+def test_trusted_first_puts_the_agents_path_folders_behind_the_images():
+    from sandfleet.runtime.local import trusted_first
+
+    path = "/go/bin:/usr/local/go/bin:/app:/opt/venv/bin:/usr/bin:/bin:rel:/opt/venv/../x/bin"
+    assert trusted_first(path, ["/usr", "/bin", "/opt/venv", "/tests"]) == (
+        "/usr/local/go/bin:/opt/venv/bin:/usr/bin:/bin:/go/bin:/app:rel:/opt/venv/../x/bin")
+    assert trusted_first("/a:/b", []) == "/a:/b"
+
+
+@pytest.mark.sandbox
+def test_a_program_the_agent_plants_first_on_the_verifiers_path_does_not_shadow_the_images(
+        runtime, make, venv_sif, tmp_path):
+    """A top-level folder first on the image's PATH (the golang images' /go/bin) or one the
+    image has not (/root/.local/bin before anything is installed there) is the agent's; a
+    `runner` it plants there would run instead of the image's /opt/tool/bin/runner. The
+    verifier's PATH puts the agent's folders behind the image's, so the image's runs, and
+    a tool only the agent has (agent-only) is still found."""
+    sid = make(image=venv_sif)
+    run(runtime, sid, write_file("/tmp/forge", FORGE_SH, "755")
+        + " && mkdir -p /go/bin /root/.local/bin && cp /tmp/forge /go/bin/runner"
+        + " && cp /tmp/forge /root/.local/bin/runner && "
+        + write_file("/go/bin/agent-only", "#!/bin/sh\necho agent-only\n", "755"))
+    test_sh = "agent-only\n" + RUNNER_SH
+    env = {"PATH": f"/go/bin:/root/.local/bin:{VENV_PATH}"}
+    result, reward = verify(runtime, sid, tmp_path, test_sh, env=env)
+    assert (reward, result.output.split()[:1]) == ("0.25", ["agent-only"]), result.output
+    assert verify(runtime, sid, tmp_path, test_sh, env=env, agent_system=True)[1] == "1"

@@ -123,6 +123,10 @@ PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "l
 PRISTINE_ETC_PREFIXES = ("python3.",)
 """Entries of /etc that decide which program or library runs (the loader's cache and
 preload list, the alternatives' links, interpreters' site customisation): the image's."""
+VERIFIER_ENV = {"UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
+"""The verifier's defaults (a task's verifier env may override): uv and pip read none of
+the agent-writable configuration files (uv.toml, pip.conf, ~/.config/...), which could
+point them at packages of the agent's even offline (``find-links``)."""
 PATH_KEEP = ("tmp", "dev", "proc", "sys", "run", "logs", "tests")
 """Top-level folders whose PATH entries the verifier takes from the agent's tree (scratch
 space, kernel file systems, the verifier's own mounts): see ``path_roots``."""
@@ -770,9 +774,13 @@ class LocalRuntime(CommandRuntime):
             raise
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1", **(env or {})}
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1",
+               **VERIFIER_ENV, **(env or {})}
         for key, value in spec.env.items():  # the tools' settings, on top
             env[key] = value.replace("$PATH", env.get(key, "")) if key == "PATH" else value
+        if not agent_system:  # the agent's folders on PATH can no longer shadow the image's
+            env["PATH"] = trusted_first(env["PATH"], [f"/{n}" for n in PRISTINE] +
+                                        [d for _, d in spec.ro_binds + spec.binds])
         bwrap = sandbox_bwrap(root=spec.root, network=True, hostname=record.spec["hostname"],
                               info_fd=info_w, block_fd=block_r, command=list(command),
                               binds=spec, cwd=cwd or record.spec["workdir"], env=env)
@@ -1065,6 +1073,25 @@ class _ViewFixer:
                                                 | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
             os.lchown(f"{self.ns}{path}", self.uid, self.uid)
         return "bind"
+
+
+def trusted_first(path: str, trusted: Iterable[str]) -> str:
+    """``path`` with its entries in the ``trusted`` folders (the verifier's mounts of the
+    image's own folders) first, in their order, then the others (the agent's: a top-level
+    /go/bin, a folder the image has not, the workdir's), in theirs: a program the agent
+    plants there runs only where the image has none of that name, never instead of the
+    image's (e.g. an agent's /go/bin/go over the image's /usr/local/go/bin/go)."""
+    folders = [t for t in trusted if t.startswith("/")]
+    entries = path.split(":")
+
+    def is_trusted(entry: str) -> bool:
+        parts = [p for p in entry.split("/") if p not in ("", ".")]
+        norm = "/" + "/".join(parts)
+        return entry.startswith("/") and ".." not in parts and \
+            any(_within(norm, f) for f in folders)
+
+    return ":".join([e for e in entries if is_trusted(e)] +
+                    [e for e in entries if not is_trusted(e)])
 
 
 def path_roots(path: str | None, keep: Iterable[str] = ()) -> list[str]:

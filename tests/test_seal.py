@@ -1096,3 +1096,23 @@ def test_a_program_the_agent_plants_first_on_the_verifiers_path_does_not_shadow_
     result, reward = verify(runtime, sid, tmp_path, test_sh, env=env)
     assert (reward, result.output.split()[:1]) == ("0.25", ["agent-only"]), result.output
     assert verify(runtime, sid, tmp_path, test_sh, env=env, agent_system=True)[1] == "1"
+
+
+@pytest.mark.sandbox
+def test_the_verifier_writes_into_the_images_path_folders_on_a_layer_of_its_own(
+        runtime, make, venv_sif, tmp_path):
+    """The image's copy of a PATH folder is writable for the verifier (a `pip install` into
+    the venv, cargo's lock in ~/.cargo), on a layer that goes with it: the agent's tree and
+    the image keep what they had, and the agent's replacement stays out."""
+    sid = make(image=venv_sif)
+    run(runtime, sid, write_file("/tmp/forge", FORGE_SH, "755")
+        + " && cp /tmp/forge /opt/tool/bin/runner")
+    test_sh = ("echo verifier > /opt/tool/lib/added && cat /opt/tool/lib/added && "
+               "echo 'echo 0.5 > /logs/verifier/reward.txt' > /opt/tool/lib/grade.sh && runner\n")
+    result, reward = verify(runtime, sid, tmp_path, test_sh, env={"PATH": VENV_PATH})
+    assert (result.exit_code, reward, result.output.split()[:1]) == (0, "0.5", ["verifier"]), \
+        result.output
+    after = run(runtime, sid, "ls /opt/tool/lib; cat /opt/tool/bin/runner").output
+    assert "added" not in after and "echo 1" in after, after  # (FORGE_SH: the agent's)
+    result, reward = verify(runtime, sid, tmp_path, RUNNER_SH, env={"PATH": VENV_PATH})
+    assert reward == "0.25", result.output  # a fresh layer: the image's grade.sh again

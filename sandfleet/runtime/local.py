@@ -68,6 +68,7 @@ import json
 import logging
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -123,6 +124,9 @@ PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "l
 PRISTINE_ETC_PREFIXES = ("python3.",)
 """Entries of /etc that decide which program or library runs (the loader's cache and
 preload list, the alternatives' links, interpreters' site customisation): the image's."""
+OVERLAY_SAFE = re.compile(r"[A-Za-z0-9._/+@-]+")
+"""PATH folders the verifier gets the image's copy of must read as one overlay option
+(no ',', ':' or spaces); any other stays the agent's, behind the image's on its PATH."""
 VERIFIER_ENV = {"UV_NO_CONFIG": "1", "PIP_CONFIG_FILE": os.devnull}
 """The verifier's defaults (a task's verifier env may override): uv and pip read none of
 the agent-writable configuration files (uv.toml, pip.conf, ~/.config/...), which could
@@ -154,7 +158,15 @@ VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v"
                '|| exit 125; if [ "$6" != - ]; then mkdir "$v/tools" "$v/.up" "$v/.work" && '
                'chown -- "$3" "$v/.up" && mount -t overlay overlay -o '
                '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work" "$v/tools" || exit 125; fi; '
-               'shift 6; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+               'if [ "$7" != - ]; then set -f; i=0; IFS=:; for low in $7; do '
+               'mkdir "$v/r$i" "$v/.u$i" "$v/.w$i" && chown -- "$3" "$v/.u$i" && '
+               'mount -t overlay overlay -o "lowerdir=$low,upperdir=$v/.u$i,workdir=$v/.w$i" '
+               '"$v/r$i" || exit 125; i=$((i + 1)); done; unset IFS; set +f; fi; '
+               'shift 7; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+"""The verifier's own mounts, made in the sandbox's mount namespace before it starts: a
+tmpfs ($1, size $2, owner $3) holding a copy of the tests ($4) and its logs (copied to $5 at
+the end); the image's verifier tools ($6, or -) and each of the image's PATH folders (the
+colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs."""
 VERIFIER_SPACE_MB = 256
 """Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes
 in /tests)."""
@@ -788,12 +800,14 @@ class LocalRuntime(CommandRuntime):
         tools = "-"
         if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
             tools = f"{self.mnt / 'image'}{VERIFIER_TOOLS}"
+        overlays = [f"{self.mnt / 'image'}{dest}" for src, dest in spec.binds
+                    if Path(src).parent == self.mnt / "verifier" and Path(src).name[:1] == "r"]
         argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
                  "nsenter", f"--mount=/proc/{record.monitor_pid()}/ns/mnt",
                  f"--net=/proc/{record.init_pid()}/ns/net", "--",
                  "unshare", "-m", "--propagation", "private", "--",
                  "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
-                 f"{base}:{base}", str(tests), str(logs), tools,
+                 f"{base}:{base}", str(tests), str(logs), tools, ":".join(overlays) or "-",
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -880,13 +894,19 @@ class LocalRuntime(CommandRuntime):
                             fix.like(f"{image}/etc/{name}", f"{root}/etc/{name}") == "bind":
                         spec.ro_binds.append((f"{image}/etc/{name}", f"/etc/{name}"))
             keep = [record.spec["workdir"]] + ([cwd] if cwd else [])
+            roots = 0
             for found in path_roots(f"{path or ''}:{tools_env.get('PATH', '')}", keep=keep):
                 steps = list(_prefixes(found))
                 # every component in the image is checked before the next is looked at
-                if all(fix.is_dir(f"{image}{step}") for step in steps):
+                if OVERLAY_SAFE.fullmatch(found) and \
+                        all(fix.is_dir(f"{image}{step}") for step in steps):
                     for step in steps:  # top down: only the last component is the agent's
                         fix.real_dir(f"{root}{step}")
-                    spec.ro_binds.append((f"{image}{found}", found))
+                    # the image's copy, writable: a pip install into the venv, cargo's lock
+                    # in ~/.cargo, go's module cache work; what is written stays the
+                    # verifier's (VERIFIER_SH)
+                    spec.binds.append((str(self.mnt / "verifier" / f"r{roots}"), found))
+                    roots += 1
         for sub in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
             fix.real_dir(f"{root}/{sub}")                             # mounts cover them
         spec.binds += [(str(self.mnt / "verifier" / "tests"), "/tests"),

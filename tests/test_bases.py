@@ -48,6 +48,7 @@ IMAGES = REPO / "images"
     ("golang:1.22-bookworm", "golang-bookworm"),
     ("public.ecr.aws/docker/library/golang:1.22.7-bookworm", "golang-bookworm"),
     ("golang:1.24", "golang"),
+    ("golang:bookworm", "golang-bookworm"),
     ("rust:1.83-slim", "rust"),
     ("ubuntu:24.04", "debian-trixie"),
     ("ubuntu:noble-20240605", "debian-trixie"),

@@ -7,6 +7,7 @@ reachable."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_only_a_stage_with_stand_ins_puts_the_wrappers_first_on_its_run_steps_pa
                         "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n")
     script = stage_script(served)
     assert f" PATH={installers.SHIM_DIR}/bin:/opt/x/bin:/usr/bin:/bin " in script
-    assert "installers-1: https://astral.sh/uv/0.7.13/install.sh" in script  # (in the digest)
+    assert re.search(r"# installers-1 [0-9a-f]{12}: https://astral.sh/uv/0.7.13/install.sh", script)
 
 
 # --------------------------------------------------------------------------- the wrappers
@@ -88,7 +89,8 @@ def wrappers(tmp_path):
     (shim / "bin").mkdir(parents=True)
     (shim / "served.sh").write_text("echo the stand-in\n")
     (shim / "table").write_text(
-        "https://astral\\.sh/uv/0\\.7\\.13/install\\.sh\t" + f"{shim}/served.sh\n")
+        "https://astral\\.sh/uv/0\\.7\\.13/install\\.sh\t" + f"{shim}/served.sh\n"
+        "https://sh\\.rustup\\.rs/?\t" + f"{shim}/served.sh\n")
     for tool, script in (("curl", installers.CURL_SH), ("wget", installers.WGET_SH),
                          ("add-apt-repository", installers.ADD_APT_REPOSITORY_SH)):
         path = shim / "bin" / tool
@@ -101,7 +103,7 @@ def wrappers(tmp_path):
         (real / tool).chmod(0o755)
     tools = tmp_path / "tools"  # what the wrappers use, and no curl or wget of the host's
     tools.mkdir()
-    for tool in ("grep", "cat", "cp", "basename", "sh", "echo"):
+    for tool in ("grep", "cat", "cp", "basename", "dirname", "mkdir", "sh", "echo"):
         (tools / tool).symlink_to(shutil.which(tool))
     work = tmp_path / "work"
     work.mkdir()
@@ -122,7 +124,11 @@ URL = "https://astral.sh/uv/0.7.13/install.sh"
     (f"curl --proto '=https' --tlsv1.2 -sSf {URL}", "stdout"),
     (f"curl -fsSL {URL} -o /WORK/got.sh", "got.sh"),
     (f"curl -fsSLo got.sh {URL}", "got.sh"),
-    (f"curl -L --output=got.sh {URL}", "got.sh"),
+    (f"curl -L --output got.sh {URL}", "got.sh"),
+    (f"curl --output-dir sub -LO {URL}", "sub/install.sh"),
+    (f"curl -fsSL --create-dirs -o new/dir/got.sh {URL}", "new/dir/got.sh"),
+    (f"curl -H'Authorization: token x' -sSLo got.sh {URL}", "got.sh"),
+    (f"curl -AMozilla/5.0 {URL}", "stdout"),
     (f"curl -LO {URL}", "install.sh"),
     (f"curl -H 'Accept: */*' -x http://proxy.invalid:3128 {URL}", "stdout"),
     (f"wget -qO- {URL}", "stdout"),
@@ -130,6 +136,8 @@ URL = "https://astral.sh/uv/0.7.13/install.sh"
     (f"wget -O got.sh {URL}", "got.sh"),
     (f"wget {URL}", "install.sh"),
     (f"wget -P sub {URL}", "sub/install.sh"),
+    ("wget https://sh.rustup.rs", "index.html"),
+    (f"wget --referer https://example.org/ -O got.sh {URL}", "got.sh"),
 ])
 def test_a_served_url_is_served_where_the_tool_would_write_it(wrappers, command, where):
     run, tmp = wrappers
@@ -149,12 +157,26 @@ def test_a_served_url_is_served_where_the_tool_would_write_it(wrappers, command,
     "wget -q https://pypi.org/simple/",
     "curl --version",
     "add-apt-repository -y ppa:git-core/ppa",
+    f"curl -I {URL}",  # headers, a status code, two URLs, a method: the real tool's business
+    f"curl -sS -w %{{http_code}} -o /dev/null {URL}",
+    f"curl -o a.sh https://example.org/a.sh -o b.sh {URL}",
+    f"curl -XPOST {URL}",
+    f"curl --output=x {URL}",  # (not curl's syntax: the real one says so)
+    f"wget --spider {URL}",
 ])
 def test_anything_else_goes_to_the_real_tool_with_its_arguments_unchanged(wrappers, command):
     run, tmp = wrappers
     result = run(command)
     assert result.returncode == 0, result.stderr
     assert (tmp / "calls.txt").read_text() == command + "\n"
+
+
+def test_wget_does_not_overwrite_a_file_of_the_same_name(wrappers):
+    run, tmp = wrappers
+    (tmp / "work" / "install.sh").write_text("mine\n")
+    assert run(f"wget -q {URL}").returncode == 0
+    assert (tmp / "work" / "install.sh").read_text() == "mine\n"
+    assert (tmp / "work" / "install.sh.1").read_text() == "echo the stand-in\n"
 
 
 def test_the_deadsnakes_ppa_is_not_added_and_says_why(wrappers):
@@ -252,7 +274,17 @@ def test_the_uv_installer_puts_uv_where_the_vendors_does(tmp_path):
     install("0.4.30", True, tmp_path / "h2")
     assert (tmp_path / "h2/.cargo/bin/uv").exists() and (tmp_path / "h2/.cargo/env").exists()
     install("0.7.13", False, tmp_path / "h3", UV_INSTALL_DIR=str(tmp_path / "opt"))
-    assert (tmp_path / "opt/uv").exists()
+    assert (tmp_path / "opt/uv").exists() and (tmp_path / "opt/env").exists()
+    install("0.4.30", True, tmp_path / "h6", UV_INSTALL_DIR=str(tmp_path / "old"))
+    assert (tmp_path / "old/bin/uv").exists() and (tmp_path / "old/env").exists()
+    install("0.7.13", False, tmp_path / "h7", UV_INSTALL_DIR=str(tmp_path / "h7/.cargo"),
+            UV_UNMANAGED_INSTALL=str(tmp_path / "ignored"))
+    assert (tmp_path / "h7/.cargo/bin/uv").exists() and not (tmp_path / "ignored").exists()
+    onpath = tmp_path / "onpath"
+    install("0.7.13", False, tmp_path / "h8", UV_INSTALL_DIR=str(onpath),
+            PATH=f"{onpath}:/usr/bin:/bin")
+    assert (onpath / "uv").exists() and not (onpath / "env").exists()
+    assert not (tmp_path / "h8/.profile").exists()
     install("0.7.13", False, tmp_path / "h4", "--no-modify-path",
             XDG_BIN_HOME=str(tmp_path / "xdg"))
     assert (tmp_path / "xdg/uv").exists() and not (tmp_path / "h4/.profile").exists()
@@ -305,3 +337,14 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
     assert served.startswith(installers.SHIM_DIR + "/files/")
     assert "uv 0.7.13" in (shim / served[len(installers.SHIM_DIR) + 1:]).read_text()
     assert (shim / "uv-0.7.13" / "uvx").read_text() == "0.7.13"
+
+
+def test_versions_from_arg_and_env_and_urls_in_heredocs_get_stand_ins(monkeypatch):
+    monkeypatch.delenv(installers.MODE_ENV, raising=False)
+    found = installers.find(_stages(
+        "FROM debian:bookworm\nARG GO_VERSION=1.22.5\nENV UV_VERSION=0.6.3\n"
+        'RUN curl -fsSLo go.tgz "https://go.dev/dl/go${GO_VERSION}.linux-amd64.tar.gz"\n'
+        "RUN <<EOF\ncurl -LsSf https://astral.sh/uv/$UV_VERSION/install.sh | sh\nEOF\n"))
+    assert [(s.kind, s.url, s.version) for s in found] == [
+        ("go", "https://go.dev/dl/go1.22.5.linux-amd64.tar.gz", "1.22.5"),
+        ("uv", "https://astral.sh/uv/0.6.3/install.sh", "0.6.3")]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandfleet import sif
-from tmax.images import verifier_tools
+from tmax.images import installers, verifier_tools
 from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.builders import Builder
 from tmax.images.definition import (
@@ -150,9 +150,11 @@ class ImageBuilds:
         tdef = task_definition(task.environment_dir, self.bases.resolve, self.base_workdir)
         base_digest = self.base_digest(tdef.base)
         verifier = verifier_tools.plan(task.tests_dir)
+        stand_ins = installers.stamp(installers.find(s for s, _ in tdef.stages))
         digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
                            tdef.workdir, tree_digest(task.environment_dir),
-                           *([verifier.digest_text()] if verifier else []))
+                           *([verifier.digest_text()] if verifier else []),
+                           *([stand_ins] if stand_ins else []))  # (every stage's)
         return Plan(task, tdef, tdef.base, base_digest, digest, verifier)
 
     # ------------------------------------------------------------------ bases

@@ -92,7 +92,7 @@ def stage_script(stage: Stage) -> str:
            + '"']
     stand_ins = installers.find([stage])
     if stand_ins:  # (the format and URLs: in the digest of the image, as the script is)
-        out.append(f"# {installers.FORMAT}: {installers.shown(stand_ins)}")
+        out.append(f"# {installers.stamp(stand_ins)}")
     for step in stage.steps:
         if isinstance(step, Workdir):
             out.append(f"# line {step.line}: WORKDIR {step.path}")

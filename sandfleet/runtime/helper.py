@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
@@ -160,6 +161,39 @@ def make_disk(image: str, mountpoint: str, storage_mb: int) -> None:
     run(["mount", "-t", "ext4", "-o", "loop,nodev,nosuid,noatime", image, mountpoint])
 
 
+HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+
+
+def localhost(lower: str, upper: str, owner: int, hostname: str) -> None:
+    """An /etc/hosts in the sandbox's own layer that names localhost and the sandbox
+    (Docker writes one for every container; a debootstrapped image has an empty one, and
+    then `localhost` does not resolve), the image's own lines after it; nothing where the
+    image's already names localhost. The image's file is read without following a link
+    (the image is not trusted to point the host at its files)."""
+    etc = os.path.join(lower, "etc")
+    try:
+        if not stat.S_ISDIR(os.lstat(etc).st_mode):
+            return
+        fd = os.open(os.path.join(etc, "hosts"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            text = os.read(fd, 1 << 16).decode(errors="replace") \
+                if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+        finally:
+            os.close(fd)
+    except OSError:  # none, or a link
+        text = ""
+    if any("localhost" in line.split("#")[0].split()[1:] for line in text.splitlines()):
+        return
+    os.mkdir(os.path.join(upper, "etc"), 0o755)
+    os.chown(os.path.join(upper, "etc"), owner, owner)
+    name = hostname if hostname.replace("-", "").replace(".", "").isalnum() else "sandbox"
+    fd = os.open(os.path.join(upper, "etc", "hosts"),
+                 os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(HOSTS + f"127.0.1.1\t{name}\n" + text)
+    os.chown(os.path.join(upper, "etc", "hosts"), owner, owner)
+
+
 def seal(spec: dict) -> list[str]:
     """Steps 1-5 of the module doc; the argv to exec."""
     private_mount_namespace()
@@ -188,6 +222,7 @@ def seal(spec: dict) -> list[str]:
         finally:
             os.close(fd)
     os.chown(upper, spec["uid_base"], spec["uid_base"])
+    localhost(lower, upper, spec["uid_base"], spec.get("hostname", "sandbox"))
     run(["mount", "-t", "overlay", "overlay", "-o",
          f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
     tools = os.path.join(root, VERIFIER_TOOLS.lstrip("/"))

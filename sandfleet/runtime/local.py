@@ -34,7 +34,9 @@ Enforced (threat model: an untrusted agent as root inside, a semi-trusted image)
   sys_ptrace, net_admin, sys_resource, sys_time. /proc/sys and /proc/sysrq-trigger are
   read-only (and owned by host root, which the sandbox is not); /sys is absent.
 - Filesystem: only the overlay root plus a fresh /dev and /proc; nothing of the host. The
-  image and the cache are never written. Mounted ``nodev``.
+  image and the cache are never written. Mounted ``nodev``. Where the image's /etc/hosts
+  does not name localhost, the sandbox's layer gets Docker's lines (localhost, the
+  sandbox's hostname) before the image's (``helper.localhost``).
 - Fresh pid, mount, ipc, uts, cgroup and (unless ``spec.network``) net namespaces; a new
   session (no terminal injection); a clean environment: the image's
   /.singularity.d/env/{10-docker2singularity,90-environment}.sh sourced, then
@@ -632,7 +634,8 @@ class LocalRuntime(CommandRuntime):
                 "offset": part.offset, "size": part.size, "uid_base": record.uid_base,
                 "uid_count": UID_COUNT, "storage_mb": spec.storage_mb,
                 "cgroup_procs": self._procs_files(record), "root": str(self.mnt / "root"),
-                "image_dir": str(self.mnt / "image"), "close_fds": [slot]}
+                "image_dir": str(self.mnt / "image"), "close_fds": [slot],
+                "hostname": spec.hostname}
         argv = init_argv(lifetime_s=spec.max_lifetime_s, seal=seal, network=spec.network,
                          hostname=spec.hostname, info_fd=info_w, block_fd=block_r,
                          env_fd=env_w)

@@ -1155,3 +1155,18 @@ def test_an_images_own_hosts_file_is_kept_and_a_link_is_not_followed(tmp_path):
     (upper / "etc").rmdir()
     localhost(str(lower), str(upper), os.getuid(), "box")
     assert "not-for-the-sandbox" not in (upper / "etc" / "hosts").read_text()
+
+
+def test_a_networked_sandbox_gets_the_nodes_resolver_where_the_image_has_none(tmp_path):
+    from sandfleet.runtime.helper import resolver
+
+    lower, upper, host = tmp_path / "lower", tmp_path / "upper", tmp_path / "resolv.conf"
+    (lower / "etc").mkdir(parents=True)
+    upper.mkdir()
+    host.write_text("nameserver 10.1.2.3\n")
+    (lower / "etc" / "resolv.conf").write_text("nameserver 9.9.9.9\n")
+    resolver(str(lower), str(upper), os.getuid(), str(host))
+    assert not (upper / "etc").exists()  # the image's own: kept
+    (lower / "etc" / "resolv.conf").write_text("")
+    resolver(str(lower), str(upper), os.getuid(), str(host))
+    assert (upper / "etc" / "resolv.conf").read_text() == "nameserver 10.1.2.3\n"

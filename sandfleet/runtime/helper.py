@@ -170,28 +170,55 @@ def localhost(lower: str, upper: str, owner: int, hostname: str) -> None:
     then `localhost` does not resolve), the image's own lines after it; nothing where the
     image's already names localhost. The image's file is read without following a link
     (the image is not trusted to point the host at its files)."""
+    text = _image_file(lower, "hosts")
+    if text is None or any("localhost" in line.split("#")[0].split()[1:]
+                           for line in text.splitlines()):
+        return
+    name = hostname if hostname.replace("-", "").replace(".", "").isalnum() else "sandbox"
+    _layer_file(upper, "hosts", HOSTS + f"127.0.1.1\t{name}\n" + text, owner)
+
+
+def _image_file(lower: str, name: str) -> str | None:
+    """The text of the image's /etc/<name> ('' when empty or absent), read without following
+    a link; None when /etc is not a real directory of the image."""
     etc = os.path.join(lower, "etc")
     try:
         if not stat.S_ISDIR(os.lstat(etc).st_mode):
-            return
-        fd = os.open(os.path.join(etc, "hosts"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            text = os.read(fd, 1 << 16).decode(errors="replace") \
-                if stat.S_ISREG(os.fstat(fd).st_mode) else ""
-        finally:
-            os.close(fd)
+            return None
+        fd = os.open(os.path.join(etc, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:  # none, or a link
-        text = ""
-    if any("localhost" in line.split("#")[0].split()[1:] for line in text.splitlines()):
-        return
-    os.mkdir(os.path.join(upper, "etc"), 0o755)
-    os.chown(os.path.join(upper, "etc"), owner, owner)
-    name = hostname if hostname.replace("-", "").replace(".", "").isalnum() else "sandbox"
-    fd = os.open(os.path.join(upper, "etc", "hosts"),
-                 os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+        return ""
+    try:
+        return os.read(fd, 1 << 16).decode(errors="replace") \
+            if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+    finally:
+        os.close(fd)
+
+
+def _layer_file(upper: str, name: str, text: str, owner: int) -> None:
+    """/etc/<name> in the sandbox's own layer, owned by its root."""
+    etc = os.path.join(upper, "etc")
+    if not os.path.isdir(etc):
+        os.mkdir(etc, 0o755)
+        os.chown(etc, owner, owner)
+    fd = os.open(os.path.join(etc, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW,
+                 0o644)
     with os.fdopen(fd, "w") as f:
-        f.write(HOSTS + f"127.0.1.1\t{name}\n" + text)
-    os.chown(os.path.join(upper, "etc", "hosts"), owner, owner)
+        f.write(text)
+    os.chown(os.path.join(etc, name), owner, owner)
+
+
+def resolver(lower: str, upper: str, owner: int, host: str = "/etc/resolv.conf") -> None:
+    """With the network, the host's /etc/resolv.conf where the image's is empty (as Docker
+    gives a container its host's): names resolve as on the node."""
+    text = _image_file(lower, "resolv.conf")
+    if text is None or text.strip():
+        return
+    try:
+        with open(host) as f:
+            _layer_file(upper, "resolv.conf", f.read(1 << 16), owner)
+    except OSError:
+        pass
 
 
 def seal(spec: dict) -> list[str]:
@@ -223,6 +250,8 @@ def seal(spec: dict) -> list[str]:
             os.close(fd)
     os.chown(upper, spec["uid_base"], spec["uid_base"])
     localhost(lower, upper, spec["uid_base"], spec.get("hostname", "sandbox"))
+    if spec.get("network"):
+        resolver(lower, upper, spec["uid_base"])
     run(["mount", "-t", "overlay", "overlay", "-o",
          f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
     tools = os.path.join(root, VERIFIER_TOOLS.lstrip("/"))

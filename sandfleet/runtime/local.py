@@ -36,7 +36,8 @@ Enforced (threat model: an untrusted agent as root inside, a semi-trusted image)
 - Filesystem: only the overlay root plus a fresh /dev and /proc; nothing of the host. The
   image and the cache are never written. Mounted ``nodev``. Where the image's /etc/hosts
   does not name localhost, the sandbox's layer gets Docker's lines (localhost, the
-  sandbox's hostname) before the image's (``helper.localhost``).
+  sandbox's hostname) before the image's (``helper.localhost``); with the network, the
+  node's /etc/resolv.conf where the image's is empty (``helper.resolver``).
 - Fresh pid, mount, ipc, uts, cgroup and (unless ``spec.network``) net namespaces; a new
   session (no terminal injection); a clean environment: the image's
   /.singularity.d/env/{10-docker2singularity,90-environment}.sh sourced, then
@@ -635,7 +636,7 @@ class LocalRuntime(CommandRuntime):
                 "uid_count": UID_COUNT, "storage_mb": spec.storage_mb,
                 "cgroup_procs": self._procs_files(record), "root": str(self.mnt / "root"),
                 "image_dir": str(self.mnt / "image"), "close_fds": [slot],
-                "hostname": spec.hostname}
+                "hostname": spec.hostname, "network": spec.network}
         argv = init_argv(lifetime_s=spec.max_lifetime_s, seal=seal, network=spec.network,
                          hostname=spec.hostname, info_fd=info_w, block_fd=block_r,
                          env_fd=env_w)

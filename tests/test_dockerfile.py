@@ -355,3 +355,26 @@ def test_add_of_a_url_is_fetched_at_staging(tmp_path):
         thread.join()
     fetched = tmp_path / "staged" / "c2" / "0" / "tool.txt"
     assert fetched.read_text() == "fetched\n" and fetched.stat().st_mode & 0o777 == 0o600
+
+
+def test_path_starts_as_the_base_images_path(tmp_path):
+    """`ENV PATH=/root/.local/bin:${PATH}` over golang:*-bookworm keeps the Go image's
+    /usr/local/go/bin, as over the real image (a real TB2 task lost `go` when ${PATH} was
+    the default PATH); a Dockerfile that sets no PATH leaves the base's in place."""
+    from tmax.images.store import ImageStore
+
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), LocalBuilder(tmp_path / "cache"))
+    go_path = builds.base_path("golang-bookworm")
+    assert go_path.startswith("/go/bin:/usr/local/go/bin:")
+    task = make_task(tmp_path / "a", **{"environment/Dockerfile":
+                                        "FROM golang:1.22-bookworm\n"
+                                        "ENV PATH=\"/root/.local/bin:${PATH}\"\nRUN go version\n"})
+    final = builds.plan(load_task(task)).definition.stages[-1][0]
+    assert final.env["PATH"] == f"/root/.local/bin:{go_path}"
+    (run,) = [s for s in final.steps if isinstance(s, Run)]
+    assert dict(run.env)["PATH"] == f"/root/.local/bin:{go_path}"
+    task = make_task(tmp_path / "b", **{"environment/Dockerfile":
+                                        "FROM rust:1.83-slim\nRUN cargo --version\n"})
+    assert builds.plan(load_task(task)).definition.stages[-1][0].env["PATH"] == \
+        builds.base_path("rust") and "/usr/local/cargo/bin" in builds.base_path("rust")
+    assert parse("FROM x\nENV PATH=/a:$PATH\n").final.env["PATH"] == f"/a:{DEFAULT_PATH}"

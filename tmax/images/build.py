@@ -18,12 +18,13 @@ from tmax.images import installers, verifier_tools
 from tmax.images.bases import BaseMappingError, BaseTable
 from tmax.images.builders import Builder
 from tmax.images.definition import (
+    Definition,
     TaskDefinition,
     labelled_workdir,
     parse_definition,
     task_definition,
 )
-from tmax.images.rootfs import BuildError, remove_tree
+from tmax.images.rootfs import BuildError, environment_of, remove_tree
 from tmax.images.store import (
     BaseEntry,
     Checks,
@@ -95,6 +96,7 @@ class ImageBuilds:
         self.store, self.builder, self.images_dir = store, builder, images_dir
         self.bases = BaseTable.load(base_table, user_map=base_map, images_dir=images_dir)
         self.checker = checker
+        self._paths: dict[str, str] = {}
         self._failed_bases: dict[str, str] | None = None
         """During build_all: the bases that failed (not retried for each of their tasks)."""
 
@@ -146,8 +148,19 @@ class ImageBuilds:
                 return workdir
         return "/"
 
+    def base_path(self, base: str) -> str:
+        """A base's PATH as its image sets it (the %environment of its chain, parent
+        first): what a Dockerfile's ``${PATH}`` is over it, as over the real image."""
+        if base not in self._paths:
+            script = "\n".join(parse_definition(self.base_text(name)).sections.get(
+                "environment", "") for name in self.base_chain(base))
+            env = environment_of(Definition({}, {"environment": script}))
+            self._paths[base] = env.get("PATH", "")
+        return self._paths[base]
+
     def plan(self, task: Task) -> Plan:
-        tdef = task_definition(task.environment_dir, self.bases.resolve, self.base_workdir)
+        tdef = task_definition(task.environment_dir, self.bases.resolve, self.base_workdir,
+                               self.base_path)
         base_digest = self.base_digest(tdef.base)
         verifier = verifier_tools.plan(task.tests_dir)
         stand_ins = installers.stamp(installers.find(s for s, _ in tdef.stages))

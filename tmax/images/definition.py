@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tmax.images.dockerbuild import STAGING, environment_section, stage_script
 from tmax.tasks.dockerfile import Stage
+from tmax.tasks.dockerfile import DEFAULT_PATH
 from tmax.tasks.dockerfile import parse as parse_dockerfile
 
 
@@ -86,12 +87,13 @@ class TaskDefinition:
 
 
 def task_definition(env_dir: Path, resolve: Callable[[str], str],
-                    base_workdir: Callable[[str], str] = lambda base: "/") -> TaskDefinition:
+                    base_workdir: Callable[[str], str] = lambda base: "/",
+                    base_path: Callable[[str], str] | None = None) -> TaskDefinition:
     """The task's Apptainer definition and its base (``base_workdir``: a base's WORKDIR,
-    where a Dockerfile's relative paths start)."""
+    where a Dockerfile's relative paths start; ``base_path``: its PATH)."""
     if (env_dir / "Dockerfile").is_file():
         return dockerfile_definition((env_dir / "Dockerfile").read_text(errors="replace"),
-                                     resolve, base_workdir)
+                                     resolve, base_workdir, base_path)
     definition = parse_definition((env_dir / "container.def").read_text())
     bootstrap = definition.header.get("bootstrap", "").lower()
     if bootstrap not in ("docker", "localimage", "library", "oras", "shub"):
@@ -101,8 +103,8 @@ def task_definition(env_dir: Path, resolve: Callable[[str], str],
 
 
 def dockerfile_definition(text: str, resolve: Callable[[str], str],
-                          base_workdir: Callable[[str], str] = lambda base: "/"
-                          ) -> TaskDefinition:
+                          base_workdir: Callable[[str], str] = lambda base: "/",
+                          base_path: Callable[[str], str] | None = None) -> TaskDefinition:
     """A Dockerfile as a TaskDefinition (``DockerfileError`` for what cannot be built)."""
     bases: dict[str, str] = {}
 
@@ -110,7 +112,12 @@ def dockerfile_definition(text: str, resolve: Callable[[str], str],
         bases[image] = resolve(image)
         return base_workdir(bases[image])
 
-    parsed = parse_dockerfile(text, workdir_of)
+    def path_of(image: str) -> str:
+        if image not in bases:
+            bases[image] = resolve(image)
+        return base_path(bases[image]) if base_path else DEFAULT_PATH
+
+    parsed = parse_dockerfile(text, workdir_of, path_of)
     needed = parsed.needed()
     final = parsed.final
     sections = {"files": f"    {STAGING.lstrip('/')} {STAGING}", "post": _indent(stage_script(final))}

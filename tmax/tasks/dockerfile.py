@@ -307,8 +307,9 @@ def platform_args() -> dict[str, str]:
 
 
 class _Parser:
-    def __init__(self, workdir_of: Callable[[str], str]) -> None:
-        self.workdir_of = workdir_of
+    def __init__(self, workdir_of: Callable[[str], str],
+                 path_of: Callable[[str], str] = lambda image: DEFAULT_PATH) -> None:
+        self.workdir_of, self.path_of = workdir_of, path_of
         self.stages: list[Stage] = []
         self.global_args: dict[str, str] = {}
         self.args: dict[str, str] = {}  # the current stage's ARGs
@@ -357,13 +358,14 @@ class _Parser:
         if self._stage_index(image) is not None:
             raise DockerfileError(ins.line, f"FROM {image} (an earlier stage) is not "
                                   "supported; copy what you need with COPY --from")
+        path = self.path_of(image) or DEFAULT_PATH  # (the image's ENV PATH: ${PATH} is it)
         stage = Stage(len(self.stages), name.lower(), image, ins.line,
-                      env={"PATH": DEFAULT_PATH}, workdir=self.workdir_of(image))
+                      env={"PATH": path}, workdir=self.workdir_of(image))
         if "platform" in flags:
             stage.notes.append(f"line {ins.line}: --platform={flags['platform']} ignored "
                                "(images are built for this machine)")
         self.stages.append(stage)
-        self.args, self.env = {}, {"PATH": DEFAULT_PATH}
+        self.args, self.env = {}, {"PATH": path}
         self.shell = ["/bin/sh", "-c"]
 
     def arg(self, ins: Instruction) -> None:
@@ -474,10 +476,12 @@ class _Parser:
         return None
 
 
-def parse(text: str, workdir_of: Callable[[str], str] = lambda image: "/") -> Dockerfile:
+def parse(text: str, workdir_of: Callable[[str], str] = lambda image: "/",
+          path_of: Callable[[str], str] = lambda image: DEFAULT_PATH) -> Dockerfile:
     """The stages of a Dockerfile; ``DockerfileError`` (with its line) for what TMax cannot
-    build. ``workdir_of``: a FROM image's WORKDIR (where relative paths start)."""
-    parser = _Parser(workdir_of)
+    build. ``workdir_of``: a FROM image's WORKDIR (where relative paths start); ``path_of``:
+    its PATH (what ``${PATH}`` is until the Dockerfile sets it, and what RUN steps get)."""
+    parser = _Parser(workdir_of, path_of)
     for ins in instructions(text):
         parser.instruction(ins)
     if not parser.stages:

@@ -378,3 +378,20 @@ def test_path_starts_as_the_base_images_path(tmp_path):
     assert builds.plan(load_task(task)).definition.stages[-1][0].env["PATH"] == \
         builds.base_path("rust") and "/usr/local/cargo/bin" in builds.base_path("rust")
     assert parse("FROM x\nENV PATH=/a:$PATH\n").final.env["PATH"] == f"/a:{DEFAULT_PATH}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_pip_installs_system_wide_after_apt_reinstalls_python(tmp_path, image_store):
+    """python:3.x and ubuntu:22.04 have no PEP 668 marker, so `pip install` works there; the
+    Debian stand-ins keep it away even when apt (re)installs Python's standard library, as
+    an upgrade from -updates/-security does (a real TB1 task's `pip3 install` failed so)."""
+    result, store = _build(tmp_path, image_store,
+                           "FROM python:3.11-slim\nRUN apt-get update -qq && apt-get install "
+                           "-y -qq --reinstall libpython3.11-stdlib && pip install -q "
+                           "--no-cache-dir six==1.16.0 && python -c 'import six' && "
+                           "ls /usr/lib/python3.11/EXTERNALLY-MANAGED || echo absent > /pep668\n",
+                           {})
+    assert result.status == "built", result.error
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(store.path(store.read().tasks["demo"].sif), "/pep668", out) == "absent\n"

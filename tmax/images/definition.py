@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.images.dockerbuild import STAGING, environment_section, stage_script
-from tmax.tasks.dockerfile import Stage
-from tmax.tasks.dockerfile import DEFAULT_PATH
+from tmax.tasks.dockerfile import DEFAULT_PATH, Stage
 from tmax.tasks.dockerfile import parse as parse_dockerfile
 
 

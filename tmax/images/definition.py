@@ -107,14 +107,16 @@ def dockerfile_definition(text: str, resolve: Callable[[str], str],
     """A Dockerfile as a TaskDefinition (``DockerfileError`` for what cannot be built)."""
     bases: dict[str, str] = {}
 
-    def workdir_of(image: str) -> str:
-        bases[image] = resolve(image)
-        return base_workdir(bases[image])
-
-    def path_of(image: str) -> str:
+    def base_of(image: str) -> str:
         if image not in bases:
             bases[image] = resolve(image)
-        return base_path(bases[image]) if base_path else DEFAULT_PATH
+        return bases[image]
+
+    def workdir_of(image: str) -> str:
+        return base_workdir(base_of(image))
+
+    def path_of(image: str) -> str:
+        return base_path(base_of(image)) if base_path else DEFAULT_PATH
 
     parsed = parse_dockerfile(text, workdir_of, path_of)
     needed = parsed.needed()

@@ -355,25 +355,20 @@ COMMON_SH = r"""#!/bin/sh
 # TMax build-time wrapper (tmax.images.installers): URLs with a stand-in are served from
 # the build's staging folder; everything else goes to the image's own tool.
 tmax_dir=@SHIM_DIR@
-tmax_real() {
-    tool=$1; shift
+tmax_which() {  # the image's own $1 on PATH (this wrapper's folder skipped), or nothing
     oldifs=$IFS; IFS=:
     for d in $PATH; do
         [ "$d" = "$tmax_dir/bin" ] && continue
-        if [ -x "$d/$tool" ] && [ ! -d "$d/$tool" ]; then IFS=$oldifs; exec "$d/$tool" "$@"; fi
-    done
-    IFS=$oldifs
-    echo "$tool: not found" >&2
-    exit 127
-}
-tmax_has_real() {
-    oldifs=$IFS; IFS=:
-    for d in $PATH; do
-        [ "$d" = "$tmax_dir/bin" ] && continue
-        if [ -x "$d/$1" ] && [ ! -d "$d/$1" ]; then IFS=$oldifs; return 0; fi
+        if [ -x "$d/$1" ] && [ ! -d "$d/$1" ]; then IFS=$oldifs; echo "$d/$1"; return 0; fi
     done
     IFS=$oldifs
     return 1
+}
+tmax_has_real() { tmax_which "$1" >/dev/null; }
+tmax_real() {
+    tool=$1; shift
+    real=$(tmax_which "$tool") || { echo "$tool: not found" >&2; exit 127; }
+    exec "$real" "$@"
 }
 tmax_serve() {
     tab=$(printf '\t')

@@ -131,16 +131,38 @@ def example_fleet(tmp_path_factory):
         yield fleet
 
 
+def store_with_base(root: Path, base_store, base: str = "debian-slim"):
+    """A fresh store at ``root`` holding ``base_store``'s ``base`` (hard-linked, no
+    rebuild)."""
+    from tmax.images.store import ImageStore
+
+    store = ImageStore(root)
+    link_base(store, base_store, base)
+    return store
+
+
+def link_base(store, base_store, base: str) -> None:
+    """``base_store``'s entry of ``base`` into ``store``, its SIF hard-linked."""
+    entry = base_store.read().bases[base]
+    os.link(base_store.path(entry.sif), store.path(entry.sif))
+    store.update(lambda m: m.bases.__setitem__(base, entry))
+
+
+def checked_local_builds(store):
+    """ImageBuilds on ``store`` with the local builder and the local runtime's checks,
+    caches in ~/.cache/tmax (or $TMAX_TEST_CACHE)."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    return ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+
+
 @pytest.fixture
 def image_store(tmp_path, base_store):
     """A fresh, empty store that already holds the base (hard-linked, no rebuild)."""
-    from tmax.images.store import ImageStore
-
-    store = ImageStore(tmp_path / "store")
-    entry = base_store.read().bases["debian-slim"]
-    os.link(base_store.path(entry.sif), store.path(entry.sif))
-    store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
-    return store
+    return store_with_base(tmp_path / "store", base_store)
 
 
 # Tests that build images, bring up a Slurm cluster or a fleet of several nodes, or train:

@@ -3,6 +3,7 @@ bases (digest and parent-first builds), the apt mirror of other Debian releases.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,11 @@ IMAGES = REPO / "images"
     ("python:3.11-slim", "debian-slim"),
     ("python:3.10-slim-bullseye", "debian-slim"),
     ("python:3.9", "debian-slim"),
-    ("python:3.12.7-slim-bookworm", "debian-trixie"),
+    ("python:3.12.7-slim-bookworm", "python-3.12"),
     ("python:3.13-slim", "debian-trixie"),
     ("python:3", "debian-trixie"),
     ("docker.io/library/python:3.11-slim@sha256:" + "ab" * 32, "debian-slim"),
-    ("docker.io/python:3.12", "debian-trixie"),
+    ("docker.io/python:3.12", "python-3.12"),
     ("index.docker.io/library/python:3.13-bookworm", "debian-trixie"),
     ("library/python:3.10", "debian-slim"),
     ("mirror.gcr.io/library/python:3.11", "debian-slim"),
@@ -50,17 +51,17 @@ IMAGES = REPO / "images"
     ("golang:1.24", "golang"),
     ("golang:bookworm", "golang-bookworm"),
     ("rust:1.83-slim", "rust"),
-    ("ubuntu:24.04", "debian-trixie"),
-    ("ubuntu:noble-20240605", "debian-trixie"),
-    ("ubuntu", "debian-trixie"),  # latest
-    ("ubuntu@sha256:" + "0f" * 32, "debian-trixie"),  # a digest only: latest
-    ("ubuntu:22.04", "debian-slim"),
-    ("ubuntu:jammy", "debian-slim"),
-    ("ubuntu:20.04", "debian-slim"),
+    ("ubuntu:24.04", "ubuntu-noble"),
+    ("ubuntu:noble-20240605", "ubuntu-noble"),
+    ("ubuntu", "ubuntu-noble"),  # latest
+    ("ubuntu@sha256:" + "0f" * 32, "ubuntu-noble"),  # a digest only: latest
+    ("ubuntu:22.04", "ubuntu-jammy"),
+    ("ubuntu:jammy", "ubuntu-jammy"),
+    ("ubuntu:20.04", "ubuntu-jammy"),
     ("debian:bookworm-slim", "debian-slim"),
     ("debian:trixie-slim", "debian-trixie"),
     ("debian:stable-slim", "debian-trixie"),
-    ("buildpack-deps:jammy", "buildpack-deps-bookworm"),
+    ("buildpack-deps:jammy", "buildpack-deps-jammy"),
     ("buildpack-deps:bookworm-scm", "buildpack-deps-bookworm"),
     ("buildpack-deps:noble", "buildpack-deps-trixie"),
     ("gcc:12.4", "buildpack-deps-bookworm"),
@@ -158,7 +159,7 @@ def test_unmapped_image_is_one_clear_error(tmp_path):
     listed = {line.split(":")[0].strip() for line in families}
     assert listed == {p.stem for p in IMAGES.glob("*.def")}
     assert any(line.startswith("  node: node:*") for line in families)
-    assert any("ubuntu:24.04*" in line for line in families if "debian-trixie" in line)
+    assert any("ubuntu:24.04*" in line for line in families if "ubuntu-noble" in line)
 
 
 # --------------------------------------------------------------------------- user map
@@ -358,6 +359,121 @@ def test_apt_mirror_of_an_unlisted_release_is_a_listed_releases(tmp_path):
         "Types: deb\nURIs: http://sec.example/debian-security\nSuites: bookworm-security\n")
     with pytest.raises(BuildError, match="no deb source for suite 'trixie' .*--mirror"):
         apt_mirror("trixie", tmp_path)  # neither security nor a vendor's archive will do
+
+
+def test_ubuntu_bases_take_ubuntus_archive_not_the_debian_mirror(tmp_path, monkeypatch):
+    from tmax.images import rootfs
+    from tmax.images.builders import _mirror_for
+
+    monkeypatch.delenv(rootfs.UBUNTU_MIRROR_ENV, raising=False)
+    (tmp_path / "sources.list").write_text("deb http://mirror.example/debian bookworm main\n")
+    monkeypatch.setattr(rootfs.platform, "machine", lambda: "x86_64")
+    assert apt_mirror("noble", tmp_path) == "http://archive.ubuntu.com/ubuntu"
+    monkeypatch.setattr(rootfs.platform, "machine", lambda: "aarch64")
+    assert apt_mirror("jammy", tmp_path) == "http://ports.ubuntu.com/ubuntu-ports"
+    (tmp_path / "sources.list").write_text("deb [arch=amd64] http://ubuntu.example/ubuntu/ "
+                                           "jammy main\n")  # an Ubuntu host's own archive
+    assert apt_mirror("noble", tmp_path) == "http://ubuntu.example/ubuntu"
+    monkeypatch.setenv(rootfs.UBUNTU_MIRROR_ENV, "http://local.example/ubuntu/")
+    assert apt_mirror("noble", tmp_path) == "http://local.example/ubuntu"
+    # --mirror is Debian's: an Ubuntu base keeps Ubuntu's archive
+    noble, slim = (IMAGES / "ubuntu-noble.def").read_text(), (IMAGES / "debian-slim.def").read_text()
+    assert _mirror_for(noble, "http://mirror.example/debian") == "http://local.example/ubuntu"
+    assert _mirror_for(slim, "http://mirror.example/debian") == "http://mirror.example/debian"
+
+
+def _fake_debootstrap(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "debootstrap").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_FILE"\n'
+                                         'for a; do last2=$last; last=$a; done\n'
+                                         'mkdir -p "$4" "$5" 2>/dev/null; exit 0\n')
+    (bin_dir / "debootstrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("ARGV_FILE", str(tmp_path / "argv"))
+
+
+def test_ubuntu_debootstrap_is_checked_with_ubuntus_keyring(tmp_path, monkeypatch):
+    """A release newer than the host's debootstrap knows gets the script every Ubuntu
+    release uses, and the Release file is checked against Ubuntu's keyring."""
+    from tmax.images import rootfs
+
+    _fake_debootstrap(tmp_path, monkeypatch)
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "gutsy").write_text("")
+    monkeypatch.setattr(rootfs, "DEBOOTSTRAP_SCRIPTS", scripts)
+    definition = parse_definition("Bootstrap: debootstrap\nOSVersion: noble\n"
+                                  "Include: python3 ca-certificates\n")
+    dest = tmp_path / "root"
+    rootfs.debootstrap_base(definition, dest, "http://u.example/ubuntu", tmp_path / "log",
+                            keyring=Path("/k/ubuntu.gpg"))
+    assert (tmp_path / "argv").read_text().split("\n")[:-1] == [
+        "--variant=minbase", "--include=python3,ca-certificates", "--keyring=/k/ubuntu.gpg",
+        "noble", str(dest), "http://u.example/ubuntu", str(scripts / "gutsy")]
+    (scripts / "noble").write_text("")  # a debootstrap that knows it: its own script
+    rootfs.debootstrap_base(definition, tmp_path / "root2", "http://u.example/ubuntu",
+                            tmp_path / "log", keyring=Path("/k/ubuntu.gpg"))
+    assert (tmp_path / "argv").read_text().split("\n")[-2] == "http://u.example/ubuntu"
+
+
+def test_ubuntu_keyring_is_fetched_once_and_only_when_its_digest_is_pinned(tmp_path,
+                                                                           monkeypatch):
+    import hashlib
+    import http.server
+    import subprocess
+    import threading
+
+    from tmax.images import rootfs
+
+    pkg = tmp_path / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text(
+        "Package: ubuntu-keyring\nVersion: 1\nArchitecture: all\nMaintainer: t <t@t>\n"
+        "Description: test\n")
+    (pkg / "usr/share/keyrings").mkdir(parents=True)
+    (pkg / "usr/share/keyrings/ubuntu-archive-keyring.gpg").write_bytes(b"KEYS")
+    served = tmp_path / "www" / "pool"
+    served.mkdir(parents=True)
+    subprocess.run(["dpkg-deb", "--build", "-Zgzip", str(pkg), str(served / "k.deb")],
+                   check=True, capture_output=True)
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(  # noqa: E731
+        *a, directory=str(tmp_path / "www"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    mirror = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(rootfs, "UBUNTU_KEYRING", tmp_path / "absent.gpg")
+    log = tmp_path / "log"
+    try:
+        monkeypatch.setattr(rootfs, "UBUNTU_KEYRING_DEB", ("pool/k.deb", "0" * 64))
+        with pytest.raises(BuildError, match="not the expected package"):
+            rootfs.ubuntu_keyring(tmp_path / "cache", mirror, log)
+        assert not (tmp_path / "cache" / "keyrings" / "ubuntu-archive-keyring.gpg").exists()
+        digest = hashlib.sha256((served / "k.deb").read_bytes()).hexdigest()
+        monkeypatch.setattr(rootfs, "UBUNTU_KEYRING_DEB", ("pool/k.deb", digest))
+        kept = rootfs.ubuntu_keyring(tmp_path / "cache", mirror, log)
+        assert kept == tmp_path / "cache" / "keyrings" / "ubuntu-archive-keyring.gpg"
+        assert kept.read_bytes() == b"KEYS"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rootfs.ubuntu_keyring(tmp_path / "cache", mirror, log) == kept  # no server now
+    with pytest.raises(BuildError, match="cannot fetch .*ubuntu-keyring"):
+        rootfs.ubuntu_keyring(tmp_path / "other", mirror, log)
+    host = tmp_path / "host.gpg"
+    host.write_bytes(b"HOST")
+    monkeypatch.setattr(rootfs, "UBUNTU_KEYRING", host)  # an Ubuntu host's own keyring
+    assert rootfs.ubuntu_keyring(tmp_path / "other", mirror, log) == host
+
+
+def test_apptainer_refuses_an_ubuntu_base_it_could_not_check(tmp_path, monkeypatch):
+    from tmax.images import builders
+
+    monkeypatch.setattr(builders, "UBUNTU_KEYRING", tmp_path / "absent.gpg")
+    with pytest.raises(BuildError, match="Ubuntu's archive keyring at .*ubuntu-keyring"):
+        builders.ApptainerBuilder(apptainer="/nonexistent/apptainer").build_base(
+            (IMAGES / "ubuntu-noble.def").read_text(), tmp_path / "out.sif", tmp_path / "log",
+            timeout=60)
 
 
 # --------------------------------------------------------------------------- a real build

@@ -30,14 +30,17 @@ from tmax.images.dockerbuild import (
     step_error,
 )
 from tmax.images.rootfs import (
+    UBUNTU_KEYRING,
     BuildError,
     apt_mirror,
     copy_tree,
     debootstrap_base,
     finish_rootfs,
+    is_ubuntu,
     remove_tree,
     run_in_rootfs,
     run_logged,
+    ubuntu_keyring,
 )
 from tmax.tasks.confine import Escape, expand_source
 from tmax.tasks.dockerfile import Copy, Stage
@@ -58,9 +61,14 @@ class Builder(Protocol):
         ``verifier`` tools in it (tmax.images.verifier_tools)."""
 
 
+def _suite(definition_text: str) -> str:
+    return parse_definition(definition_text).header.get("osversion", "bookworm")
+
+
 def _mirror_for(definition_text: str, mirror: str | None) -> str:
-    suite = parse_definition(definition_text).header.get("osversion", "bookworm")
-    return mirror or apt_mirror(suite)
+    """``mirror`` (--mirror) is Debian's; an Ubuntu base's comes from ``ubuntu_mirror``."""
+    suite = _suite(definition_text)
+    return apt_mirror(suite) if is_ubuntu(suite) or not mirror else mirror
 
 
 def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -> Definition:
@@ -175,6 +183,12 @@ class ApptainerBuilder:
                 definition = parse_definition(definition_text)
                 definition.header["from"] = str(parent)
                 definition_text = definition.render()
+            if parent is None and is_ubuntu(_suite(definition_text)) and \
+                    not UBUNTU_KEYRING.is_file():  # else debootstrap goes on unchecked
+                raise BuildError("apptainer build (base)", f"an Ubuntu base needs Ubuntu's "
+                                 f"archive keyring at {UBUNTU_KEYRING} on this host (package "
+                                 "ubuntu-keyring), which Apptainer's debootstrap checks with",
+                                 log)
             deffile.write_text(definition_text)
             argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
                                         fakeroot=self.fakeroot,
@@ -195,7 +209,7 @@ class ApptainerBuilder:
             else:
                 definition = _task_definition_over(base_sif, task, env_dir)
                 if verifier:  # uv by %files, the preparation at the end of %post
-                    staged = verifier_tools.stage_uv(verifier.uv or verifier_tools.DEFAULT_UV, Path(tmp), log, timeout)
+                    staged = verifier_tools.stage(verifier, Path(tmp), log, timeout)
                     definition = verifier_tools.with_tools(definition, verifier, staged)
                 text = definition.render()
             deffile.write_text(text)
@@ -222,7 +236,7 @@ class ApptainerBuilder:
         # the verifier tools' preparation goes at the end of the final stage
         head, _, last = text.rpartition("Bootstrap: localimage")
         final = parse_definition("Bootstrap: localimage" + last)
-        staged = verifier_tools.stage_uv(verifier.uv or verifier_tools.DEFAULT_UV, tmp, log, timeout)
+        staged = verifier_tools.stage(verifier, tmp, log, timeout)
         final = verifier_tools.with_tools(final, verifier, staged)
         return head + final.render()
 
@@ -246,7 +260,9 @@ class LocalBuilder:
             if parent is None:
                 mirror = _mirror_for(definition_text, self.mirror)
                 definition = parse_definition(definition_text.replace("{{ MIRROR }}", mirror))
-                debootstrap_base(definition, rootfs, mirror, log, timeout)
+                keyring = ubuntu_keyring(self.cache_dir, mirror, log) \
+                    if is_ubuntu(_suite(definition_text)) else None
+                debootstrap_base(definition, rootfs, mirror, log, timeout, keyring)
             else:  # Bootstrap: localimage over another base: its %post, with the network
                 definition = parse_definition(definition_text)
                 rootfs.mkdir()

@@ -84,6 +84,19 @@ class TaskDefinition:
     stages: tuple[tuple[Stage, str], ...] = ()
     notes: tuple[str, ...] = ()
 
+    @property
+    def entrypoint(self) -> tuple[str, ...]:
+        """The final stage's ENTRYPOINT (a Dockerfile's; () for none)."""
+        return self.stages[-1][0].entrypoint if self.stages else ()
+
+    @property
+    def start_command(self) -> str:
+        """What a sandbox of the image runs first, in the background: its ENTRYPOINT as
+        Harbor starts it (tmax.tasks.dockerfile.entrypoint_command); "" for none."""
+        from tmax.tasks.dockerfile import entrypoint_command
+
+        return entrypoint_command(self.entrypoint, self.workdir)
+
 
 def task_definition(env_dir: Path, resolve: Callable[[str], str],
                     base_workdir: Callable[[str], str] = lambda base: "/",

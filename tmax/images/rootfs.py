@@ -7,13 +7,17 @@ shared only when asked (bases need it for apt; task layers get it like `docker b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import re
 import select
 import shutil
 import signal
 import subprocess
+import tempfile
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,10 +37,8 @@ class BuildError(Exception):
         super().__init__(f"{what}: {reason}" + (f" (log: {log})" if log else ""))
 
 
-def apt_mirror(suite: str = "bookworm", apt_dir: Path = Path("/etc/apt")) -> str:
-    """The Debian mirror this machine's apt uses for ``suite`` (deb822 or one-line sources);
-    a suite that is not listed falls back to the mirror of a listed Debian release (the
-    same archive serves all of them: a machine on bookworm builds trixie bases)."""
+def _sources(apt_dir: Path) -> list[tuple[str, list[str]]]:
+    """(uri, suites) of each deb source in ``apt_dir`` (deb822 or one-line)."""
     candidates: list[tuple[str, list[str]]] = []
     sources = [apt_dir / "sources.list"] + sorted((apt_dir / "sources.list.d").glob("*"))
     for path in sources:
@@ -58,16 +60,99 @@ def apt_mirror(suite: str = "bookworm", apt_dir: Path = Path("/etc/apt")) -> str
                 parts = re.sub(r"\[[^]]*\]", "", line).split()
                 if len(parts) >= 3 and parts[0] == "deb":
                     candidates.append((parts[1], [parts[2]]))
-    for uri, suites in candidates:
+    return candidates
+
+
+def _listed_mirror(suite: str, apt_dir: Path) -> str:
+    for uri, suites in _sources(apt_dir):
         if suite in suites:
             return uri.rstrip("/")
+    raise LookupError(suite)
+
+
+def apt_mirror(suite: str = "bookworm", apt_dir: Path = Path("/etc/apt")) -> str:
+    """The Debian mirror this machine's apt uses for ``suite`` (deb822 or one-line sources);
+    a suite that is not listed falls back to the mirror of a listed Debian release (the
+    same archive serves all of them: a machine on bookworm builds trixie bases). Ubuntu
+    suites: ``ubuntu_mirror``."""
+    if is_ubuntu(suite):
+        return ubuntu_mirror(apt_dir)
+    try:
+        return _listed_mirror(suite, apt_dir)
+    except LookupError:
+        pass
     releases = {"buster", "bullseye", "bookworm", "trixie", "forky", "sid", "oldstable",
                 "stable", "testing", "unstable"}  # the archive's own (not -security, vendors')
-    for uri, suites in candidates:  # one Debian archive serves every release
+    for uri, suites in _sources(apt_dir):  # one Debian archive serves every release
         if releases & set(suites):
             return uri.rstrip("/")
     raise BuildError("apt mirror", f"no deb source for suite {suite!r} (nor for any other "
                      f"Debian release) in {apt_dir}: configure apt, or pass --mirror")
+
+
+# Ubuntu releases a base may bootstrap (debootstrap's own scripts); their packages come from
+# Ubuntu's archive, not the Debian mirror.
+UBUNTU_SUITES = frozenset({"bionic", "focal", "jammy", "noble", "oracular", "plucky",
+                           "questing"})
+UBUNTU_MIRROR_ENV = "TMAX_UBUNTU_MIRROR"
+DEBOOTSTRAP_SCRIPTS = Path("/usr/share/debootstrap/scripts")
+UBUNTU_KEYRING = Path("/usr/share/keyrings/ubuntu-archive-keyring.gpg")
+# Where there is no Ubuntu keyring on the host (Debian has no ubuntu-keyring package), the
+# keyring comes from this package of noble's release pocket, which never changes; it is used
+# only when its SHA-256 is this one.
+UBUNTU_KEYRING_DEB = ("pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb",
+                      "36de43b15853ccae0028e9a767613770c704833f82586f28eb262f0311adb8a8")
+
+
+def is_ubuntu(suite: str) -> bool:
+    return suite in UBUNTU_SUITES
+
+
+def ubuntu_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+    """The Ubuntu archive for Ubuntu bases: ``$TMAX_UBUNTU_MIRROR``, else the one this
+    machine's apt lists (an Ubuntu host), else Ubuntu's own (ports.ubuntu.com off x86)."""
+    if os.environ.get(UBUNTU_MIRROR_ENV):
+        return os.environ[UBUNTU_MIRROR_ENV].rstrip("/")
+    for uri, suites in _sources(apt_dir):  # the archive itself, not a vendor's or a PPA's
+        if UBUNTU_SUITES & set(suites) and \
+                uri.rstrip("/").endswith(("/ubuntu", "/ubuntu-ports")) and "ppa" not in uri:
+            return uri.rstrip("/")
+    if platform.machine() in ("x86_64", "i686", "i386", "AMD64"):
+        return "http://archive.ubuntu.com/ubuntu"
+    return "http://ports.ubuntu.com/ubuntu-ports"
+
+
+def ubuntu_keyring(cache_dir: Path, mirror: str, log: Path, timeout: float = 300) -> Path:
+    """The keyring debootstrap checks an Ubuntu archive with: the host's (ubuntu-keyring),
+    else one taken once from Ubuntu's keyring package (pinned by its SHA-256) into
+    ``cache_dir``."""
+    if UBUNTU_KEYRING.is_file():
+        return UBUNTU_KEYRING
+    kept = Path(cache_dir) / "keyrings" / "ubuntu-archive-keyring.gpg"
+    if kept.is_file():
+        return kept
+    path, digest = UBUNTU_KEYRING_DEB
+    url = f"{mirror}/{path}"
+    with open(log, "a") as out:
+        out.write(f"fetching Ubuntu's archive keyring: {url}\n")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            data = response.read()
+    except OSError as e:
+        raise BuildError("ubuntu keyring", f"cannot fetch {url} ({e}): install Ubuntu's "
+                         f"archive keyring as {UBUNTU_KEYRING} (package ubuntu-keyring), or "
+                         f"set ${UBUNTU_MIRROR_ENV} to a mirror that has it", log) from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise BuildError("ubuntu keyring", f"{url} is not the expected package (SHA-256 "
+                         f"{hashlib.sha256(data).hexdigest()}, want {digest}): install "
+                         f"Ubuntu's archive keyring as {UBUNTU_KEYRING} yourself", log)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=kept.parent) as tmp:
+        deb = Path(tmp) / "keyring.deb"
+        deb.write_bytes(data)
+        run_logged(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], log, timeout, "ubuntu keyring")
+        os.replace(f"{tmp}/x/usr/share/keyrings/ubuntu-archive-keyring.gpg", kept)
+    return kept
 
 
 def run_logged(argv: list[str], log: Path, timeout: float, what: str, *,
@@ -212,14 +297,20 @@ def finish_rootfs(rootfs: Path, definition: Definition) -> None:
 
 
 def debootstrap_base(definition: Definition, dest: Path, mirror: str, log: Path,
-                     timeout: float = 1800) -> Path:
-    """Bootstrap a base root filesystem from a ``Bootstrap: debootstrap`` definition."""
+                     timeout: float = 1800, keyring: Path | None = None) -> Path:
+    """Bootstrap a base root filesystem from a ``Bootstrap: debootstrap`` definition
+    (``keyring``: the archive's, where the host's default is not it: Ubuntu's)."""
     if definition.header.get("bootstrap", "").lower() != "debootstrap":
         raise BuildError("base", "the local builder makes bases only with Bootstrap: debootstrap")
     suite = definition.header.get("osversion", "bookworm")
     include = ",".join(definition.header.get("include", "").split())
     argv = ["debootstrap", "--variant=minbase"] + ([f"--include={include}"] if include else [])
-    run_logged(argv + [suite, str(dest), mirror], log, timeout, "debootstrap")
+    argv += [f"--keyring={keyring}"] if keyring else []
+    script = []
+    if is_ubuntu(suite) and not (DEBOOTSTRAP_SCRIPTS / suite).exists():
+        script = [str(DEBOOTSTRAP_SCRIPTS / "gutsy")]  # every Ubuntu release's (an older
+        # debootstrap does not list the newer ones)
+    run_logged(argv + [suite, str(dest), mirror, *script], log, timeout, "debootstrap")
     post = definition.sections.get("post", "")
     if post.strip():
         run_in_rootfs(dest, ["/bin/sh", "-ec", post], log, timeout, "%post", network=True)

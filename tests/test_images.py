@@ -388,6 +388,21 @@ def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
 
 
 @pytest.mark.sandbox
+def test_a_verifier_that_hangs_on_the_untouched_environment_still_gets_the_oracle_checked(
+        checked_builds, tmp_path):
+    """A real task's tests hung until the timeout when the agent's program was missing: the
+    checks fail on it, and still say what the reference solution scores."""
+    src = make_task(tmp_path / "tasks", "hangs", **{
+        "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\n",
+        "tests/test.sh": "#!/bin/bash\n[ -f /app/answer.txt ] || sleep 60\n"
+                         "mkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n",
+        "task.toml": '[verifier]\ntimeout_sec = 2\n[metadata]\ndifficulty = "easy"\n'})
+    checks = checked_builds.build(load_task(src)).checks
+    assert (checks["ok"], checks["nop_reward"], checks["oracle_reward"]) == (False, None, 1.0)
+    assert checks["reason"].startswith("verifier: timed out after 2 s")
+
+
+@pytest.mark.sandbox
 def test_a_cached_image_is_checked_again_when_its_tests_or_solution_change(checked_builds,
                                                                           tmp_path):
     """The image digest covers only what builds the image; checks also read tests/ and

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import json
 import logging
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sandfleet import sif
 from tmax.images import installers, verifier_tools
@@ -36,11 +39,16 @@ from tmax.images.store import (
 )
 from tmax.tasks import Task
 
+if TYPE_CHECKING:
+    from tmax.images.checks import SandboxImage
+
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
-CHECKS_FORMAT = "checks-v2"  # bump when the checks change what they measure (v2: the
-# verifier runs on the image's own PATH, as in rollouts)
+CHECKS_FORMAT = "checks-v4"  # bump when the checks change what they measure (v2: the
+# verifier runs on the image's own PATH, as in rollouts; v3: the image's ENTRYPOINT starts
+# first, the verifier gets the image's environment, separate verifiers, oracle after a nop
+# verifier error; v4: the ENTRYPOINT is given time to settle)
 
 
 @dataclass
@@ -66,6 +74,9 @@ class Plan:
     digest: str
     verifier: verifier_tools.VerifierTools
     """What its verifier scripts need prepared in the image (empty: nothing)."""
+    verifier_image: TaskDefinition | None = None
+    """A separate verifier's image (tests/Dockerfile, tests/ its build context), which then
+    gets the verifier tools instead of the task's image."""
 
 
 def now() -> str:
@@ -74,13 +85,38 @@ def now() -> str:
 
 def checks_inputs(task: Task) -> str:
     """Digest of what a task's build-time checks read besides its image: tests/,
-    solution/, and the verifier, agent and environment settings (limits, network)."""
+    solution/, steps/ (a multi-step task's), and the verifier, agent and environment
+    settings (limits, network) and the steps'."""
     parts = [tree_digest(d) if d.is_dir() else "-" for d in (task.tests_dir,
-                                                             task.solution_dir)]
+                                                             task.solution_dir,
+                                                             task.root / "steps")]
     settings = json.dumps([task.config.verifier.model_dump(mode="json"),
                            task.config.agent.model_dump(mode="json"),
-                           task.config.environment.model_dump(mode="json")], sort_keys=True)
+                           task.config.environment.model_dump(mode="json"),
+                           task.config.steps, task.config.multi_step_reward_strategy],
+                          sort_keys=True)
     return digest_of(BUILD_FORMAT, CHECKS_FORMAT, *parts, settings)
+
+
+def _sif_lists(path: Path, member: str) -> bool:
+    """Whether the SIF's file system has ``member`` (a relative path)."""
+    out = subprocess.run(["unsquashfs", "-o", str(sif.read_partition(path).offset), "-l",
+                          str(path), member], capture_output=True, text=True, timeout=120,
+                         check=False)
+    return f"squashfs-root/{member}" in out.stdout.split()
+
+
+def verifier_plan(task: Task) -> verifier_tools.VerifierTools:
+    """What the task's verifier scripts need prepared: tests/'s, or, for a multi-step task,
+    every step's (its tests/ merged over the task's, as its verifier sees /tests)."""
+    if not task.steps:
+        return verifier_tools.plan(task.tests_dir)
+    from tmax.tasks.steps import merged_tests
+
+    with tempfile.TemporaryDirectory(prefix="tmax-steps-") as tmp:
+        return verifier_tools.combine([
+            verifier_tools.plan(merged_tests(task, step, Path(tmp) / str(step.index)))
+            for step in task.steps])
 
 
 class ImageBuilds:
@@ -90,13 +126,14 @@ class ImageBuilds:
                  images_dir: Path = REPO / "images",
                  base_table: Path = REPO / "configs" / "base-images.yaml",
                  base_map: Path | None = None,
-                 checker: Callable[[Task, Path, str, Path], Checks] | None = None):
+                 checker: Callable[[Task, SandboxImage, Path, SandboxImage | None], Checks]
+                 | None = None):
         """``base_map``: a user's map file, tried before ``base_table`` (tmax.images.bases);
         a file that cannot be used raises ``BaseMapError``."""
         self.store, self.builder, self.images_dir = store, builder, images_dir
         self.bases = BaseTable.load(base_table, user_map=base_map, images_dir=images_dir)
         self.checker = checker
-        self._paths: dict[str, str] = {}
+        self._envs: dict[str, dict[str, str]] = {}
         self._failed_bases: dict[str, str] | None = None
         """During build_all: the bases that failed (not retried for each of their tasks)."""
 
@@ -151,24 +188,45 @@ class ImageBuilds:
     def base_path(self, base: str) -> str:
         """A base's PATH as its image sets it (the %environment of its chain, parent
         first): what a Dockerfile's ``${PATH}`` is over it, as over the real image."""
-        if base not in self._paths:
+        return self.base_environment(base).get("PATH", "")
+
+    def base_environment(self, base: str) -> dict[str, str]:
+        """The variables a base's image sets (the %environment of its chain, parent
+        first)."""
+        if base not in self._envs:
             script = "\n".join(parse_definition(self.base_text(name)).sections.get(
                 "environment", "") for name in self.base_chain(base))
-            env = environment_of(Definition({}, {"environment": script}))
-            self._paths[base] = env.get("PATH", "")
-        return self._paths[base]
+            self._envs[base] = environment_of(Definition({}, {"environment": script}))
+        return self._envs[base]
 
     def plan(self, task: Task) -> Plan:
         tdef = task_definition(task.environment_dir, self.bases.resolve, self.base_workdir,
                                self.base_path)
         base_digest = self.base_digest(tdef.base)
-        verifier = verifier_tools.plan(task.tests_dir)
+        verifier = self._with_interpreters(verifier_plan(task))
+        vdef, separate = None, []
+        if task.verifier_definition is not None:
+            vdef = task_definition(task.tests_dir, self.bases.resolve, self.base_workdir,
+                                   self.base_path)
+            separate = ["separate verifier", self.base_digest(vdef.base),
+                        vdef.definition.render(), vdef.workdir, tree_digest(task.tests_dir),
+                        installers.stamp(installers.find(s for s, _ in vdef.stages))]
         stand_ins = installers.stamp(installers.find(s for s, _ in tdef.stages))
         digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
                            tdef.workdir, tree_digest(task.environment_dir),
                            *([verifier.digest_text()] if verifier else []),
-                           *([stand_ins] if stand_ins else []))  # (every stage's)
-        return Plan(task, tdef, tdef.base, base_digest, digest, verifier)
+                           *([stand_ins] if stand_ins else []), *separate)  # (every stage's)
+        return Plan(task, tdef, tdef.base, base_digest, digest, verifier, vdef)
+
+    def _with_interpreters(self, tools: verifier_tools.VerifierTools
+                           ) -> verifier_tools.VerifierTools:
+        """``tools`` with an interpreter for each Python version its uv lines ask for that
+        a base has (verifier_tools.INTERPRETER_BASES), used where the image has none."""
+        served = [verifier_tools.Interpreter(v, base, self.base_digest(base))
+                  for v in tools.pythons
+                  if (base := verifier_tools.INTERPRETER_BASES.get(v)) and
+                  self.bases.definition_path(base).is_file()]
+        return dataclasses.replace(tools, interpreters=tuple(served)) if served else tools
 
     # ------------------------------------------------------------------ bases
 
@@ -219,7 +277,8 @@ class ImageBuilds:
 
     def is_current(self, plan: Plan) -> ImageEntry | None:
         entry = self.store.read().tasks.get(plan.task.task_id)
-        if entry and entry.digest == plan.digest and self.store.path(entry.sif).exists():
+        if entry and entry.digest == plan.digest and \
+                all(self.store.path(f).exists() for f, _, _ in entry.files()):
             return entry
         return None
 
@@ -262,7 +321,7 @@ class ImageBuilds:
         tests/, solution/ or settings (the image digest covers only what builds it)."""
         if check and self.checker is not None and entry.checks is not None and \
                 entry.checks.inputs != checks_inputs(plan.task):
-            entry = entry.model_copy(update={"checks": self._check(plan, entry.sif)})
+            entry = entry.model_copy(update={"checks": self._check(plan, entry)})
             self.store.update(lambda m: m.tasks.__setitem__(plan.task.task_id, entry))
         return BuildResult(plan.task.task_id, "cached", plan.digest,
                            checks=entry.checks.model_dump() if entry.checks else None)
@@ -270,25 +329,39 @@ class ImageBuilds:
     def same_image(self, plan: Plan) -> ImageEntry | None:
         """Another task's entry with this digest (identical environments share one SIF)."""
         for entry in self.store.read().tasks.values():
-            if entry.digest == plan.digest and self.store.path(entry.sif).exists():
+            if entry.digest == plan.digest and \
+                    all(self.store.path(f).exists() for f, _, _ in entry.files()):
                 return entry
         return None
 
     def _record(self, plan: Plan, twin: ImageEntry, start: float, check: bool) -> ImageEntry:
         """This task's entry for an image built for another task (its own checks run)."""
-        checks = self._check(plan, twin.sif) if check else None
+        checks = self._check(plan, twin) if check else None
         entry = twin.model_copy(update={
             "task_id": plan.task.task_id, "built_at": now(), "checks": checks,
             "build_seconds": round(time.monotonic() - start, 1)})
         self.store.update(lambda m: m.tasks.__setitem__(plan.task.task_id, entry))
         return entry
 
-    def _check(self, plan: Plan, sif_rel: str) -> Checks | None:
+    def sandbox_images(self, plan: Plan, entry: ImageEntry
+                       ) -> tuple[SandboxImage, SandboxImage | None]:
+        """The task's image and its separate verifier's (None when it has none), as the
+        checks start them."""
+        from tmax.images.checks import SandboxImage
+
+        image = SandboxImage(self.store.path(entry.sif), entry.workdir,
+                             plan.definition.start_command)
+        vdef = plan.verifier_image
+        verifier = SandboxImage(self.store.path(entry.verifier_sif), entry.verifier_workdir,
+                                vdef.start_command) if entry.verifier_sif and vdef else None
+        return image, verifier
+
+    def _check(self, plan: Plan, entry: ImageEntry) -> Checks | None:
         if self.checker is None:
             return None
         checks_log = f"logs/{plan.task.task_id}-{plan.digest}.checks.log"
-        checks = self.checker(plan.task, self.store.path(sif_rel), plan.definition.workdir,
-                              self.store.path(checks_log))
+        image, verifier = self.sandbox_images(plan, entry)
+        checks = self.checker(plan.task, image, self.store.path(checks_log), verifier)
         checks.log = checks_log
         checks.inputs = checks_inputs(plan.task)
         return checks
@@ -300,29 +373,52 @@ class ImageBuilds:
         logfile = self.store.path(log_rel)
         logfile.write_text(f"# task {task_id} digest {plan.digest} base {plan.base} "
                            f"builder {self.builder.name}\n")
+        verifier = dataclasses.replace(plan.verifier, interpreters=tuple(
+            dataclasses.replace(i, sif=str(self.store.path(self.ensure_base(i.base).sif)))
+            for i in plan.verifier.interpreters))
+        vdef = plan.verifier_image
+        timeout = plan.task.config.environment.build_timeout_sec
         tmp = self.store.tmp_path(plan.digest)
         tmp.mkdir()
         try:
             self.builder.build_task(plan.definition, plan.task.environment_dir,
                                     self.store.path(base.sif), tmp / "image.sif", logfile,
-                                    timeout=plan.task.config.environment.build_timeout_sec,
-                                    verifier=plan.verifier or None)
+                                    timeout=timeout,
+                                    verifier=None if vdef else (verifier or None))
+            vrel, vsize, vsha = "", 0, ""
+            if vdef is not None:  # the separate verifier's image, with the verifier tools
+                with open(logfile, "a") as out:
+                    out.write(f"# the separate verifier's image: tests/Dockerfile over base "
+                              f"{vdef.base}\n")
+                vbase = self.store.path(self.ensure_base(vdef.base).sif)
+                self.builder.build_task(vdef, plan.task.tests_dir, vbase, tmp / "verifier.sif",
+                                        logfile, timeout=timeout, verifier=verifier or None)
+                if not _sif_lists(tmp / "verifier.sif", "tests/test.sh"):
+                    from tmax.tasks.model import NO_BAKED_TESTS
+
+                    raise BuildError("separate verifier", NO_BAKED_TESTS, logfile)
+                vrel = f"sif/{plan.digest}.verifier.sif"
+                vsize, vsha = self.store.publish(tmp / "verifier.sif", vrel)
             rel = f"sif/{plan.digest}.sif"
             size, sha = self.store.publish(tmp / "image.sif", rel)
         finally:
             remove_tree(tmp)
-        checks = self._check(plan, rel) if check else None
         entry = ImageEntry(task_id=task_id, digest=plan.digest, sif=rel, size=size, sha256=sha,
                            base=plan.base, base_digest=plan.base_digest,
                            builder=self.builder.name, log=log_rel, built_at=now(),
                            build_seconds=round(time.monotonic() - start, 1),
-                           workdir=plan.definition.workdir, checks=checks)
+                           workdir=plan.definition.workdir, verifier_sif=vrel,
+                           verifier_workdir=vdef.workdir if vdef else "", verifier_size=vsize,
+                           verifier_sha256=vsha)
+        entry.checks = self._check(plan, entry) if check else None
 
         def record(m: Manifest) -> None:
             m.tasks[task_id] = entry
             for other in m.tasks.values():  # a forced rebuild replaced a shared file
                 if other.sif == rel:
                     other.size, other.sha256 = size, sha
+                if vrel and other.verifier_sif == vrel:
+                    other.verifier_size, other.verifier_sha256 = vsize, vsha
 
         self.store.update(record)
         return entry

@@ -5,25 +5,46 @@
 3. the reference solution gets full reward (not checked, with a note, for a task without
    one: solution/ is optional in Harbor).
 
+A task with a separate verifier (Harbor's ``environment_mode = "separate"``) is graded as
+in rollouts: its artifacts are copied out of the sandbox, which then stops, into a fresh
+sandbox of the verifier's image (or of the task's own, when tests/ has no Dockerfile), where
+test.sh runs.
+
 Each check runs in a fresh sandbox with the task's own limits. The result, with the reason
 of a failure, goes into the image's manifest entry; the log next to the build log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet import InfraError, Runtime, SandboxSpec
 from tmax.images.rootfs import DEFAULT_PATH
 from tmax.images.store import Checks
-from tmax.tasks import Task
-from tmax.tasks.check import run_solution
-from tmax.tasks.model import SOLVE_SCRIPT
-from tmax.tasks.reward import VerifierError, read_reward
+from tmax.tasks import Task, artifacts
+from tmax.tasks.check import MissingSolution, run_solution
+from tmax.tasks.environment import PROBE as ENV_PROBE
+from tmax.tasks.environment import parse_probe
+from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
+from tmax.tasks.reward import VerifierError, read_metrics, read_reward
+from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
+
+
+@dataclass(frozen=True)
+class SandboxImage:
+    """An image to check in: its SIF, where commands start, and what a sandbox of it runs
+    first (its ENTRYPOINT as Harbor starts it: ``TaskDefinition.start_command``)."""
+
+    sif: Path
+    workdir: str
+    start: str = ""
 
 
 class RuntimeBox:
@@ -31,14 +52,23 @@ class RuntimeBox:
 
     def __init__(self, runtime: Runtime, sandbox_id: str, workdir: str, log: list[str]):
         self.runtime, self.id, self.workdir, self.log = runtime, sandbox_id, workdir, log
+        self.env: dict[str, str] = {}
+        """The image's environment, which the verifier gets (as Docker's exec would)."""
         self.base_path = DEFAULT_PATH
         """The PATH the sandbox starts with (the image's ENV PATH): the verifier's, as in
         rollouts (``tmax.rollout.run.grade``)."""
 
     def probe_path(self) -> None:
-        """Read the sandbox's PATH before anything runs in it."""
-        result = self.runtime.exec(self.id, 'printf %s "$PATH"', timeout=30, cwd="/")
-        self.base_path = result.output.strip() or DEFAULT_PATH
+        """Read the sandbox's environment (its PATH too) before anything runs in it."""
+        result = self.runtime.exec(self.id, ENV_PROBE, timeout=30, cwd="/")
+        self.env = parse_probe(result.output)
+        self.base_path = self.env.get("PATH") or DEFAULT_PATH
+
+    def begin(self, start: str) -> None:
+        """The PATH, then the image's start command (its ENTRYPOINT), if it has one."""
+        self.probe_path()
+        if start:
+            self.run(start, 60, cwd="/")
 
     def run(self, command: str, timeout: float, cwd: str | None = None) -> int:
         result = self.runtime.exec(self.id, command, timeout=timeout, cwd=cwd or self.workdir)
@@ -54,15 +84,28 @@ class RuntimeBox:
         self.runtime.copy_out(self.id, path, dest)
         return dest
 
-    def verify(self, task: Task, scratch: Path) -> float:
-        """test.sh through the runtime's ``verify``, as rollouts run it: /tests and
-        /logs/verifier of its own, the image's system tools (unless the task opts out)."""
+    def collect_artifacts(self, task: Task, dest: Path) -> list[tuple[Path, str]]:
+        """The task's artifacts that exist, copied out as rollouts copy them
+        (``tmax.tasks.artifacts``: archived as a verifier runs, unpacked as data)."""
+        self.runtime.verify(self.id, artifacts.command(task.artifacts),
+                            tests=artifacts.collector(dest / "collector"),
+                            logs=dest / "collected", timeout=artifacts.TIMEOUT_S, cwd="/",
+                            env={"PATH": DEFAULT_PATH})
+        return artifacts.unpack(dest / "collected", task.artifacts, dest / "unpacked")
+
+    def verify(self, task: Task, scratch: Path, tests: Path | None = None,
+               step: TaskStep | None = None) -> float:
+        """test.sh through the runtime's ``verify``, as rollouts run it: /tests
+        (``tests``, else the task's tests/) and /logs/verifier of its own, the image's
+        system tools (unless the task opts out); a ``step``'s timeout and env."""
         logs = scratch / "verifier"
         verifier = task.config.verifier
+        timeout = step.verifier_timeout_sec if step else verifier.timeout_sec
         result = self.runtime.verify(self.id, ["/bin/bash", "/tests/test.sh"],
-                                     tests=task.tests_dir, logs=logs,
-                                     timeout=verifier.timeout_sec, cwd=self.workdir,
-                                     env={"PATH": self.base_path, **verifier.env},
+                                     tests=tests or task.tests_dir, logs=logs,
+                                     timeout=timeout, cwd=self.workdir,
+                                     env={**self.env, "PATH": self.base_path,
+                                          **(step.verifier_env if step else verifier.env)},
                                      agent_system=verifier.agent_system)
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")
@@ -71,9 +114,27 @@ class RuntimeBox:
             return read_reward(logs, task.task_id)
         except VerifierError as e:
             if result.timed_out:  # the cause, not only its consequence
-                raise VerifierError(task.task_id, f"timed out after {verifier.timeout_sec:g} s "
+                raise VerifierError(task.task_id, f"timed out after {timeout:g} s "
                                     f"([verifier] timeout_sec) and {e.reason}") from None
             raise
+
+    def begin_step(self, step: TaskStep) -> str:
+        """Before a step's agent: its workdir/ into the working directory, its setup.sh
+        run there, its healthcheck passed. What went wrong, or "" (as rollouts)."""
+        if step.workdir_dir.is_dir():
+            self.copy_in(step.workdir_dir, self.workdir)
+            if (step.workdir_dir / "setup.sh").is_file() and \
+                    (code := self.run("bash ./setup.sh", step.agent_timeout_sec)) != 0:
+                return f"setup.sh failed (exit {code})"
+        if step.healthcheck is None:
+            return ""
+        command, attempts, interval, timeout = healthcheck_command(step.healthcheck)
+        for attempt in range(attempts):
+            if self.run(command, timeout) == 0:
+                return ""
+            if attempt + 1 < attempts:
+                time.sleep(interval)
+        return f"the healthcheck ({command}) failed {attempts} times"
 
 
 def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:
@@ -84,46 +145,114 @@ def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:
                        workdir=workdir)
 
 
-def run_mode(runtime: Runtime, task: Task, sif: Path, workdir: str, mode: str,
-             log: list[str]) -> float:
-    """One fresh sandbox: optionally the solution, then the verifier; the reward."""
-    sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
-    log.append(f"## {mode} in sandbox {sandbox_id}")
-    runtime.start(sandbox_id, task_spec(task, sif, workdir))
-    try:
-        box = RuntimeBox(runtime, sandbox_id, workdir, log)
-        box.probe_path()
+def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
+    """A multi-step task in one sandbox: each step's workdir, setup and healthcheck, its
+    solution (the oracle), its verifier over the merged tests; the steps after one below
+    its ``min_reward`` (or whose healthcheck fails) do not run. The task's reward."""
+    rewards: list[float] = []
+    for step in task.steps:
+        box.log.append(f"## step {step.name}")
+        if problem := box.begin_step(step):
+            if step.index == 0:  # before anything ran: the task's, as in rollouts
+                raise VerifierError(task.task_id, f"step {step.name}: {problem}")
+            box.log.append(f"step {step.name}: {problem}; no more steps")
+            break
         if mode == "oracle":
-            run_solution(box, task)
-        with tempfile.TemporaryDirectory(prefix="tmax-check-") as scratch:
-            return box.verify(task, Path(scratch))
+            if not step.solve_script.is_file():
+                raise MissingSolution(task.task_id)
+            box.copy_in(step.solve_script.parent, "/solution")
+            box.run("bash /solution/solve.sh", step.agent_timeout_sec)
+        here = scratch / f"step-{step.index}"
+        reward = box.verify(task, here, merged_tests(task, step, here / "tests"), step)
+        rewards.append(reward)
+        if not step.passes(reward, read_metrics(here / "verifier")):
+            box.log.append(f"step {step.name}: {reward} is below min_reward; no more steps")
+            break
+    return multi_step_reward(rewards, len(task.steps), task.config.multi_step_reward_strategy)
+
+
+@contextlib.contextmanager
+def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
+              what: str) -> Iterator[RuntimeBox]:
+    """A fresh sandbox of ``image`` with the task's limits, its environment read and its
+    ENTRYPOINT started; stopped at the end."""
+    sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
+    log.append(f"## {what} in sandbox {sandbox_id}")
+    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir))
+    try:
+        box = RuntimeBox(runtime, sandbox_id, image.workdir, log)
+        box.begin(image.start)
+        yield box
     finally:
         runtime.stop(sandbox_id)
 
 
-def check_image(runtime: Runtime, runtime_name: str, task: Task, sif: Path, workdir: str,
-                log_path: Path) -> Checks:
+def run_mode(runtime: Runtime, task: Task, image: SandboxImage, mode: str, log: list[str],
+             verifier: SandboxImage | None = None) -> float:
+    """One fresh sandbox: optionally the solution, then the verifier (in a sandbox of
+    ``verifier``, or of this image, for a separate verifier); the reward."""
+    with tempfile.TemporaryDirectory(prefix="tmax-check-") as tmp:
+        scratch = Path(tmp)
+        with fresh_box(runtime, task, image, log, mode) as box:
+            if task.steps:
+                return run_steps(box, task, mode, scratch)
+            if mode == "oracle":
+                run_solution(box, task)
+            if not task.separate_verifier:
+                return box.verify(task, scratch)
+            handed = box.collect_artifacts(task, scratch / "artifacts")
+            log.append(f"artifacts for the verifier: {[p for _, p in handed] or 'none'}")
+        # the agent's sandbox is gone: the verifier gets the artifacts, nothing else
+        return verify_separately(runtime, task, verifier or image, handed, scratch, log)
+
+
+def verify_separately(runtime: Runtime, task: Task, image: SandboxImage,
+                      artifacts: list[tuple[Path, str]], scratch: Path, log: list[str]
+                      ) -> float:
+    """test.sh in a fresh sandbox of ``image`` holding ``artifacts`` (host copy, path) at
+    their paths; /tests as the verifier's image has it when tests/ built that image."""
+    with fresh_box(runtime, task, image, log, "separate verifier") as box:
+        tests = None
+        if task.verifier_definition is not None:
+            try:
+                tests = box.fetch("/tests", scratch / "tests")
+            except FileNotFoundError:
+                raise VerifierError(task.task_id, NO_BAKED_TESTS) from None
+        for local, path in artifacts:
+            box.copy_in(local, path)
+        return box.verify(task, scratch, tests)
+
+
+def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxImage,
+                log_path: Path, verifier: SandboxImage | None = None) -> Checks:
+    """The checks of ``task``'s ``image`` (``verifier``: its separate verifier's image,
+    when it has one)."""
     log: list[str] = []
     rewards: dict[str, float | None] = {"nop": None, "oracle": None}
     starts, reason, note = True, "", ""
     modes: tuple[str, ...] = ("nop", "oracle")
-    if not task.has_solution:
+    if not (all(s.solve_script.is_file() for s in task.steps) if task.steps
+            else task.has_solution):
         modes, note = ("nop",), f"no reference solution ({SOLVE_SCRIPT}): oracle not checked"
         log.append(f"## oracle: {note}")
+    errors: list[str] = []
     try:
-        for mode in modes:
-            rewards[mode] = run_mode(runtime, task, sif, workdir, mode, log)
+        for mode in modes:  # each runs, so that both rewards are known where they can be
+            try:
+                rewards[mode] = run_mode(runtime, task, image, mode, log, verifier)
+            except VerifierError as e:  # the sandbox came up: the verifier's problem
+                errors.append(e.reason)
     except InfraError as e:
-        starts = rewards["nop"] is not None
+        starts = rewards["nop"] is not None or bool(errors)
         reason = f"{'sandbox failed' if starts else 'image does not start'}: {e}"
-    except VerifierError as e:
-        reason = f"verifier: {e.reason}"
+    if errors and not reason:
+        reason = f"verifier: {errors[0]}"
     if not reason:
         if (rewards["nop"] or 0.0) >= 1.0:
             reason = f"the untouched environment already scores {rewards['nop']}"
         elif "oracle" in modes and rewards["oracle"] != 1.0:
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
-            if unmet := unmet_needs(sif):
+            if unmet := unmet_needs((verifier or image).sif):
                 reason += f" (the verifier's tools could not be prepared offline: " \
                           f"{'; '.join(unmet)})"
     log.append(f"## result: {reason or 'ok'}")
@@ -152,7 +281,7 @@ def unmet_needs(sif: Path) -> list[str]:
 
 
 def image_checker(cache_dir: Path, runtime: str = "auto"
-                  ) -> Callable[[Task, Path, str, Path], Checks]:
+                  ) -> Callable[[Task, SandboxImage, Path, SandboxImage | None], Checks]:
     """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime
     (which mounts each image in place: nothing per image is left on the node)."""
     from sandfleet import get_runtime
@@ -160,12 +289,12 @@ def image_checker(cache_dir: Path, runtime: str = "auto"
     if runtime == "auto":
         runtime = "apptainer" if shutil.which("apptainer") else "local"
     state = Path(cache_dir) / "check-sandboxes"
-    if runtime != "local":
-        rt = get_runtime(runtime, state_dir=state)
-        return lambda task, sif, workdir, log_path: check_image(rt, runtime, task, sif,
-                                                                  workdir, log_path)
+    if runtime == "local":  # older versions' unpacks
+        shutil.rmtree(Path(cache_dir) / "check-roots", ignore_errors=True)
+    rt, name = get_runtime(runtime, state_dir=state), runtime
 
-    shutil.rmtree(Path(cache_dir) / "check-roots", ignore_errors=True)  # older versions' unpacks
-    rt = get_runtime("local", state_dir=state)
-    return lambda task, sif, workdir, log_path: check_image(rt, "local", task, sif, workdir,
-                                                              log_path)
+    def checker(task: Task, image: SandboxImage, log_path: Path,
+                verifier: SandboxImage | None = None) -> Checks:
+        return check_image(rt, name, task, image, log_path, verifier)
+
+    return checker

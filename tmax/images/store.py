@@ -82,6 +82,18 @@ class ImageEntry(_Strict):
     build_seconds: float
     workdir: str = "/"
     checks: Checks | None = None
+    verifier_sif: str = ""
+    """A separate verifier's image (tests/Dockerfile), relative to the store root; "" when
+    the verifier runs in the task's own image."""
+    verifier_workdir: str = ""
+    verifier_size: int = 0
+    verifier_sha256: str = ""
+
+    def files(self) -> list[tuple[str, int, str]]:
+        """(path, size, sha256) of each SIF the entry uses: its image, its verifier's."""
+        return [(self.sif, self.size, self.sha256)] + \
+            ([(self.verifier_sif, self.verifier_size, self.verifier_sha256)]
+             if self.verifier_sif else [])
 
 
 class Manifest(_Strict):
@@ -162,10 +174,12 @@ class ImageStore:
         if entry.digest != digest:
             raise ImageMissing(str(wanted), f"task {task_id}: image is out of date (built from "
                                "other inputs); run `tmax images build`")
-        try:
-            sif.read_partition(self.root / entry.sif)
-        except sif.SifError as e:
-            raise ImageMissing(str(self.root / entry.sif), f"task {task_id}: {e.reason}") from None
+        for rel, _, _ in entry.files():  # its separate verifier's image too
+            try:
+                sif.read_partition(self.root / rel)
+            except sif.SifError as e:
+                raise ImageMissing(str(self.root / rel), f"task {task_id}: {e.reason}; run "
+                                   "`tmax images build`") from None
         return entry
 
     # ------------------------------------------------------------------ maintenance
@@ -174,21 +188,21 @@ class ImageStore:
         """Problems of every image in the manifest (missing, resized, changed, corrupt)."""
         manifest = self.read()
         problems = []
-        entries = [(f"task {k}", v) for k, v in manifest.tasks.items()] + \
-                  [(f"base {k}", v) for k, v in manifest.bases.items()]
-        for name, entry in entries:
-            path = self.root / entry.sif
+        files = [(f"task {k}", f) for k, v in manifest.tasks.items() for f in v.files()] + \
+                [(f"base {k}", (v.sif, v.size, v.sha256)) for k, v in manifest.bases.items()]
+        for name, (rel, size, sha) in files:
+            path = self.root / rel
             reason = ""
             if not path.exists():
                 reason = "file missing"
-            elif path.stat().st_size != entry.size:
-                reason = f"size {path.stat().st_size} != recorded {entry.size} (truncated?)"
+            elif path.stat().st_size != size:
+                reason = f"size {path.stat().st_size} != recorded {size} (truncated?)"
             else:
                 try:
                     sif.read_partition(path)
                 except sif.SifError as e:
                     reason = e.reason
-                if not reason and deep and file_sha256(path) != entry.sha256:
+                if not reason and deep and file_sha256(path) != sha:
                     reason = "content changed since it was built (sha256 mismatch)"
             if reason:
                 problems.append({"image": name, "path": str(path), "reason": reason})
@@ -209,7 +223,7 @@ class ImageStore:
         manifest = self.read()
         if keep_tasks is not None and dry_run:
             manifest.tasks = {k: v for k, v in manifest.tasks.items() if k in keep_tasks}
-        referenced = {e.sif for e in manifest.tasks.values()} | \
+        referenced = {f for e in manifest.tasks.values() for f, _, _ in e.files()} | \
                      {e.sif for e in manifest.bases.values()} | \
                      {e.log for e in manifest.tasks.values()} | \
                      {e.log for e in manifest.bases.values()} | \

@@ -19,10 +19,12 @@ from tmax.images.rootfs import BuildError
 from tmax.tasks import load_task
 from tmax.tasks.dockerfile import (
     DEFAULT_PATH,
+    ENTRYPOINT_SETTLE,
     Copy,
     DockerfileError,
     Run,
     Workdir,
+    entrypoint_command,
     instructions,
     parse,
 )
@@ -107,6 +109,20 @@ def test_steps_keep_docker_order_paths_and_forms():
     assert stage.image == "d@sha256:abc"
     assert any("--platform=linux/amd64 ignored" in n for n in stage.notes)
     assert any("CMD ignored" in n for n in stage.notes)
+
+
+def test_entrypoint_is_kept_and_started_as_harbor_starts_it():
+    exec_form = parse('FROM d\nENTRYPOINT ["/entrypoint.sh", "--serve"]\nCMD ["bash"]\n').final
+    assert exec_form.entrypoint == ("/entrypoint.sh", "--serve")
+    assert any("ENTRYPOINT runs when a sandbox starts" in n for n in exec_form.notes)
+    shell_form = parse('FROM d\nSHELL ["/bin/bash", "-c"]\nENTRYPOINT exec server "$PORT"\n')
+    assert shell_form.final.entrypoint == ("/bin/bash", "-c", 'exec server "$PORT"')
+    assert parse("FROM d\nENTRYPOINT [\"x\"]\nENTRYPOINT []\n").final.entrypoint == ()
+    assert parse("FROM a AS b\nENTRYPOINT [\"x\"]\nFROM d\n").final.entrypoint == ()
+    assert entrypoint_command(("/entrypoint.sh", "--serve"), "/srv app") == (
+        "(cd '/srv app' && exec setsid /entrypoint.sh --serve sh -c 'sleep infinity') "
+        f"</dev/null >/dev/null 2>&1 & {ENTRYPOINT_SETTLE}")
+    assert entrypoint_command(()) == ""
 
 
 def test_heredoc_run_and_copy():

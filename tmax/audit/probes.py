@@ -57,6 +57,8 @@ from tmax.audit.static import (
     verifier_text,
 )
 from tmax.rollout.run import DEFAULT_PATH, Grade, LeaseShell, TaskImages, grade, plan_errors
+from tmax.tasks.environment import PROBE as ENV_PROBE
+from tmax.tasks.environment import parse_probe
 from tmax.tasks.model import Task
 
 log = logging.getLogger(__name__)
@@ -126,9 +128,12 @@ class Box:
     """One probe sandbox: a fleet lease with list, fetch, write, solve and verify."""
 
     def __init__(self, shell: LeaseShell, task: Task | None, workdir: str, base_path: str,
-                 settings: ProbeSettings, scratch: Path):
+                 settings: ProbeSettings, scratch: Path,
+                 image_env: dict[str, str] | None = None):
         self.shell, self.task, self.workdir, self.base_path = shell, task, workdir, base_path
         self.settings, self.scratch = settings, scratch
+        self.image_env = image_env or {}
+        """The image's environment as built (the verifier's)."""
         self.dir = PROBE_DIR + secrets.token_hex(8)  # unguessable, made fresh: no planted links
         self._made = False
 
@@ -203,7 +208,8 @@ class Box:
 
     async def verify(self) -> Grade:
         await self.shell.run(f"rm -rf {self.dir}; cd {shlex.quote(self.workdir)}", 30)
-        return await grade(self._task, self.shell, self.workdir, self.base_path)
+        return await grade(self._task, self.shell, self.workdir, self.base_path,
+                           image_env=self.image_env)
 
 
 def read_tar(path: Path, max_file_bytes: int) -> dict[str, bytes]:
@@ -305,9 +311,12 @@ class _Probes:
                                                network=env.network,
                                                workdir=self.workdir) as lease:
                 shell = LeaseShell(lease)
-                probe = await shell.run('printf %s "$PATH"', 30)
+                image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
+                if start := self.prober.images.start_command(self.task):  # its ENTRYPOINT
+                    await shell.run(start, 60)
                 yield Box(shell, self.task, self.workdir,
-                          probe.output.strip() or DEFAULT_PATH, self.settings, self.scratch)
+                          image_env.get("PATH") or DEFAULT_PATH, self.settings, self.scratch,
+                          image_env)
         finally:
             self.report.sandbox_s += time.monotonic() - t0
 

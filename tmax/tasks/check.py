@@ -150,6 +150,21 @@ class HostSandbox:
             self.log.append(f"[exit {proc.returncode}]")
         return proc.returncode
 
+    def environment(self, script: str) -> dict[str, str]:
+        """The variables a %environment ``script`` exports, evaluated in the sandbox (a
+        task's text never runs on the host itself)."""
+        from tmax.tasks.environment import PROBE, parse_probe
+
+        spec = replace(self.spec, env={"PATH": self.spec.env.get(
+            "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")})
+        try:
+            proc = subprocess.run(spec.argv(["sh", "-c", f"{script}\n{PROBE}"]),
+                                  capture_output=True, text=True, timeout=60,
+                                  start_new_session=True, check=False, **self.as_user)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError("%environment did not finish in 60 s") from None
+        return parse_probe(proc.stdout) if proc.returncode == 0 else {}
+
     def mkdir(self, path: str) -> None:
         """``mkdir -p`` inside, where links resolve as the sandbox sees them."""
         self.host_path(path)
@@ -220,13 +235,12 @@ def _apply_dockerfile(box: HostSandbox, task: Task) -> None:
 
 def _apply_definition(box: HostSandbox, task: Task) -> None:
     from tmax.images.definition import parse_definition
-    from tmax.images.rootfs import environment_of
 
     definition = parse_definition(task.definition.read_text())
     for src, dest in definition.files:
         for match in expand_source(task.environment_dir, src):
             box.copy_in(match, dest)
-    box.spec.env.update(environment_of(definition))
+    box.spec.env.update(box.environment(definition.sections.get("environment", "")))
     post = definition.sections.get("post", "")
     if post.strip() and box.run(post, task.config.environment.build_timeout_sec, "/") != 0:
         raise RuntimeError("%post failed")
@@ -275,6 +289,11 @@ def check_task(task: Task, mode: Mode = "oracle") -> CheckResult:
                if p.severity == "error"]
     if refused:
         return CheckResult(task.task_id, mode, None, str(TaskError(refused)),
+                           round(time.monotonic() - start, 2))
+    if task.steps or task.separate_verifier:
+        what = "a multi-step task" if task.steps else "a task with a separate verifier"
+        return CheckResult(task.task_id, mode, None, f"{what} is checked in its image: run "
+                           "`tmax images build` (its checks run it in sandboxes)",
                            round(time.monotonic() - start, 2))
     log: list[str] = []
     with tempfile.TemporaryDirectory(prefix=f"tmax-check-{task.task_id}-") as tmp:

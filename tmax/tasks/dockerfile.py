@@ -10,9 +10,10 @@ Supported: line continuations and the ``escape`` directive; comments; JSON and s
 ARGs; ``ENV`` (both forms) and ``${VAR}``, ``${VAR:-default}``, ``${VAR:+alt}``; ``FROM
 --platform=... image[@digest] AS name``; ``RUN`` (flags such as ``--mount`` dropped) and
 heredocs; ``COPY``/``ADD`` with ``--chown``, ``--chmod``, ``--from`` (a stage or an image);
-``WORKDIR``; ``USER``; ``SHELL``. Noted and ignored: ``CMD``, ``ENTRYPOINT``, ``EXPOSE``,
-``LABEL``, ``VOLUME``, ``HEALTHCHECK``, ``STOPSIGNAL``, ``MAINTAINER``, ``ONBUILD`` (a sandbox
-starts a shell, not the image's command).
+``WORKDIR``; ``USER``; ``SHELL``; ``ENTRYPOINT`` (the final stage's is what a sandbox of the
+image starts with, as Harbor's containers run it: with ``sh -c "sleep infinity"`` as its
+arguments, see ``entrypoint_command``). Noted and ignored: ``CMD`` (Harbor replaces it), ``EXPOSE``,
+``LABEL``, ``VOLUME``, ``HEALTHCHECK``, ``STOPSIGNAL``, ``MAINTAINER``, ``ONBUILD``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-IGNORED = frozenset({"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK",
+HARBOR_COMMAND = ("sh", "-c", "sleep infinity")
+"""The command Harbor's compose file gives every task's main container (its CMD's place)."""
+IGNORED = frozenset({"CMD", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK",
                      "STOPSIGNAL", "MAINTAINER", "ONBUILD"})
 HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
@@ -98,6 +101,33 @@ class Stage:
     workdir: str = "/"
     user: str = ""
     notes: list[str] = field(default_factory=list)
+    entrypoint: tuple[str, ...] = ()
+    """ENTRYPOINT's argv (the shell form through the SHELL in force); () when none."""
+
+
+# After starting an ENTRYPOINT: wait (5 s at most) until it has reached Harbor's command
+# (``exec "$@"`` ran ``sleep infinity``), then a second more for the services it started in
+# the background to listen. Under Harbor the agent's own setup gives them that time; here
+# the agent's first command (or the oracle) would come at once. /proc and tr only: no pgrep.
+ENTRYPOINT_SETTLE = (
+    "i=0; while [ $i -lt 50 ]; do for c in /proc/[0-9]*/cmdline; do "
+    "[ \"$(tr '\\0' ' ' < \"$c\" 2>/dev/null)\" = 'sleep infinity ' ] && break 2; done; "
+    "sleep 0.1; i=$((i + 1)); done; sleep 1")
+
+
+def entrypoint_command(entrypoint: tuple[str, ...] | list[str], workdir: str = "/") -> str:
+    """The shell command that starts an image's ENTRYPOINT in a sandbox as Harbor's
+    containers run it (with ``sh -c "sleep infinity"``, its compose command, as the
+    arguments), in its own session in the background, from ``workdir``, then waits for it to
+    settle (``ENTRYPOINT_SETTLE``): a script that starts services and ends with
+    ``exec "$@"`` leaves them running and listening. "" when there is none."""
+    import shlex
+
+    if not entrypoint:
+        return ""
+    argv = " ".join(shlex.quote(a) for a in (*entrypoint, *HARBOR_COMMAND))
+    return (f"(cd {shlex.quote(workdir)} && exec setsid {argv}) </dev/null >/dev/null 2>&1 "
+            f"& {ENTRYPOINT_SETTLE}")
 
 
 @dataclass
@@ -331,13 +361,18 @@ class _Parser:
             return self.arg(ins)
         if not self.stages:
             raise DockerfileError(ins.line, f"{ins.keyword} before the first FROM")
-        handlers: dict[str, Callable[[Instruction], None]] = {"ENV": self.env_, "RUN": self.run, "COPY": self.copy, "ADD": self.add,
-                   "WORKDIR": self.workdir, "USER": self.user,
-                   "SHELL": self.shell_}
+        handlers: dict[str, Callable[[Instruction], None]] = {
+            "ENV": self.env_, "RUN": self.run, "COPY": self.copy, "ADD": self.add,
+            "WORKDIR": self.workdir, "USER": self.user, "SHELL": self.shell_}
         handler = handlers.get(ins.keyword)
         if ins.keyword in IGNORED:
             self.stage.notes.append(f"line {ins.line}: {ins.keyword} ignored (a sandbox "
                                     "starts a shell, not the image's command)")
+        elif ins.keyword == "ENTRYPOINT":
+            self.stage.notes.append(f"line {ins.line}: ENTRYPOINT runs when a sandbox starts, "
+                                    "with `sh -c 'sleep infinity'` as its arguments (as in "
+                                    "Harbor)")
+            self.entrypoint(ins)
         elif handler is None:
             raise DockerfileError(ins.line, f"unknown instruction {ins.keyword}")
         else:
@@ -394,6 +429,9 @@ class _Parser:
             if len(pairs) != len(words):
                 raise DockerfileError(ins.line, f"ENV {ins.args!r}: expected KEY=value pairs")
         for key, value in pairs:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise DockerfileError(ins.line, f"ENV {key!r}: not a variable name a shell "
+                                      "can export (letters, digits, _)")
             self.env[key] = value
         self.stage.env = dict(self.env)
 
@@ -460,6 +498,14 @@ class _Parser:
         if len(words) != 1:
             raise DockerfileError(ins.line, f"USER {ins.args!r}: expected user[:group]")
         self.stage.user = "" if words[0] in ("root", "0", "root:root", "0:0") else words[0]
+
+    def entrypoint(self, ins: Instruction) -> None:
+        exec_form = _json_form(ins.args)
+        if exec_form is not None:
+            self.stage.entrypoint = tuple(exec_form)  # ENTRYPOINT [] clears it
+        else:
+            text = ins.args.strip()
+            self.stage.entrypoint = (*self.shell, text) if text else ()
 
     def shell_(self, ins: Instruction) -> None:
         value = _json_form(ins.args)

@@ -1,0 +1,36 @@
+"""The image's environment, as a fresh sandbox of it has it before the agent acts: what
+test.sh gets (``docker exec`` gives Harbor's verifiers the container's ENV).
+
+It is read inside the sandbox (``PROBE``, run before anything else there), never by running
+the image's %environment on the host: a task's ENV is the task author's text.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+PROBE = "env -0 | base64 -w0"
+"""Prints the environment NUL-separated, base64-encoded (no byte of it can break the
+transport)."""
+
+DROPPED = frozenset({"PWD", "OLDPWD", "SHLVL", "_",  # the probing shell's own
+                     "LD_PRELOAD", "LD_AUDIT",  # code injected into every verifier process
+                     "UV_NO_CONFIG", "PIP_CONFIG_FILE"})  # the runtime's: no agent-written
+"""Variables the verifier does not take from the image."""  # tool config
+
+
+def parse_probe(output: str) -> dict[str, str]:
+    """The variables ``PROBE`` printed, minus ``DROPPED``; {} for output that is not
+    its (an image without base64 or env: the verifier then gets only PATH)."""
+    try:
+        raw = base64.b64decode(output.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return {}
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode("utf-8", "replace")
+        if sep and name and name not in DROPPED and "\n" not in name:
+            env[name] = value.decode("utf-8", "replace")
+    return env

@@ -100,6 +100,10 @@ def test_a_verifier_that_needed_the_network_is_recognised_from_its_output():
     assert grade_problem("curl: (6) Could not resolve host: astral.sh", network=False) == \
         f"{NEEDS_NETWORK}: curl: (6) Could not resolve host: astral.sh"
     assert grade_problem(UV, network=False).startswith(f"{NEEDS_NETWORK}: Caused by: dns error")
+    gradle = ('Exception in thread "main" java.net.UnknownHostException: services.gradle.org'
+              "\n\tat org.gradle.wrapper.Install.forceFetch(SourceFile:2)")  # a real task's
+    assert grade_problem(gradle, network=False) == f"{NEEDS_NETWORK}: " \
+        'Exception in thread "main" java.net.UnknownHostException: services.gradle.org'
     pip = grade_problem(PIP, network=False)
     assert pip.startswith(f"{NEEDS_NETWORK}: ...") and "Network is unreachable" in pip
     assert len(pip) < 220

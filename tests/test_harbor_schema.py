@@ -394,7 +394,8 @@ def test_unpublished_schema_version_is_read_with_a_warning(tmp_path):
 
 
 @pytest.mark.parametrize("toml, field", [
-    ('schema_version = "1.4"\n[[steps]]\nname = "one"\n', "steps"),
+    # a step with no steps/one/instruction.md (tests/test_multi_step.py runs real ones)
+    ('schema_version = "1.4"\n[[steps]]\nname = "one"\n', "steps[0].name"),
     ('schema_version = "1.4"\n[environment]\nos = "Windows"\n', "environment.os"),
 ])
 def test_what_tmax_cannot_run_is_an_error(tmp_path, toml, field):

@@ -144,6 +144,8 @@ class Agent:
 
     def __init__(self, policy: Policy, shell: Shell, config: AgentConfig):
         self.policy, self.shell, self.config = policy, shell, config
+        self._first = 0
+        """Where this instruction's steps start in ``episode.steps`` (the step limit's)."""
         self.use_tools = config.protocol == "tools" or (
             config.protocol == "auto" and policy.supports_tools)
         self.episode = Episode()
@@ -160,8 +162,21 @@ class Agent:
         """Loop until the episode ends; ``deadline`` is a ``time.time()`` value.
 
         The episode record is complete whatever is raised (infra errors propagate)."""
+        self.episode.messages = self.initial_messages(instruction)
+        return await self._loop(deadline)
+
+    async def resume(self, instruction: str, deadline: float) -> Episode:
+        """Go on in the same conversation with a new instruction (a multi-step task's next
+        step: the instance template around it, as a user message); the step limit counts
+        afresh, the episode record goes on."""
+        c = self.config
+        self.episode.messages.append(
+            {"role": "user", "content": c.instance_template.format(**c.fields(instruction))})
+        return await self._loop(deadline)
+
+    async def _loop(self, deadline: float) -> Episode:
         ep = self.episode
-        ep.messages = self.initial_messages(instruction)
+        ep.end_reason, ep.end_detail, self._first = "", "", len(ep.steps)
         try:
             while True:
                 await self.step(deadline)
@@ -193,27 +208,40 @@ class Agent:
         except FormatError as e:
             self._format_error(completion, str(e))
             return
-        for call_id, command in commands:
-            if len(ep.steps) >= c.step_limit:
-                raise _End("step_limit", f"{c.step_limit} steps")
-            timeout = min(c.command_timeout_s, self._left(deadline))
-            t1 = time.monotonic()
-            result = await self.shell.run(command, timeout)
-            took = time.monotonic() - t1
-            ep.shell_seconds += took
-            ep.steps.append(Step(command, result.exit_code, result.timed_out, round(took, 3)))
-            text = observation(result, c, timeout)
-            if call_id is None:
-                ep.messages.append({"role": "user", "content": text})
-            else:
-                ep.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
-            first = (result.output or "").lstrip().split("\n", 1)[0].strip()
-            if first == c.submit_marker:
-                raise _End("submitted")
-            if result.oom:
-                raise _End("oom", command[:200])
-        if len(ep.steps) >= c.step_limit:
+        for i, (call_id, command) in enumerate(commands):
+            try:
+                await self._run_one(call_id, command, deadline)
+            except _End:  # every tool call needs an answer in the history (a next step
+                answered = {m.get("tool_call_id") for m in  # of a multi-step task goes on)
+                            ep.messages[-len(commands):] if m.get("role") == "tool"}
+                for later, _ in commands[i:]:
+                    if later is not None and later not in answered:
+                        ep.messages.append({"role": "tool", "tool_call_id": later,
+                                            "content": "[not run: the episode ended first]"})
+                raise
+        if len(ep.steps) - self._first >= c.step_limit:
             raise _End("step_limit", f"{c.step_limit} steps")
+
+    async def _run_one(self, call_id: str | None, command: str, deadline: float) -> None:
+        ep, c = self.episode, self.config
+        if len(ep.steps) - self._first >= c.step_limit:
+            raise _End("step_limit", f"{c.step_limit} steps")
+        timeout = min(c.command_timeout_s, self._left(deadline))
+        t1 = time.monotonic()
+        result = await self.shell.run(command, timeout)
+        took = time.monotonic() - t1
+        ep.shell_seconds += took
+        ep.steps.append(Step(command, result.exit_code, result.timed_out, round(took, 3)))
+        text = observation(result, c, timeout)
+        if call_id is None:
+            ep.messages.append({"role": "user", "content": text})
+        else:
+            ep.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        first = (result.output or "").lstrip().split("\n", 1)[0].strip()
+        if first == c.submit_marker:
+            raise _End("submitted")
+        if result.oom:
+            raise _End("oom", command[:200])
 
     def _commands(self, completion: Completion) -> list[tuple[str | None, str]]:
         if self.use_tools:
@@ -244,7 +272,7 @@ class Agent:
             consecutive += 1
         if consecutive >= c.max_format_errors:
             raise _End("format_errors", f"{consecutive} format errors in a row")
-        if len(ep.steps) >= c.step_limit:
+        if len(ep.steps) - self._first >= c.step_limit:
             raise _End("step_limit", f"{c.step_limit} steps")
 
 

@@ -361,8 +361,8 @@ class Generator:
         assert self.builds.checker is not None
         entry = self.builds.store.read().tasks[task.task_id]
         log_rel = f"logs/{task.task_id}-{entry.digest}.gen-r{round_}.checks.log"
-        checks = self.builds.checker(task, self.builds.store.path(entry.sif), entry.workdir,
-                                     self.builds.store.path(log_rel))
+        image, verifier = self.builds.sandbox_images(self.builds.plan(task), entry)
+        checks = self.builds.checker(task, image, self.builds.store.path(log_rel), verifier)
         checks.log = log_rel
         self.builds.store.update(lambda m: m.tasks.__setitem__(
             task.task_id, m.tasks[task.task_id].model_copy(update={"checks": checks})))

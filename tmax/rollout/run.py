@@ -12,14 +12,19 @@ An unexpected exception (a bug) is logged with its traceback and recorded as
 counted in the infra-failure rate, so one bad episode never ends a long run.
 A verifier that cannot grade (no reward, or a 0 with the network it needed missing) is a
 ``verifier_error``: a task problem, neither infra nor the agent's failure.
+
+A task with a separate verifier (Harbor's ``[verifier] environment_mode = "separate"``) hands
+its artifacts (/logs/artifacts and the task's ``artifacts`` paths) from the agent's sandbox,
+which is then released, to a fresh one of the verifier's image (tests/Dockerfile's, else the
+task's own), where test.sh runs; the ``verifier`` timing includes that sandbox's start.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -31,8 +36,12 @@ from tmax.agent.config import AgentConfig
 from tmax.agent.harness import Agent, Episode
 from tmax.agent.policy import Policy, PolicyUnavailable, start_episode
 from tmax.rollout.trajectory import Trajectory, Turn
-from tmax.tasks.model import Task
-from tmax.tasks.reward import VerifierError, read_reward
+from tmax.tasks import artifacts
+from tmax.tasks.environment import PROBE as ENV_PROBE
+from tmax.tasks.environment import parse_probe
+from tmax.tasks.model import NO_BAKED_TESTS, Task
+from tmax.tasks.reward import VerifierError, read_metrics, read_reward
+from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
 log = logging.getLogger(__name__)
 VERIFY_ENDS = ("submitted",)
@@ -87,16 +96,33 @@ class TaskImages:
 
         self.builds = open_builds(store, check=False, base_map=base_map)
         self._found: dict[tuple[str, str], Any] = {}
+        self._plans: dict[tuple[str, str], Any] = {}
         self._warned: set[str] = set()
+
+    def plan(self, task: Task) -> Any:
+        """The task's build plan (``tmax.images.build.Plan``), made once per task folder."""
+        key = (task.task_id, str(task.root))  # a repaired copy is another task folder
+        if key not in self._plans:
+            self._plans[key] = self.builds.plan(task)
+        return self._plans[key]
+
+    def _definition(self, task: Task, verifier: bool) -> Any:
+        plan = self.plan(task)
+        return plan.verifier_image if verifier and plan.verifier_image else plan.definition
+
+    def start_command(self, task: Task, *, verifier: bool = False) -> str:
+        """What a sandbox of the task's image (``verifier``: of its separate verifier's)
+        runs before anything else: its ENTRYPOINT, as Harbor starts it; "" for none."""
+        return self._definition(task, verifier).start_command
 
     def entry(self, task: Task) -> Any:
         """The store's entry (``ImageEntry``) of the task's current image. ``ImageMissing``
         when it is not built, out of date or corrupt; one of ``plan_errors()`` when no image
         can be planned from the task. Its ``checks`` say whether the build-time checks
         passed; this does not look at them."""
-        key = (task.task_id, str(task.root))  # a repaired copy is another task folder
+        key = (task.task_id, str(task.root))
         if key not in self._found:
-            digest = self.builds.plan(task).digest
+            digest = self.plan(task).digest
             self._found[key] = self.builds.store.task_image(task.task_id, digest)
         return self._found[key]
 
@@ -117,6 +143,14 @@ class TaskImages:
                         "wrong", task.task_id, checks.reason)
         return str(self.builds.store.path(entry.sif)), entry.workdir
 
+    def resolve_verifier(self, task: Task) -> tuple[str, str]:
+        """``(sif_path, workdir)`` a separate verifier runs in: its own image (built from
+        tests/Dockerfile), else a fresh copy of the task's."""
+        entry = self.entry(task)
+        if entry.verifier_sif:
+            return str(self.builds.store.path(entry.verifier_sif)), entry.verifier_workdir
+        return str(self.builds.store.path(entry.sif)), entry.workdir
+
 
 async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
                   config: AgentConfig, *, trial: int = 0, attempt: int = 0,
@@ -129,6 +163,8 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
                       domain=meta.domain or "", difficulty=meta.difficulty)
     t0 = time.monotonic()
     episode: Episode | None = None
+    handoff = tempfile.TemporaryDirectory(prefix="tmax-artifacts-")
+    artifacts: list[tuple[Path, str]] | None = None  # a separate verifier's, once collected
     try:
         sif, workdir = await asyncio.to_thread(images.resolve, task)
         traj.image = sif
@@ -143,22 +179,40 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             traj.timings["queue"] = round(lease.grant.queued_s, 4)
             traj.timings["start"] = round(max(0.0, granted - t_ask - lease.grant.queued_s), 4)
             shell = LeaseShell(lease)
-            probe = await shell.run('printf %s "$PATH"', 30)
-            base_path = probe.output.strip() or DEFAULT_PATH
+            image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
+            base_path = image_env.get("PATH") or DEFAULT_PATH
+            if start := images.start_command(task):  # the image's ENTRYPOINT
+                await shell.run(start, 60)
             budget = config.episode_budget_s or task.config.agent.timeout_sec
             deadline = lease.grant.granted_at + budget
             agent = Agent(policy, shell, config)
             episode = agent.episode
             await start_episode(policy, EpisodeContext(task, shell, trial))
+            if task.steps:  # agent and verifier, step by step, in this one sandbox
+                await _run_steps(traj, task, agent, shell, config, workdir, base_path,
+                                 image_env)
+                traj.timings["agent"] = round(time.monotonic() - granted, 4)
+                return traj
             await agent.run(task.instruction, deadline)
             t_agent = time.monotonic()
             traj.timings["agent"] = round(t_agent - granted, 4)
-            if episode.end_reason in VERIFY_ENDS or config.verify_unfinished:
-                await _verify(traj, task, shell, workdir, base_path)
-                traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
-            else:
+            if not (episode.end_reason in VERIFY_ENDS or config.verify_unfinished):
                 traj.policy_failure = episode.end_reason
                 traj.reward = 0.0
+            elif task.separate_verifier:
+                artifacts = await collect_artifacts(task, shell, Path(handoff.name))
+            else:
+                await _verify(traj, task, shell, workdir, base_path, image_env=image_env)
+                traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
+        if artifacts is not None:  # the agent's sandbox is gone: a fresh one grades
+            vsif, vworkdir = await asyncio.to_thread(images.resolve_verifier, task)
+            async with fleet.lease(vsif, cpus=env.cpus, memory_mb=env.memory_mb,
+                                   storage_mb=env.storage_mb, network=env.network,
+                                   ttl_s=lease_ttl_s, workdir=vworkdir) as verifier_lease:
+                await _verify_separately(traj, task, LeaseShell(verifier_lease), vworkdir,
+                                         artifacts, Path(handoff.name),
+                                         images.start_command(task, verifier=True))
+            traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
     except (InfraError, PolicyUnavailable) as e:
         traj.infra_failure = e.to_dict()
         traj.reward = None
@@ -172,7 +226,45 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         if episode is not None:
             _record_episode(traj, episode)
         traj.timings["total"] = round(time.monotonic() - t0, 4)
+        await asyncio.to_thread(handoff.cleanup)
     return traj
+
+
+async def collect_artifacts(task: Task, shell: Any, dest: Path) -> list[tuple[Path, str]]:
+    """Copy the task's ``artifacts`` that exist out of the agent's sandbox into ``dest``:
+    (host copy, path in the sandbox) each. They are archived as a verifier runs (the
+    agent frozen, the image's own tar) and unpacked as untrusted data
+    (``tmax.tasks.artifacts``); what cannot be handed over is left out, and the verifier
+    grades without it, as without one the agent did not write."""
+    result, got = await shell.verify(artifacts.collector(dest / "collector"),
+                                     artifacts.command(task.artifacts),
+                                     timeout=artifacts.TIMEOUT_S, dest=dest / "collected",
+                                     cwd="/", env={"PATH": DEFAULT_PATH})
+    if result.timed_out:
+        log.info("%s: collecting the artifacts timed out", task.task_id)
+    return artifacts.unpack(got, task.artifacts, dest / "unpacked")
+
+
+async def _verify_separately(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
+                             artifacts: list[tuple[Path, str]], scratch: Path,
+                             start: str = "") -> None:
+    """``grade`` in a fresh sandbox of the verifier's image (``start``: its ENTRYPOINT)
+    holding ``artifacts`` at their paths; /tests as that image has it when tests/ built it
+    (Harbor uploads none then)."""
+    image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
+    if start:
+        await shell.run(start, 60)
+    tests = None
+    if task.verifier_definition is not None:
+        try:
+            tests = await shell.get_file("/tests", scratch / "tests")
+        except FileNotFoundError:
+            traj.verifier_error = NO_BAKED_TESTS
+            return
+    for local, path in artifacts:
+        await shell.put_file(local, path)
+    await _verify(traj, task, shell, workdir, image_env.get("PATH") or DEFAULT_PATH, tests,
+                  image_env)
 
 
 def _record_episode(traj: Trajectory, ep: Episode) -> None:
@@ -188,9 +280,10 @@ def _record_episode(traj: Trajectory, ep: Episode) -> None:
 
 
 async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
-                  base_path: str) -> None:
+                  base_path: str, tests: Path | None = None,
+                  image_env: dict[str, str] | None = None) -> None:
     """``grade`` the episode and record the reward, or why there is none, in ``traj``."""
-    g = await grade(task, shell, workdir, base_path)
+    g = await grade(task, shell, workdir, base_path, tests, image_env)
     traj.verifier_output = g.output
     if g.reward is None:
         traj.verifier_error = g.error
@@ -211,7 +304,72 @@ class Grade:
     """reward.json's numbers, when it wrote one."""
 
 
-async def grade(task: Task, shell: Any, workdir: str, base_path: str) -> Grade:
+async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShell,
+                     config: AgentConfig, workdir: str, base_path: str,
+                     image_env: dict[str, str]) -> None:
+    """A multi-step task (``tmax.tasks.steps``): for each step, its workdir/ and setup.sh,
+    its healthcheck, the agent on its instruction (the conversation goes on from the last
+    step's), its verifier over the merged tests. A step the agent does not finish scores 0;
+    the steps after one below its ``min_reward`` do not run. The reward is
+    ``multi_step_reward``'s; each step's is in ``reward_metrics`` as ``step:<name>``."""
+    rewards: list[float] = []
+    metrics: dict[str, float] = {}
+    for step in task.steps:
+        problem = await _begin_step(shell, step, workdir)
+        if problem and step.index == 0:  # before the agent acted: the task's fault
+            traj.verifier_error = f"step {step.name}: {problem}"
+            return
+        if problem:  # what the agent left fails the step's setup or precondition (never a
+            # masked error it could cause on purpose): no more steps, they score 0
+            log.info("%s: step %s: %s", task.task_id, step.name, problem)
+            break
+        deadline = time.time() + (config.episode_budget_s or step.agent_timeout_sec)
+        await (agent.resume if rewards else agent.run)(step.instruction, deadline)
+        if not (agent.episode.end_reason in VERIFY_ENDS or config.verify_unfinished):
+            traj.policy_failure = agent.episode.end_reason
+            rewards.append(0.0)
+            metrics[f"step:{step.name}"] = 0.0
+            break
+        with tempfile.TemporaryDirectory(prefix="tmax-step-") as tmp:
+            tests = merged_tests(task, step, Path(tmp) / "tests")
+            g = await grade(task, shell, workdir, base_path, tests, image_env, step)
+        traj.verifier_output = g.output
+        if g.reward is None:
+            traj.verifier_error = f"step {step.name}: {g.error}"
+            return
+        rewards.append(g.reward)
+        metrics[f"step:{step.name}"] = g.reward
+        if not step.passes(g.reward, g.metrics):
+            break
+    traj.reward = multi_step_reward(rewards, len(task.steps),
+                                    task.config.multi_step_reward_strategy)
+    traj.reward_metrics = metrics
+
+
+async def _begin_step(shell: LeaseShell, step: TaskStep, workdir: str) -> str:
+    """The step's workdir/ into ``workdir`` and its setup.sh run there (in a subshell: the
+    agent's shell stays where it was); then its healthcheck. What went wrong, or ""."""
+    if step.workdir_dir.is_dir():
+        await shell.put_file(step.workdir_dir, workdir)
+        if (step.workdir_dir / "setup.sh").is_file():
+            setup = await shell.run(f"(cd {shlex.quote(workdir)} && bash ./setup.sh)",
+                                    step.agent_timeout_sec)
+            if setup.exit_code != 0 or setup.timed_out:
+                return f"setup.sh failed (exit {setup.exit_code}): {setup.output[-300:]}"
+    if step.healthcheck is None:
+        return ""
+    command, attempts, interval, timeout = healthcheck_command(step.healthcheck)
+    for attempt in range(attempts):
+        if (await shell.run(f"({command})", timeout)).exit_code == 0:
+            return ""
+        if attempt + 1 < attempts:
+            await asyncio.sleep(interval)
+    return f"the healthcheck ({command}) failed {attempts} times"
+
+
+async def grade(task: Task, shell: Any, workdir: str, base_path: str,
+                tests: Path | None = None, image_env: dict[str, str] | None = None,
+                step: TaskStep | None = None) -> Grade:
     """Run test.sh through the fleet's ``verify`` (``shell``: a ``LeaseShell``) and read the
     reward it wrote.
 
@@ -219,24 +377,28 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str) -> Grade:
     in a process tree of its own (on the local runtime: the agent's processes cannot see,
     signal or trace it, and /usr, /bin, /lib and the loader's and interpreters' files in
     /etc are the image's as built, unless the task sets ``[verifier] agent_system``).
-    test.sh runs as ``/bin/bash`` in the task's workdir with the PATH the sandbox had
-    before the agent started, plus the task's verifier env.
+    test.sh runs as ``/bin/bash`` in the task's workdir with the image's environment
+    (``image_env``: what the sandbox had before the agent started, ``tmax.tasks.environment``,
+    its PATH among it) and the task's verifier env.
 
     No reward, a malformed one or a timeout is an ``error``. So is a reward of 0 when the
     output shows the verifier could not grade (``grade_problem``: it needed the network,
     or found no test runner): the 0 is dropped, since the agent did not earn it.
     """
     verifier = task.config.verifier
-    env = {"PATH": base_path, **verifier.env}
+    env = {**(image_env or {}), "PATH": base_path,
+           **(step.verifier_env if step else verifier.env)}
+    timeout = step.verifier_timeout_sec if step else verifier.timeout_sec
     with tempfile.TemporaryDirectory(prefix="tmax-verify-") as tmp:
-        result, got = await shell.verify(task.tests_dir, ["/bin/bash", "/tests/test.sh"],
-                                         timeout=verifier.timeout_sec,
+        result, got = await shell.verify(tests or task.tests_dir,
+                                         ["/bin/bash", "/tests/test.sh"],
+                                         timeout=timeout,
                                          dest=Path(tmp) / "verifier", cwd=workdir, env=env,
                                          agent_system=verifier.agent_system)
         output = result.output[-4000:]
         reward, error = None, ""
         if result.timed_out:
-            error = f"test.sh timed out after {verifier.timeout_sec:g} s"
+            error = f"test.sh timed out after {timeout:g} s"
         else:
             try:
                 reward = read_reward(got, task.task_id)
@@ -249,17 +411,7 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str) -> Grade:
             return Grade(None, problem + (f"; {error}" if error else ""), output)
         if reward is None:
             return Grade(None, error, output)
-        metrics: dict[str, float] = {}
-        path = got / "reward.json"
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = None  # reward.txt gave the reward; reward.json is only metrics
-            if isinstance(data, dict):
-                metrics = {k: float(v) for k, v in data.items()
-                           if isinstance(v, (int, float))}
-        return Grade(reward, "", output, metrics)
+        return Grade(reward, "", output, read_metrics(got, task.task_id))
 
 
 NEEDS_NETWORK = "needs network at grade time"
@@ -271,6 +423,7 @@ _OFFLINE_SIGNS = re.compile(
     r"|getaddrinfo (?:EAI_AGAIN|ENOTFOUND) (?P<node>[^\s:]+)"  # npm, node
     r"|Temporary failure in name resolution"             # glibc: python, pip, uv, wget
     r"|dns error"                                        # uv
+    r"|java\.net\.UnknownHostException: (?P<java>[^\s:]+)"  # Java: gradle, maven
     r"|Network is unreachable",                          # any client, no route out
     re.IGNORECASE)
 _RUNNER_MISSING = re.compile(r"\b(?:uvx|uv|pytest|pip3?|python3?): (?:command )?not found\b")

@@ -239,9 +239,11 @@ class Verifier(_NetworkPolicy):
     user: str | int | None = None
     """Harbor: the user tests/test.sh runs as (not applied by TMax yet)."""
     environment_mode: Literal["shared", "separate"] | None = None
-    """Harbor 1.2+: run the verifier in its own container (TMax: always the agent's sandbox)."""
+    """Harbor 1.2+: "separate" runs test.sh in a fresh sandbox of its own, which gets only
+    the ``artifacts`` (tests/Dockerfile its image, else the task's: ``Task.separate_verifier``)."""
     environment: dict[str, Any] | None = None
-    """Harbor 1.2+: the separate verifier container's [environment] (kept, not used)."""
+    """Harbor 1.2+: the separate verifier's [environment]; implies the mode (its resources
+    are kept, not applied: that sandbox gets the task's)."""
     collect: tuple[dict[str, Any], ...] = ()
     """Harbor 1.3+: [[verifier.collect]] hooks (kept, not run)."""
 
@@ -406,7 +408,7 @@ class TaskConfig(_Harbor):
     steps: tuple[dict[str, Any], ...] | None = None
     """Harbor 1.1+: [[steps]] of a multi-step task (not supported by TMax)."""
     artifacts: tuple[str | dict[str, Any], ...] = ()
-    """Harbor 1.1+: files to collect after the run (kept, not collected)."""
+    """Harbor 1.1+: paths handed from the agent's sandbox to a separate verifier."""
 
     @model_validator(mode="after")
     def _network(self):

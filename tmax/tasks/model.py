@@ -12,6 +12,7 @@ Native layout (Harbor / Terminal-Bench 2.x)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from tmax.tasks.config import TaskConfig
+    from tmax.tasks.steps import TaskStep
 
 INSTRUCTION = "instruction.md"
 TASK_TOML = "task.toml"
@@ -30,6 +32,8 @@ SOLVE_SCRIPT = "solution/solve.sh"
 DEFINITION_FILES = ("Dockerfile", "container.def")
 REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
 
+NO_BAKED_TESTS = ("the separate verifier's image has no /tests: tests/Dockerfile must copy "
+                  "the tests there (COPY . /tests/), as Harbor uploads none in separate mode")
 TASK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
@@ -138,6 +142,43 @@ class Task:
     @property
     def has_solution(self) -> bool:
         return (self.root / SOLVE_SCRIPT).is_file()
+
+    @functools.cached_property
+    def steps(self) -> tuple[TaskStep, ...]:
+        """A multi-step task's steps (Harbor's ``[[steps]]``, tmax.tasks.steps); () for a
+        task of one."""
+        from tmax.tasks.steps import parse_steps
+
+        return parse_steps(self) if self.config.steps else ()
+
+    @property
+    def separate_verifier(self) -> bool:
+        """Harbor's separate verifier (``[verifier] environment_mode = "separate"``, or a
+        ``[verifier.environment]`` with no mode): test.sh runs in a sandbox of its own, which
+        gets only the agent's ``artifacts``."""
+        verifier = self.config.verifier
+        return verifier.environment_mode == "separate" or \
+            (verifier.environment_mode is None and verifier.environment is not None)
+
+    @property
+    def verifier_definition(self) -> Path | None:
+        """tests/Dockerfile of a separate verifier: its image's definition, tests/ the build
+        context, and /tests as the image has it (Harbor uploads no tests/ then). None: the
+        verifier runs in a fresh sandbox of the task's own image, tests/ uploaded."""
+        path = self.tests_dir / "Dockerfile"
+        return path if self.separate_verifier and path.is_file() else None
+
+    @property
+    def artifacts(self) -> tuple[str, ...]:
+        """What a separate verifier gets from the agent's sandbox, at the same paths:
+        /logs/artifacts, then the task's top-level ``artifacts`` (paths, or Harbor's
+        ``{source = PATH, ...}`` tables)."""
+        paths = ["/logs/artifacts"]
+        for item in self.config.artifacts:
+            path = item.get("source") if isinstance(item, dict) else item
+            if isinstance(path, str) and path.startswith("/") and path not in paths:
+                paths.append(path)
+        return tuple(paths)
 
     @property
     def definition(self) -> Path:

@@ -36,12 +36,15 @@ from tmax.tasks.model import (
     TASK_ID_RE,
     TASK_TOML,
     TEST_SCRIPT,
+    TESTS_DIR,
     FileSpec,
     Problem,
     Task,
     TaskDraft,
     TaskError,
 )
+from tmax.tasks.steps import KNOWN_KEYS as KNOWN_STEP_KEYS
+from tmax.tasks.steps import STEPS_DIR, StepError, parse_steps
 
 Severity = Literal["error", "warning"]
 
@@ -54,9 +57,13 @@ def load_task(path: str | Path, *, task_id: str | None = None) -> Task:
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise TaskError(errors)
-    instruction = (root / INSTRUCTION).read_text()
     assert config is not None  # no errors: task.toml parsed
     warnings = tuple(p for p in problems if p.severity == "warning")
+    if (root / INSTRUCTION).is_file():
+        instruction = (root / INSTRUCTION).read_text()
+    else:  # a multi-step task's first step's (the steps hold the instructions)
+        first = (config.steps or ({},))[0].get("name", "")
+        instruction = (root / STEPS_DIR / first / INSTRUCTION).read_text()
     return Task(task_id, root, instruction, config, warnings)
 
 
@@ -174,9 +181,10 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
                 "rename the directory (e.g. kebab-case)", severity="warning")
 
     instruction = root / INSTRUCTION
-    if not instruction.is_file():
+    multi_step = (root / STEPS_DIR).is_dir()  # (its steps hold the instructions)
+    if not instruction.is_file() and not multi_step:
         problem(INSTRUCTION, "missing instruction", "write the task prompt to instruction.md")
-    elif not instruction.read_text(errors="replace").strip():
+    elif instruction.is_file() and not instruction.read_text(errors="replace").strip():
         problem(INSTRUCTION, "instruction is empty", "write the task prompt to instruction.md")
 
     config = None
@@ -202,6 +210,12 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
 
     problems.extend(link_problems(root, task_id))
     _check_environment(root, task_id, problems, config)
+    if config is not None and config.steps:
+        _check_steps(root, task_id, problems, config)
+        return problems, config
+    if config is not None and multi_step and not instruction.is_file():
+        problem(INSTRUCTION, "missing instruction (steps/ is there, but task.toml has no "
+                "[[steps]])", "write the task prompt to instruction.md, or list the steps")
     _check_verifier(root, task_id, problems)
     if not (root / SOLVE_SCRIPT).is_file():
         problem(SOLVE_SCRIPT, "the task has no reference solution (solution/solve.sh)",
@@ -257,10 +271,9 @@ _NOT_APPLIED = {
     "environment.tpu": "TMax's fleet has no TPUs",
     "agent.user": "the agent runs as the sandbox's root",
     "verifier.user": "tests/test.sh runs as the sandbox's root",
-    "verifier.environment": "the verifier runs in the agent's sandbox",
-    "verifier.environment_mode": "the verifier runs in the agent's sandbox",
+    "verifier.environment": "the separate verifier's sandbox gets the task's [environment] "
+                            "resources and network",
     "verifier.collect": "no collect hooks run",
-    "artifacts": "no artifacts are collected",
 }
 """Harbor keys TMax reads and keeps but does not act on yet, and what happens instead."""
 
@@ -277,9 +290,31 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
         note("schema_version", f"schema version {config.harbor_schema!r} is not one Harbor "
              f"published ({', '.join(SCHEMA_VERSIONS)}); read as {CURRENT_SCHEMA}",
              f'declare schema_version = "{CURRENT_SCHEMA}"')
-    if config.steps:
-        note("steps", "multi-step tasks ([[steps]]) are not supported",
-             "split it into one task per step", "error")
+    verifier = config.verifier
+    separate = verifier.environment_mode == "separate" or \
+        (verifier.environment_mode is None and verifier.environment is not None)
+    if config.steps and separate:
+        note("verifier.environment_mode", "a multi-step task with a separate verifier is not "
+             "supported: its steps' verifiers run in the agent's sandbox",
+             "use the shared mode for a multi-step task", "error")
+    if separate and (verifier.environment or {}).get("docker_image"):
+        note("verifier.environment.docker_image", "TMax builds the separate verifier's image "
+             "from tests/Dockerfile (else uses the task's own), it pulls no image",
+             "add a tests/Dockerfile FROM that image", "warning")
+    for i, item in enumerate(config.artifacts):
+        path = item.get("source") if isinstance(item, dict) else item
+        if not (isinstance(path, str) and path.startswith("/")):
+            note(f"artifacts[{i}]", f"artifact {item!r} is not an absolute path in the "
+                 "sandbox", 'write it as "/abs/path" or {source = "/abs/path"}', "error")
+    for i, step in enumerate(config.steps or ()):
+        for key in sorted(set(step) - KNOWN_STEP_KEYS):
+            note(f"steps[{i}].{key}", f"unknown key '{key}' in [[steps]]: kept, not acted on",
+                 "nothing to do unless the task depends on it")
+        if (step.get("verifier") or {}).get("environment_mode") == "separate" or \
+                (step.get("verifier") or {}).get("environment"):
+            note(f"steps[{i}].verifier.environment_mode", "a separate verifier per step is "
+                 "not supported: the step's verifier runs in the sandbox",
+                 "nothing to do unless the task depends on it")
     if config.environment.os.lower() != "linux":
         note("environment.os", f"os {config.environment.os!r}: TMax runs Linux sandboxes only",
              "use a Linux image", "error")
@@ -313,16 +348,45 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
     return out
 
 
-def _check_verifier(root: Path, task_id: str, problems: list[Problem]) -> None:
-    test_sh = root / TEST_SCRIPT
-    if not test_sh.is_file():
-        problems.append(Problem(task_id, TEST_SCRIPT, "no verifier",
-                                "add tests/test.sh writing /logs/verifier/reward.txt"))
+def _check_steps(root: Path, task_id: str, problems: list[Problem],
+                 config: TaskConfig) -> None:
+    """A multi-step task: each step parses and has a test.sh (its own or the task's)."""
+    from tmax.tasks.model import Task
+
+    try:
+        steps = parse_steps(Task(task_id, root, "", config))
+    except StepError as e:
+        problems.append(Problem(task_id, TASK_TOML, str(e), "see tmax/tasks/steps.py for what "
+                                "a step holds", e.field))
         return
-    text = test_sh.read_text(errors="replace")
-    if "reward.txt" not in text and "reward.json" not in text:
+    for step in steps:
+        own = step.tests_dir / "test.sh"
+        _check_verifier(root, task_id, problems, own if own.is_file() else root / TEST_SCRIPT,
+                        f"{STEPS_DIR}/{step.name}/tests/test.sh",
+                        (root / TESTS_DIR, step.tests_dir))
+        if not step.solve_script.is_file():
+            problems.append(Problem(
+                task_id, f"{STEPS_DIR}/{step.name}/solution/solve.sh",
+                f"step {step.name!r} has no reference solution", "add one (the oracle runs "
+                "each step's in order)", severity="warning"))
+
+
+def _check_verifier(root: Path, task_id: str, problems: list[Problem],
+                    test_sh: Path | None = None, shown: str = TEST_SCRIPT,
+                    helpers: tuple[Path, ...] = ()) -> None:
+    """test.sh is there and writes a reward (itself, or a helper of ``helpers``, the folders
+    its /tests is made of, that it may source or run)."""
+    test_sh = test_sh or root / TEST_SCRIPT
+    if not test_sh.is_file():
+        problems.append(Problem(task_id, shown, "no verifier",
+                                f"add {shown} writing /logs/verifier/reward.txt"))
+        return
+    texts = [test_sh.read_text(errors="replace")]
+    texts += [f.read_text(errors="replace") for d in helpers if d.is_dir()
+              for f in sorted(d.rglob("*.sh")) if f.is_file() and f.stat().st_size < 1 << 20]
+    if not any("reward.txt" in text or "reward.json" in text for text in texts):
         problems.append(Problem(
-            task_id, TEST_SCRIPT, "the test script writes no reward",
+            task_id, shown, "the test script writes no reward",
             "write one float in [0,1] to /logs/verifier/reward.txt (or a flat JSON dict "
             "of numbers to /logs/verifier/reward.json), whatever the outcome"))
 
@@ -442,9 +506,10 @@ def read_native(path: Path) -> TaskDraft:
     """A native task as a draft (to copy or rewrite it)."""
     task = load_task(path)
     files = {}
-    for f in sorted(path.rglob("*")):
+    own = (TASK_TOML,) if task.config.steps else (INSTRUCTION, TASK_TOML)  # (a multi-step
+    for f in sorted(path.rglob("*")):  # task's instruction.md, if any, is one of its files)
         rel = f.relative_to(path).as_posix()
-        if f.is_file() and rel not in (INSTRUCTION, TASK_TOML):
+        if f.is_file() and rel not in own:
             files[rel] = FileSpec.read(f)
     return TaskDraft(task.task_id, task.instruction, task.config, files, "native",
                      list(task.warnings))
@@ -481,7 +546,8 @@ def write_task(draft: TaskDraft, dest_parent: str | Path, *, overwrite: bool = F
     tmp = Path(tempfile.mkdtemp(prefix=f".{draft.task_id}.", suffix=".tmp", dir=parent))
     try:
         os.chmod(tmp, 0o755)
-        (tmp / INSTRUCTION).write_text(draft.instruction.rstrip() + "\n")
+        if not draft.config.steps:  # (a multi-step task's are its steps', in its files)
+            (tmp / INSTRUCTION).write_text(draft.instruction.rstrip() + "\n")
         (tmp / TASK_TOML).write_text(tomli_w.dumps(doc))
         for rel, spec in draft.files.items():
             target = tmp / rel

@@ -57,6 +57,20 @@ def read_reward(verifier_dir: Path, task: str) -> float:
     return value
 
 
+def read_metrics(verifier_dir: Path, task: str = "") -> dict[str, float]:
+    """reward.json's numbers (named rewards, metrics), {} without a usable one; read as
+    ``read_reward`` reads it (never through a link)."""
+    try:
+        text = _read_regular(verifier_dir / "reward.json", task)
+        data = json.loads(text) if text is not None else None
+    except (VerifierError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
 def _read_regular(path: Path, task: str) -> str | None:
     """The text of ``path``, None when it is absent. A symlink, fifo, device or directory is
     a ``VerifierError``, never followed or opened for reading (the reader may be root on the

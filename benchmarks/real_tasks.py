@@ -289,6 +289,7 @@ def build(native: str, store: Path, builder: str, timeout: float, tmax: str) -> 
 # --------------------------------------------------------------------------- classify
 
 NET = re.compile(r"Could not resolve host|Temporary failure in name resolution|"
+                 r"UnknownHostException|"
                  r"Temporary failure resolving|"
                  r"Name or service not known|Network is unreachable|Failed to connect|"
                  r"Could not connect|getaddrinfo|Connection refused|No address associated",

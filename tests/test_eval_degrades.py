@@ -25,7 +25,13 @@ from tmax.eval.runner import read_skipped, run_eval, skipped_path
 from tmax.eval.summary import format_tables, summarize
 from tmax.fleet import open_fleet
 from tmax.images.store import ImageStore
-from tmax.rollout.run import NEEDS_NETWORK, ImageMissing, TaskImages, grade_problem
+from tmax.rollout.run import (
+    NEEDS_NETWORK,
+    VERIFIER_TIMEOUT,
+    ImageMissing,
+    TaskImages,
+    grade_problem,
+)
 from tmax.rollout.trajectory import Trajectory, read_jsonl
 from tmax.tasks import load_task
 
@@ -274,6 +280,54 @@ def test_a_verifier_that_could_not_grade_is_a_verifier_error_not_a_failure(
     assert s["unscored"] == [] and s["infra_failures"] == 0
     assert f"verifier errors 6/8 episodes (task problems, not scored): {NEEDS_NETWORK} 4" \
         in format_tables(s)
+
+
+HANGS = """#!/bin/bash
+# What the agent left never returns under the tests (a real task's tests hung like this
+# when the agent's program was missing).
+mkdir -p /logs/verifier
+sleep 60
+echo 1 > /logs/verifier/reward.txt
+"""
+HANGS_OFFLINE = """#!/bin/bash
+echo "curl: (6) Could not resolve host: astral.sh" >&2
+sleep 60
+echo 0 > /logs/verifier/reward.txt
+"""
+
+
+def with_verifier_timeout(task_dir: Path, seconds: int) -> Path:
+    toml = task_dir / "task.toml"
+    text = toml.read_text()
+    assert "[verifier]\ntimeout_sec = 60.0\n" in text
+    toml.write_text(text.replace("[verifier]\ntimeout_sec = 60.0\n",
+                                 f"[verifier]\ntimeout_sec = {seconds}\n"))
+    return task_dir
+
+
+@pytest.mark.sandbox
+def test_a_verifier_timeout_scores_0_unless_it_needed_the_network(
+        example_store, example_fleet, tmp_path):
+    """An agent can make the tests hang on purpose: a timeout is its 0 (never a masked
+    error), unless the output shows the verifier itself was stuck without the network."""
+    root = tmp_path / "tasks"
+    tasks = [load_task(with_verifier_timeout(copy_task("hello-world-file",
+                                                       root / "hello-world-file",
+                                                       test_sh=HANGS), 2)),
+             load_task(with_verifier_timeout(copy_task("count-log-lines",
+                                                       root / "count-log-lines",
+                                                       test_sh=HANGS_OFFLINE), 2))]
+    by_task = {r.task: r for r in evaluate(tasks, example_store, example_fleet,
+                                           tmp_path / "r.jsonl", trials=1)}
+    hung, offline = by_task["hello-world-file"], by_task["count-log-lines"]
+    assert (hung.reward, hung.policy_failure, hung.verifier_error, hung.scored) == \
+        (0.0, VERIFIER_TIMEOUT, None, True)
+    assert offline.reward is None and offline.policy_failure is None
+    assert offline.verifier_error == (f"{NEEDS_NETWORK}: curl: (6) Could not resolve host: "
+                                      "astral.sh; test.sh timed out after 2 s")
+    s = summarize(list(by_task.values()))
+    assert s["scored_episodes"] == 1 and s["mean_reward"] == 0.0
+    assert s["policy_failures"] == {VERIFIER_TIMEOUT: 1} and s["verifier_errors"] == 1
 
 
 # ---- training: a verifier error carries no advantage

@@ -374,8 +374,8 @@ def test_checks_recorded_in_manifest(checked_builds):
      "verifier: wrote no reward.txt or reward.json"),
     ({"tests/test.sh": "#!/bin/bash\nsleep 60  # then: reward.txt\n",
       "task.toml": '[verifier]\ntimeout_sec = 2\n[metadata]\ndifficulty = "easy"\n'},
-     ("verifier: timed out after 2 s ([verifier] timeout_sec) and wrote no reward.txt or "
-      "reward.json")),
+     ("the reference solution scores 0.0, not 1 (its verifier timed out after 2 s "
+      "([verifier] timeout_sec))")),
 ])
 def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
     src = make_task(tmp_path / "tasks", "t", **{
@@ -388,18 +388,20 @@ def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
 
 
 @pytest.mark.sandbox
-def test_a_verifier_that_hangs_on_the_untouched_environment_still_gets_the_oracle_checked(
+def test_a_verifier_that_hangs_on_the_untouched_environment_scores_it_0(
         checked_builds, tmp_path):
-    """A real task's tests hung until the timeout when the agent's program was missing: the
-    checks fail on it, and still say what the reference solution scores."""
+    """A real task's tests hung until the timeout when the agent's program was missing
+    (gordonyang-tbench/database-seeding): that is a 0, as in rollouts, where an agent could
+    hang the tests on purpose; the reference solution is still checked."""
     src = make_task(tmp_path / "tasks", "hangs", **{
         "environment/Dockerfile": "FROM python:3.11-slim\nWORKDIR /app\n",
         "tests/test.sh": "#!/bin/bash\n[ -f /app/answer.txt ] || sleep 60\n"
                          "mkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n",
         "task.toml": '[verifier]\ntimeout_sec = 2\n[metadata]\ndifficulty = "easy"\n'})
     checks = checked_builds.build(load_task(src)).checks
-    assert (checks["ok"], checks["nop_reward"], checks["oracle_reward"]) == (False, None, 1.0)
-    assert checks["reason"].startswith("verifier: timed out after 2 s")
+    assert (checks["ok"], checks["nop_reward"], checks["oracle_reward"]) == (True, 0.0, 1.0)
+    log = checked_builds.store.path(checks["log"]).read_text()
+    assert "verifier timed out after 2 s ([verifier] timeout_sec): scores 0" in log
 
 
 @pytest.mark.sandbox

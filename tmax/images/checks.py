@@ -10,8 +10,10 @@ in rollouts: its artifacts are copied out of the sandbox, which then stops, into
 sandbox of the verifier's image (or of the task's own, when tests/ has no Dockerfile), where
 test.sh runs.
 
-Each check runs in a fresh sandbox with the task's own limits. The result, with the reason
-of a failure, goes into the image's manifest entry; the log next to the build log.
+Each check runs in a fresh sandbox with the task's own limits. A verifier that runs past
+its timeout scores 0, as in rollouts: the nop check passes on it, the oracle check fails.
+The result, with the reason of a failure, goes into the image's manifest entry; the log
+next to the build log.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from tmax.tasks.environment import parse_probe
 from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
+
+TIMED_OUT = "verifier timed out"
+"""How the log begins the line of a verifier that ran past its timeout (and scored 0)."""
 
 
 @dataclass(frozen=True)
@@ -110,13 +115,11 @@ class RuntimeBox:
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")
         self.log += ["$ verify: /bin/bash /tests/test.sh", result.output.rstrip(), status]
-        try:
-            return read_reward(logs, task.task_id)
-        except VerifierError as e:
-            if result.timed_out:  # the cause, not only its consequence
-                raise VerifierError(task.task_id, f"timed out after {timeout:g} s "
-                                    f"([verifier] timeout_sec) and {e.reason}") from None
-            raise
+        if result.timed_out:  # scores 0, as in rollouts (``tmax.rollout.run.grade``)
+            self.log.append(f"{TIMED_OUT} after {timeout:g} s ([verifier] timeout_sec): "
+                            "scores 0")
+            return 0.0
+        return read_reward(logs, task.task_id)
 
     def begin_step(self, step: TaskStep) -> str:
         """Before a step's agent: its workdir/ into the working directory, its setup.sh
@@ -236,12 +239,16 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxI
         modes, note = ("nop",), f"no reference solution ({SOLVE_SCRIPT}): oracle not checked"
         log.append(f"## oracle: {note}")
     errors: list[str] = []
+    timed_out: dict[str, str] = {}
     try:
         for mode in modes:  # each runs, so that both rewards are known where they can be
+            start = len(log)
             try:
                 rewards[mode] = run_mode(runtime, task, image, mode, log, verifier)
             except VerifierError as e:  # the sandbox came up: the verifier's problem
                 errors.append(e.reason)
+            if said := [line for line in log[start:] if line.startswith(TIMED_OUT)]:
+                timed_out[mode] = said[-1].split(":")[0]
     except InfraError as e:
         starts = rewards["nop"] is not None or bool(errors)
         reason = f"{'sandbox failed' if starts else 'image does not start'}: {e}"
@@ -252,6 +259,8 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxI
             reason = f"the untouched environment already scores {rewards['nop']}"
         elif "oracle" in modes and rewards["oracle"] != 1.0:
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
+            if "oracle" in timed_out:
+                reason += f" (its {timed_out['oracle']})"
             if unmet := unmet_needs((verifier or image).sif):
                 reason += f" (the verifier's tools could not be prepared offline: " \
                           f"{'; '.join(unmet)})"

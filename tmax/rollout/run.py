@@ -288,6 +288,8 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
     if g.reward is None:
         traj.verifier_error = g.error
         return
+    if g.timed_out:
+        traj.policy_failure = VERIFIER_TIMEOUT
     traj.reward = g.reward
     traj.reward_metrics = g.metrics
 
@@ -302,6 +304,8 @@ class Grade:
     """The last 4,000 characters of test.sh's output."""
     metrics: dict[str, float] = field(default_factory=dict)
     """reward.json's numbers, when it wrote one."""
+    timed_out: bool = False
+    """test.sh ran past its timeout: the reward is 0 (``VERIFIER_TIMEOUT``)."""
 
 
 async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShell,
@@ -337,6 +341,8 @@ async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShe
         if g.reward is None:
             traj.verifier_error = f"step {step.name}: {g.error}"
             return
+        if g.timed_out:
+            traj.policy_failure = VERIFIER_TIMEOUT
         rewards.append(g.reward)
         metrics[f"step:{step.name}"] = g.reward
         if not step.passes(g.reward, g.metrics):
@@ -381,9 +387,15 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
     (``image_env``: what the sandbox had before the agent started, ``tmax.tasks.environment``,
     its PATH among it) and the task's verifier env.
 
-    No reward, a malformed one or a timeout is an ``error``. So is a reward of 0 when the
-    output shows the verifier could not grade (``grade_problem``: it needed the network,
-    or found no test runner): the 0 is dropped, since the agent did not earn it.
+    No reward or a malformed one is an ``error``. So is a reward of 0 when the output
+    shows the verifier could not grade (``grade_problem``: it needed the network, or found
+    no test runner): the 0 is dropped, since the agent did not earn it.
+
+    A timeout scores 0 (``timed_out``; the rollout's ``policy_failure`` is
+    ``VERIFIER_TIMEOUT``), unless the output shows such a problem: what the agent left
+    (a program that never returns, a server that never answers) can hang the tests on
+    purpose, and an error would be masked in training where a 0 is not. A task whose
+    verifier times out on its reference solution fails its build-time checks instead.
     """
     verifier = task.config.verifier
     env = {**(image_env or {}), "PATH": base_path,
@@ -399,6 +411,8 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
         reward, error = None, ""
         if result.timed_out:
             error = f"test.sh timed out after {timeout:g} s"
+            if grade_problem(result.output, network=task.config.environment.network) is None:
+                return Grade(0.0, error, output, timed_out=True)
         else:
             try:
                 reward = read_reward(got, task.task_id)
@@ -415,6 +429,8 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
 
 
 NEEDS_NETWORK = "needs network at grade time"
+VERIFIER_TIMEOUT = "verifier_timeout"
+"""``policy_failure`` of a rollout whose test.sh ran past its timeout (reward 0)."""
 _OFFLINE_SIGNS = re.compile(
     r"Could not resolve host:? '?(?P<curl>[^\s',]+)"     # curl, git
     r"|Temporary failure resolving '(?P<apt>[^']+)'"     # apt

@@ -11,12 +11,13 @@ Outcome fields:
   (``infra_failure`` or ``verifier_error``; a verifier that needed the network and wrote 0
   has its 0 dropped).
 - ``policy_failure``: the policy's own reason the episode did not submit: ``step_limit``,
-  ``time_budget``, ``format_errors``, ``context_limit``, ``policy_error``, ``oom``,
-  ``timeout`` (the verifier's), or None.
+  ``time_budget``, ``format_errors``, ``context_limit``, ``policy_error``, ``oom``; or
+  ``verifier_timeout``: test.sh ran past its timeout on what the agent left, reward 0 (an
+  agent can hang the tests on purpose, so this is never masked); or None.
 - ``infra_failure``: ``{"cause", "error", "message"}`` when the fleet (or the policy's
   endpoint) failed; such rollouts are re-run in evaluation and masked in training.
 - ``verifier_error``: the verifier ran but gave no usable reward: it wrote none or a
-  malformed one, timed out, or could not do its job (``needs network at grade time: <the
+  malformed one, or could not do its job (``needs network at grade time: <the
   line that says so>``, ``verifier could not run: uvx: command not found``). A task
   problem, not the agent's failure: ``scored`` is False, so evaluation leaves the episode
   out of its scores (and counts it) and training gives it no advantage (masked like an

@@ -32,8 +32,13 @@ domain = "file-operations"
 timeout_sec = 120.0
 environment_mode = "separate"
 
+[verifier.environment]
+cpus = 2
+memory = "3G"
+
 [environment]
 allow_internet = false
+cpus = 1
 """
 # the verifier's image: its own files (/opt/graded-here), /tests baked in, no agent's /app
 VERIFIER_DOCKERFILE = ("FROM python:3.11-slim\nRUN echo graded-here > /opt/graded-here\n"
@@ -48,10 +53,13 @@ ok=1
 [ ! -e /app/not-handed.txt ] || ok=0
 [ "$(cat /logs/artifacts/note.txt 2>/dev/null)" = note ] || ok=0
 [ -f /tests/baked-only.txt ] || ok=0
+[ "$(cat /logs/artifacts/nproc.txt 2>/dev/null)" = 1 ] || ok=0  # the task's [environment]
+[ "$(nproc)" = 2 ] || ok=0                                      # [verifier.environment]
 echo $ok > /logs/verifier/reward.txt
 """
 SOLVE = ("#!/bin/bash\nmkdir -p /app/out /logs/artifacts\necho 42 > /app/out/answer.txt\n"
-         "echo x > /app/not-handed.txt\necho note > /logs/artifacts/note.txt\n")
+         "echo x > /app/not-handed.txt\necho note > /logs/artifacts/note.txt\n"
+         "nproc > /logs/artifacts/nproc.txt\n")
 
 
 def separate_task(root: Path, name: str = "separate", **overrides) -> Path:
@@ -71,8 +79,7 @@ def test_the_mode_the_artifacts_and_the_verifiers_definition_are_read(tmp_path):
     # [verifier.environment] alone implies the mode; tests/ without a Dockerfile: a fresh
     # sandbox of the task's own image
     implied = load_task(separate_task(tmp_path, "implied", **{
-        "task.toml": SEPARATE_TOML.replace('environment_mode = "separate"\n',
-                                           "\n[verifier.environment]\ncpus = 1\n"),
+        "task.toml": SEPARATE_TOML.replace('environment_mode = "separate"\n', ""),
         "tests/Dockerfile": None}))
     assert implied.separate_verifier and implied.verifier_definition is None
     shared = load_task(make_task(tmp_path, "shared"))
@@ -80,6 +87,27 @@ def test_the_mode_the_artifacts_and_the_verifiers_definition_are_read(tmp_path):
     explicit = load_task(separate_task(tmp_path, "explicit", **{
         "task.toml": SEPARATE_TOML.replace('"separate"', '"shared"')}))
     assert not explicit.separate_verifier and explicit.verifier_definition is None
+
+
+def test_the_verifiers_environment_is_read_as_an_environment(tmp_path):
+    """[verifier.environment] is Harbor's EnvironmentConfig: its sizes, its network and
+    its defaults, not the task's; without one the verifier's sandbox gets the task's."""
+    from tmax.tasks import validate_task
+
+    config = load_task(separate_task(tmp_path)).config
+    got = config.verifier_resources
+    assert (got.cpus, got.memory_mb, got.storage_mb, got.network) == (2, 3072, 10240, False)
+    assert (config.environment.cpus, config.environment.memory_mb) == (1, 2048)
+    online = load_task(separate_task(tmp_path, "online", **{"task.toml": SEPARATE_TOML.replace(
+        'memory = "3G"\n', 'memory = "3G"\nallow_internet = true\n')})).config
+    assert online.verifier_resources.network and not online.environment.network
+    assert online.to_toml_dict()["verifier"]["environment"] == {
+        "cpus": 2, "memory": "3G", "allow_internet": True}
+    shared = load_task(make_task(tmp_path, "shared")).config
+    assert shared.verifier_resources is shared.environment
+    problems = validate_task(separate_task(tmp_path, "bad", **{"task.toml": SEPARATE_TOML.replace(
+        "cpus = 2\n", "cpus = 0\n")}))
+    assert [p.field for p in problems if p.severity == "error"] == ["verifier.environment.cpus"]
 
 
 @pytest.mark.parametrize("override, field", [

@@ -140,8 +140,9 @@ class RuntimeBox:
         return f"the healthcheck ({command}) failed {attempts} times"
 
 
-def task_spec(task: Task, sif: Path, workdir: str) -> SandboxSpec:
-    env = task.config.environment
+def task_spec(task: Task, sif: Path, workdir: str, *, verifier: bool = False) -> SandboxSpec:
+    """A sandbox of ``sif`` with the task's limits (``verifier``: its separate verifier's)."""
+    env = task.config.verifier_resources if verifier else task.config.environment
     budget = task.config.agent.timeout_sec + task.config.verifier.timeout_sec + 300
     return SandboxSpec(image=sif, cpus=env.cpus, memory_mb=env.memory_mb,
                        storage_mb=env.storage_mb, network=env.network, max_lifetime_s=budget,
@@ -176,12 +177,12 @@ def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
 
 @contextlib.contextmanager
 def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
-              what: str) -> Iterator[RuntimeBox]:
-    """A fresh sandbox of ``image`` with the task's limits, its environment read and its
-    ENTRYPOINT started; stopped at the end."""
+              what: str, *, verifier: bool = False) -> Iterator[RuntimeBox]:
+    """A fresh sandbox of ``image`` with the task's limits (``verifier``: its separate
+    verifier's), its environment read and its ENTRYPOINT started; stopped at the end."""
     sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
     log.append(f"## {what} in sandbox {sandbox_id}")
-    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir))
+    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier))
     try:
         box = RuntimeBox(runtime, sandbox_id, image.workdir, log)
         box.begin(image.start)
@@ -214,7 +215,7 @@ def verify_separately(runtime: Runtime, task: Task, image: SandboxImage,
                       ) -> float:
     """test.sh in a fresh sandbox of ``image`` holding ``artifacts`` (host copy, path) at
     their paths; /tests as the verifier's image has it when tests/ built that image."""
-    with fresh_box(runtime, task, image, log, "separate verifier") as box:
+    with fresh_box(runtime, task, image, log, "separate verifier", verifier=True) as box:
         tests = None
         if task.verifier_definition is not None:
             try:

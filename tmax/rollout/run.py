@@ -206,8 +206,9 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
                 traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
         if artifacts is not None:  # the agent's sandbox is gone: a fresh one grades
             vsif, vworkdir = await asyncio.to_thread(images.resolve_verifier, task)
-            async with fleet.lease(vsif, cpus=env.cpus, memory_mb=env.memory_mb,
-                                   storage_mb=env.storage_mb, network=env.network,
+            venv = task.config.verifier_resources
+            async with fleet.lease(vsif, cpus=venv.cpus, memory_mb=venv.memory_mb,
+                                   storage_mb=venv.storage_mb, network=venv.network,
                                    ttl_s=lease_ttl_s, workdir=vworkdir) as verifier_lease:
                 await _verify_separately(traj, task, LeaseShell(verifier_lease), vworkdir,
                                          artifacts, Path(handoff.name),

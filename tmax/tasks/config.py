@@ -241,9 +241,10 @@ class Verifier(_NetworkPolicy):
     environment_mode: Literal["shared", "separate"] | None = None
     """Harbor 1.2+: "separate" runs test.sh in a fresh sandbox of its own, which gets only
     the ``artifacts`` (tests/Dockerfile its image, else the task's: ``Task.separate_verifier``)."""
-    environment: dict[str, Any] | None = None
-    """Harbor 1.2+: the separate verifier's [environment]; implies the mode (its resources
-    are kept, not applied: that sandbox gets the task's)."""
+    environment: Environment | None = None
+    """Harbor 1.2+: the separate verifier's [environment], read as [environment] is (its
+    defaults, not the task's); implies the mode. Its sandbox gets its cpus, memory, storage
+    and network (``TaskConfig.verifier_resources``)."""
     collect: tuple[dict[str, Any], ...] = ()
     """Harbor 1.3+: [[verifier.collect]] hooks (kept, not run)."""
 
@@ -378,6 +379,9 @@ class Environment(_NetworkPolicy):
         return self.allow_internet
 
 
+Verifier.model_rebuild()  # its [verifier.environment] is an Environment
+
+
 # --------------------------------------------------------------------------- the file
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -426,6 +430,17 @@ class TaskConfig(_Harbor):
         elif harbor is not None:
             object.__setattr__(env, "network", harbor)  # derived: not recorded as given
         return self
+
+    @property
+    def verifier_resources(self) -> Environment:
+        """The separate verifier's sandbox: [verifier.environment] where the task has one
+        (its network from its own keys, off unless they say so), else the task's own."""
+        env = self.verifier.environment
+        if env is None:
+            return self.environment
+        if "network" in env.model_fields_set or env.harbor_network is None:
+            return env
+        return env.model_copy(update={"network": env.harbor_network})
 
     @property
     def harbor_schema(self) -> str:

@@ -271,8 +271,6 @@ _NOT_APPLIED = {
     "environment.tpu": "TMax's fleet has no TPUs",
     "agent.user": "the agent runs as the sandbox's root",
     "verifier.user": "tests/test.sh runs as the sandbox's root",
-    "verifier.environment": "the separate verifier's sandbox gets the task's [environment] "
-                            "resources and network",
     "verifier.collect": "no collect hooks run",
 }
 """Harbor keys TMax reads and keeps but does not act on yet, and what happens instead."""
@@ -297,7 +295,7 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
         note("verifier.environment_mode", "a multi-step task with a separate verifier is not "
              "supported: its steps' verifiers run in the agent's sandbox",
              "use the shared mode for a multi-step task", "error")
-    if separate and (verifier.environment or {}).get("docker_image"):
+    if separate and verifier.environment is not None and verifier.environment.docker_image:
         note("verifier.environment.docker_image", "TMax builds the separate verifier's image "
              "from tests/Dockerfile (else uses the task's own), it pulls no image",
              "add a tests/Dockerfile FROM that image", "warning")

@@ -385,9 +385,11 @@ def test_ubuntu_bases_take_ubuntus_archive_not_the_debian_mirror(tmp_path, monke
 def _fake_debootstrap(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    # it makes the target (the absolute path that is not there yet), never the suite's name
+    # in the current directory
     (bin_dir / "debootstrap").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_FILE"\n'
-                                         'for a; do last2=$last; last=$a; done\n'
-                                         'mkdir -p "$4" "$5" 2>/dev/null; exit 0\n')
+                                         'for a; do case "$a" in /*) [ -e "$a" ] || '
+                                         'mkdir -p "$a";; esac; done; exit 0\n')
     (bin_dir / "debootstrap").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("ARGV_FILE", str(tmp_path / "argv"))

@@ -163,14 +163,15 @@ class AsyncFleetClient:
                       ttl_s: float | None = None, network: bool = False,
                       wait_s: float | None = None, env: dict[str, str] | None = None,
                       workdir: str = "/", max_lifetime_s: float | None = None,
-                      storage_mb: int | None = None) -> AsyncLease:
-        """A lease on a fresh sandbox of ``image``, once one is ready (queues when full)."""
+                      storage_mb: int | None = None, user: str = "") -> AsyncLease:
+        """A lease on a fresh sandbox of ``image``, once one is ready (queues when full);
+        its commands run as ``user`` (Docker's USER syntax; "" is root)."""
         wait = self.config.acquire_wait_s if wait_s is None else wait_s
         message = Acquire(id=new_id("a"), image=os.path.abspath(image), cpus=cpus,  # noqa: ASYNC240 - getcwd only
                           memory_mb=memory_mb, storage_mb=storage_mb, ttl_s=ttl_s,
                           network=network, wait_s=wait,
                           client=self.client_id, env=env or {}, workdir=workdir,
-                          max_lifetime_s=max_lifetime_s)
+                          max_lifetime_s=max_lifetime_s, user=user)
         timeout = wait + self.config.sandbox_start_timeout_s + 30
         result = await self.request(message, timeout=timeout, retry_s=max(self.retry_s, 5))
         lease = AsyncLease(self, parse_result(Grant, result))  # unknown fields kept

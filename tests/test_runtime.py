@@ -59,16 +59,46 @@ def test_enter_argv_is_exact():
     from sandfleet.runtime.helper import enter_spec
 
     argv = enter_argv(init_pid=42, cgroup_procs=["/cg/m/cgroup.procs", "/cg/p/cgroup.procs"],
-                      cpus=[2, 3], cwd="/app", env={"A": "1", "B": "x=y"}, argv=["ls", "-l"])
+                      cpus=[2, 3], cwd="/app", env={"A": "1", "B": "x=y"}, argv=["ls", "-l"],
+                      user="agent:staff")
     helper = local._compiled.get(HELPER, HELPER)
-    assert argv == [sys.executable, "-I", "-S", str(helper), "enter", "42", "2,3", "/app", "2",
-                    "/cg/m/cgroup.procs", "/cg/p/cgroup.procs", "2", "A=1", "B=x=y", "ls", "-l"]
+    assert argv == [sys.executable, "-I", "-S", str(helper), "enter", "42", "2,3", "/app",
+                    "agent:staff", "2", "/cg/m/cgroup.procs", "/cg/p/cgroup.procs", "2", "A=1",
+                    "B=x=y", "ls", "-l"]
     assert enter_spec(argv[5:]) == {
-        "init": 42, "cpus": [2, 3], "cwd": "/app",
+        "init": 42, "cpus": [2, 3], "cwd": "/app", "user": "agent:staff",
         "cgroup_procs": ["/cg/m/cgroup.procs", "/cg/p/cgroup.procs"],
         "env": {"A": "1", "B": "x=y"}, "argv": ["ls", "-l"]}
-    assert enter_spec(enter_argv(init_pid=1, cgroup_procs=[], cpus=None, cwd="/", env={},
-                                 argv=["--", "x"])[5:])["argv"] == ["--", "x"]
+    root = enter_spec(enter_argv(init_pid=1, cgroup_procs=[], cpus=None, cwd="/", env={},
+                                 argv=["--", "x"])[5:])
+    assert (root["argv"], root["user"]) == (["--", "x"], "")
+
+
+def test_a_user_is_looked_up_as_docker_does(tmp_path, monkeypatch):
+    """name or uid, optionally :group or :gid; without a group, a user's groups are its
+    /etc/group memberships too; an unknown uid runs with gid 0 and home / (Docker's)."""
+    from sandfleet.runtime import helper
+
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n"
+                                "agent:x:1000:1000::/home/agent:/bin/bash\n"
+                                "svc:x:999:999::/srv:/usr/sbin/nologin\n")
+    (etc / "group").write_text("root:x:0:\nagent:x:1000:\ndocker:x:998:agent,svc\n"
+                               "staff:x:50:agent\nsvc:x:999:\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        str(tmp_path) + path if str(path).startswith("/etc/") else path, *a, **k))
+    assert helper.resolve_user("agent") == (1000, 1000, [1000, 50, 998], "/home/agent")
+    assert helper.resolve_user("1000") == (1000, 1000, [1000, 50, 998], "/home/agent")
+    assert helper.resolve_user("agent:staff") == (1000, 50, [50], "/home/agent")
+    assert helper.resolve_user("svc:4242") == (999, 4242, [4242], "/srv")
+    assert helper.resolve_user("svc") == (999, 999, [999, 998], "/srv")
+    assert helper.resolve_user("4242") == (4242, 0, [0], "/")
+    for bad, what in (("nobody-here", "no user 'nobody-here'"),
+                      ("agent:nogroup", "no group 'nogroup'")):
+        with pytest.raises(OSError, match=what):
+            helper.resolve_user(bad)
 
 
 def test_spec_roundtrip_rejects_unknown_fields():
@@ -426,6 +456,32 @@ def test_the_entry_helper_reads_nothing_of_the_sandbox_after_entering(runtime, m
     for command in (["true"], ["no-such-command"], ["/no/such/path"], "exit 3", "kill -9 $$"):
         run(runtime, sid, command)
     assert run(runtime, sid, "cat /tmp/pwned 2>/dev/null; echo checked").output == "checked\n"
+
+
+@pytest.mark.sandbox
+def test_commands_run_as_the_specs_user_copies_and_the_verifier_as_root(runtime, make,
+                                                                         tmp_path):
+    """Docker's USER: exec and popen run as the user, without root's capabilities and with
+    its home; files are copied in as root; the verifier runs as root; the helper still
+    reads nothing of the sandbox's but /etc/passwd and /etc/group."""
+    sid = make(user="daemon", workdir="/tmp")
+    assert run(runtime, sid, "id -u; id -g; echo $HOME").output == "1\n1\n/usr/sbin\n"
+    denied = run(runtime, sid, "touch /etc/planted || echo refused")
+    assert denied.output.endswith("refused\n") and "Permission denied" in denied.output
+    shell = runtime.popen(sid, ["bash", "-c", "id -un"], stdout=subprocess.PIPE)
+    assert shell.communicate(timeout=30)[0] == b"daemon\n"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "f").write_text("x")
+    runtime.copy_in(sid, tmp_path / "in", "/opt/in")  # /opt: root's, as in `docker cp`
+    assert run(runtime, sid, "stat -c %U /opt/in/f").output == "root\n"
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text("id -u > /logs/verifier/uid\n")
+    result = runtime.verify(sid, ["bash", "/tests/test.sh"], tests=tests,
+                            logs=tmp_path / "logs", timeout=60)
+    assert result.exit_code == 0 and (tmp_path / "logs" / "uid").read_text() == "0\n"
+    unknown = run(runtime, make(user="nobody-here"), "true")
+    assert unknown.exit_code == 125 and "no user 'nobody-here'" in unknown.output
 
 
 @pytest.fixture(scope="module")

@@ -72,21 +72,22 @@ def frame(header: str, payload: bytes = b"") -> bytes:
 
 SPEC = {"image": "/x.sif", "cpus": 2, "memory_mb": 512, "storage_mb": 10240,
         "network": False, "max_lifetime_s": 14400.0, "env": {"A": "1"}, "workdir": "/",
-        "hostname": "sandbox"}
+        "hostname": "sandbox", "user": ""}
 
 REQUESTS = [
     (Ping(id="r1", token=TOKEN), b"",
      '{"v":1,"id":"r1","token":"tok","type":"ping"}'),
     (Acquire(id="a1", token=TOKEN, image="/x.sif", cpus=2, memory_mb=512, storage_mb=64,
              ttl_s=60.0, network=False, wait_s=5.0, client="c0", env={"A": "1"},
-             workdir="/app", max_lifetime_s=600.0), b"",
+             workdir="/app", max_lifetime_s=600.0, user="agent:staff"), b"",
      ('{"v":1,"id":"a1","token":"tok","type":"acquire","image":"/x.sif","cpus":2,'
       '"memory_mb":512,"storage_mb":64,"ttl_s":60.0,"network":false,"wait_s":5.0,'
-      '"client":"c0","env":{"A":"1"},"workdir":"/app","max_lifetime_s":600.0}')),
+      '"client":"c0","env":{"A":"1"},"workdir":"/app","max_lifetime_s":600.0,'
+      '"user":"agent:staff"}')),
     (Acquire(id="a2", image="/x.sif"), b"",
      ('{"v":1,"id":"a2","token":"","type":"acquire","image":"/x.sif","cpus":2,'
       '"memory_mb":2048,"storage_mb":null,"ttl_s":null,"network":false,"wait_s":null,'
-      '"client":"","env":{},"workdir":"/","max_lifetime_s":null}')),
+      '"client":"","env":{},"workdir":"/","max_lifetime_s":null,"user":""}')),
     (Renew(id="r2", token=TOKEN, lease_id="L1"), b"",
      '{"v":1,"id":"r2","token":"tok","type":"renew","lease_id":"L1"}'),
     (Release(id="r3", token=TOKEN, lease_id="L1"), b"",
@@ -109,7 +110,8 @@ REQUESTS = [
     (StartSandbox(id="r8", token=TOKEN, lease_id="L1", spec=SPEC), b"",  # type: ignore[arg-type]
      ('{"v":1,"id":"r8","token":"tok","type":"start_sandbox","lease_id":"L1",'
       '"spec":{"image":"/x.sif","cpus":2,"memory_mb":512,"storage_mb":10240,"network":false,'
-      '"max_lifetime_s":14400.0,"env":{"A":"1"},"workdir":"/","hostname":"sandbox"}}')),
+      '"max_lifetime_s":14400.0,"env":{"A":"1"},"workdir":"/","hostname":"sandbox",'
+      '"user":""}}')),
     (StopSandbox(id="r9", token=TOKEN, lease_id="L1", reason="released"), b"",
      ('{"v":1,"id":"r9","token":"tok","type":"stop_sandbox","lease_id":"L1",'
       '"reason":"released"}')),

@@ -223,7 +223,9 @@ class ApptainerRuntime(CommandRuntime):
         return read_oom_kills(path) if path else None
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
-               env: dict[str, str] | None) -> list[str]:
+               env: dict[str, str] | None, *, root: bool = False) -> list[str]:
+        # an instance's commands run as the calling user: neither ``root`` nor the spec's
+        # ``user`` can change that
         record = self._live(sandbox_id)
         return exec_argv(self.apptainer, record.name, argv, cwd=cwd or record.spec["workdir"],
                          env={**record.spec["env"], **(env or {})})

@@ -41,6 +41,7 @@ DRAIN_GRACE_S = 0.2
 TIMEOUT_EXIT_CODE = 124
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 OWNER_RE = re.compile(r"[A-Za-z0-9_]{1,64}")
+USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class SandboxSpec:
     workdir: str = "/"
     """Working directory of commands that do not give their own."""
     hostname: str = "sandbox"
+    user: str = ""
+    """Who commands run as, as Docker's USER says it (``name`` or ``uid``, optionally
+    ``:group``; looked up in the sandbox's /etc/passwd and /etc/group): what exec and popen
+    start, the shell among them. "" is root. File copies and the verifier run as root.
+    The local runtime applies it; Apptainer's commands run as the calling user."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", Path(self.image))
@@ -72,6 +78,9 @@ class SandboxSpec:
             raise ValueError(f"bad limits in {self}")
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be absolute: {self.workdir!r}")
+        if self.user and not USER_RE.fullmatch(self.user):
+            raise ValueError(f"user must be a name or uid, optionally :group, got "
+                             f"{self.user!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "image": str(self.image)}
@@ -379,8 +388,9 @@ class CommandRuntime:
     copy_timeout_s: float = 600.0
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
-               env: dict[str, str] | None) -> list[str]:
-        """The host argv running ``argv`` in the sandbox; SandboxLost when it is gone."""
+               env: dict[str, str] | None, *, root: bool = False) -> list[str]:
+        """The host argv running ``argv`` in the sandbox (as the spec's ``user``, or as root
+        with ``root``); SandboxLost when it is gone."""
         raise NotImplementedError
 
     def _host_env(self) -> dict[str, str]:
@@ -398,8 +408,13 @@ class CommandRuntime:
     def exec(self, sandbox_id: str, command: str | list[str], *, timeout: float,
              cwd: str | None = None, env: dict[str, str] | None = None,
              stdin: bytes | None = None) -> ExecResult:
+        return self._exec(sandbox_id, command, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+
+    def _exec(self, sandbox_id: str, command: str | list[str], *, timeout: float,
+              cwd: str | None = None, env: dict[str, str] | None = None,
+              stdin: bytes | None = None, root: bool = False) -> ExecResult:
         argv = ["bash", "-c", command] if isinstance(command, str) else list(command)
-        host_argv = self._enter(sandbox_id, argv, cwd, env)
+        host_argv = self._enter(sandbox_id, argv, cwd, env, root=root)
         before = self.oom_kills(sandbox_id)
         output, code, timed_out, seconds = run_capture(
             host_argv, timeout=timeout, stdin=stdin, env=self._host_env(),
@@ -411,11 +426,16 @@ class CommandRuntime:
 
     def popen(self, sandbox_id: str, argv: Sequence[str], *, cwd: str | None = None,
               env: dict[str, str] | None = None, **popen_kwargs: Any) -> subprocess.Popen:
+        return self._popen(sandbox_id, argv, cwd=cwd, env=env, **popen_kwargs)
+
+    def _popen(self, sandbox_id: str, argv: Sequence[str], *, cwd: str | None = None,
+               env: dict[str, str] | None = None, root: bool = False,
+               **popen_kwargs: Any) -> subprocess.Popen:
         reserved = {"env", "cwd", "start_new_session", "preexec_fn", "process_group", "shell",
                     "executable", "args"} & popen_kwargs.keys()
         if reserved:
             raise TypeError(f"popen: {sorted(reserved)} are set by the runtime")
-        host_argv = self._enter(sandbox_id, list(argv), cwd, env)
+        host_argv = self._enter(sandbox_id, list(argv), cwd, env, root=root)
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.Popen(host_argv, env=self._host_env(), start_new_session=True,
                                 **popen_kwargs)
@@ -423,7 +443,8 @@ class CommandRuntime:
     def _run_files(self, sandbox_id: str, argv: list[str], stdin: IO[bytes] | int,
                    stdout: IO[bytes] | int, what: str) -> None:
         with tempfile.TemporaryFile() as err:
-            proc = self.popen(sandbox_id, argv, stdin=stdin, stdout=stdout, stderr=err)
+            proc = self._popen(sandbox_id, argv, stdin=stdin, stdout=stdout, stderr=err,
+                               root=True)
             try:
                 code = proc.wait(timeout=self.copy_timeout_s)
             except subprocess.TimeoutExpired:
@@ -458,12 +479,12 @@ class CommandRuntime:
         tree of its own: stale /logs/verifier and /tests removed, ``tests`` copied to
         /tests, ``command`` run, /logs/verifier copied to ``logs``. Not isolated from the
         agent's processes (see the local runtime's ``verify`` for one that is)."""
-        clear = self.exec(sandbox_id, "rm -rf /logs/verifier /tests && mkdir -p /logs/verifier",
-                          timeout=60, env=env)
+        clear = self._exec(sandbox_id, "rm -rf /logs/verifier /tests && mkdir -p /logs/verifier",
+                           timeout=60, env=env, root=True)
         if clear.exit_code != 0:
             return clear
         self.copy_in(sandbox_id, tests, "/tests")
-        result = self.exec(sandbox_id, command, timeout=timeout, cwd=cwd, env=env)
+        result = self._exec(sandbox_id, command, timeout=timeout, cwd=cwd, env=env, root=True)
         if Path(logs).exists():
             shutil.rmtree(logs)
         try:

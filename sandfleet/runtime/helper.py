@@ -324,6 +324,12 @@ def enter(spec: dict) -> int:
     os.close(root)
     drop_capabilities(last=last_cap)
     env, argv, cwd = spec["env"], spec["argv"], spec["cwd"]
+    if spec.get("user"):  # its capabilities go with root, as in a container
+        uid, gid, groups, home = resolve_user(spec["user"])
+        os.setgroups(groups)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        env = {**env, "HOME": home}
     pid = os.fork()
     if pid == 0:
         default_signals(signal)
@@ -372,14 +378,54 @@ def default_signals(signal) -> None:
 
 
 def enter_spec(args: list[str]) -> dict:
-    """``enter``'s arguments: INIT CPUS|- CWD N PROCS*N M ENV*M ARGV... (no JSON: it runs
-    on every command, and json's import costs more than the rest of its start-up)."""
-    n = int(args[3])
-    m = int(args[4 + n])
-    env = dict(item.split("=", 1) for item in args[5 + n:5 + n + m])
+    """``enter``'s arguments: INIT CPUS|- CWD USER|- N PROCS*N M ENV*M ARGV... (no JSON: it
+    runs on every command, and json's import costs more than the rest of its start-up)."""
+    n = int(args[4])
+    m = int(args[5 + n])
+    env = dict(item.split("=", 1) for item in args[6 + n:6 + n + m])
     return {"init": int(args[0]), "cpus": [int(c) for c in args[1].split(",")]
-            if args[1] != "-" else None, "cwd": args[2], "cgroup_procs": args[4:4 + n],
-            "env": env, "argv": args[5 + n + m:]}
+            if args[1] != "-" else None, "cwd": args[2],
+            "user": args[3] if args[3] != "-" else "", "cgroup_procs": args[5:5 + n],
+            "env": env, "argv": args[6 + n + m:]}
+
+
+def _db(path: str) -> list[list[str]]:
+    """The colon-separated lines of /etc/passwd or /etc/group (the sandbox's, after the
+    root changed: the sandbox's root may have written them; it can only name its own ids)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 20).decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.split(":") for line in text.splitlines() if line.count(":") >= 3]
+
+
+def resolve_user(user: str) -> tuple[int, int, list[int], str]:
+    """Docker's USER (``name|uid[:group|gid]``) in the current root: uid, gid, groups
+    (without a group given, the user's memberships in /etc/group too, as initgroups) and
+    home.
+    A name that is not there is an OSError; a uid that is not there runs with gid 0 and
+    home /, as Docker does."""
+    name, _, group = user.partition(":")
+    entry = next((e for e in _db("/etc/passwd")
+                  if (e[0] == name if not name.isdigit() else e[2] == name)), None)
+    if entry is None and not name.isdigit():
+        raise OSError(f"no user {name!r} in the sandbox's /etc/passwd")
+    uid = int(entry[2]) if entry else int(name)
+    gid = int(entry[3]) if entry and entry[3].isdigit() else 0
+    home = entry[5] if entry and len(entry) > 5 and entry[5] else "/"
+    groups = _db("/etc/group")
+    if group:
+        found = next((g for g in groups if (g[2] == group if group.isdigit() else
+                                             g[0] == group)), None)
+        if found is None and not group.isdigit():
+            raise OSError(f"no group {group!r} in the sandbox's /etc/group")
+        gid = int(found[2]) if found else int(group)
+        return uid, gid, [gid], home  # a group given: that group alone (runc's rule)
+    login = entry[0] if entry else ""
+    extra = sorted({int(g[2]) for g in groups if g[2].isdigit() and login
+                    and login in g[3].split(",")} - {gid})
+    return uid, gid, [gid, *extra], home
 
 
 def main() -> None:

@@ -297,10 +297,11 @@ def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, in
 
 
 def enter_argv(*, init_pid: int, cgroup_procs: Sequence[str], cpus: Sequence[int] | None,
-               cwd: str, env: dict[str, str], argv: Sequence[str]) -> list[str]:
-    """The host command that runs ``argv`` inside the sandbox whose pid 1 is ``init_pid``."""
+               cwd: str, env: dict[str, str], argv: Sequence[str], user: str = "") -> list[str]:
+    """The host command that runs ``argv`` inside the sandbox whose pid 1 is ``init_pid``
+    (as ``user``, Docker's USER syntax; root for "")."""
     return helper_argv("enter", str(init_pid), ",".join(map(str, cpus)) if cpus else "-",
-                       cwd, str(len(cgroup_procs)), *cgroup_procs, str(len(env)),
+                       cwd, user or "-", str(len(cgroup_procs)), *cgroup_procs, str(len(env)),
                        *(f"{k}={v}" for k, v in env.items()), *argv)
 
 
@@ -555,11 +556,12 @@ class LocalRuntime(CommandRuntime):
         return None if "cpuset" in self.cgroups.parents or not record.cpus else record.cpus
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
-               env: dict[str, str] | None) -> list[str]:
+               env: dict[str, str] | None, *, root: bool = False) -> list[str]:
         record = self._live(sandbox_id)
         return enter_argv(init_pid=record.init_pid(), cgroup_procs=self._procs_files(record),
                           cpus=self._cpus(record), cwd=cwd or record.spec["workdir"],
-                          env={**record.env, **(env or {})}, argv=argv)
+                          env={**record.env, **(env or {})}, argv=argv,
+                          user="" if root else record.spec.get("user", ""))
 
     def _host_env(self) -> dict[str, str]:
         return {"PATH": DEFAULT_PATH}

@@ -272,6 +272,9 @@ class Acquire(Request):
     workdir: str = "/"
     max_lifetime_s: float | None = Field(default=None, gt=0)
     """Hard deadline of the sandbox; the fleet's maximum when unset or larger."""
+    user: str = Field(default="", max_length=65,
+                      pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?)?$")
+    """Who the sandbox's commands run as (Docker's USER; "" is root): ``SandboxSpec.user``."""
 
 
 class Renew(Request):
@@ -354,6 +357,7 @@ class SandboxSpecModel(Message):
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
     hostname: str = "sandbox"
+    user: str = Field(default="", max_length=65)
 
 
 class StartSandbox(Request):

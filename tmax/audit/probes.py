@@ -309,7 +309,9 @@ class _Probes:
                                                memory_mb=env.memory_mb,
                                                storage_mb=env.storage_mb,
                                                network=env.network,
-                                               workdir=self.workdir) as lease:
+                                               workdir=self.workdir,
+                                               user=self.prober.images.user(self.task)
+                                               ) as lease:
                 shell = LeaseShell(lease)
                 image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
                 if start := self.prober.images.start_command(self.task):  # its ENTRYPOINT

@@ -79,6 +79,15 @@ class Plan:
     """A separate verifier's image (tests/Dockerfile, tests/ its build context), which then
     gets the verifier tools instead of the task's image."""
 
+    @property
+    def user(self) -> str:
+        """Who the agent's commands (and the reference solution) run as: the task's [agent]
+        user, else its Dockerfile's final USER; "" for root. The verifier runs as root."""
+        given = self.task.config.agent.user
+        if given is None:
+            return self.definition.user
+        return "" if str(given) in ("root", "0", "root:root", "0:0") else str(given)
+
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -351,7 +360,7 @@ class ImageBuilds:
         from tmax.images.checks import SandboxImage
 
         image = SandboxImage(self.store.path(entry.sif), entry.workdir,
-                             plan.definition.start_command)
+                             plan.definition.start_command, plan.user)
         vdef = plan.verifier_image
         verifier = SandboxImage(self.store.path(entry.verifier_sif), entry.verifier_workdir,
                                 vdef.start_command) if entry.verifier_sif and vdef else None

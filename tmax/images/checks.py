@@ -50,6 +50,8 @@ class SandboxImage:
     sif: Path
     workdir: str
     start: str = ""
+    user: str = ""
+    """Who its commands run as (``Plan.user``); "" for root."""
 
 
 class RuntimeBox:
@@ -140,13 +142,15 @@ class RuntimeBox:
         return f"the healthcheck ({command}) failed {attempts} times"
 
 
-def task_spec(task: Task, sif: Path, workdir: str, *, verifier: bool = False) -> SandboxSpec:
-    """A sandbox of ``sif`` with the task's limits (``verifier``: its separate verifier's)."""
+def task_spec(task: Task, sif: Path, workdir: str, *, verifier: bool = False,
+              user: str = "") -> SandboxSpec:
+    """A sandbox of ``sif`` with the task's limits (``verifier``: its separate verifier's),
+    its commands run as ``user``."""
     env = task.config.verifier_resources if verifier else task.config.environment
     budget = task.config.agent.timeout_sec + task.config.verifier.timeout_sec + 300
     return SandboxSpec(image=sif, cpus=env.cpus, memory_mb=env.memory_mb,
                        storage_mb=env.storage_mb, network=env.network, max_lifetime_s=budget,
-                       workdir=workdir)
+                       workdir=workdir, user=user)
 
 
 def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
@@ -182,7 +186,8 @@ def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
     verifier's), its environment read and its ENTRYPOINT started; stopped at the end."""
     sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
     log.append(f"## {what} in sandbox {sandbox_id}")
-    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier))
+    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier,
+                                        user=image.user))
     try:
         box = RuntimeBox(runtime, sandbox_id, image.workdir, log)
         box.begin(image.start)

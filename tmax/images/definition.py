@@ -90,6 +90,12 @@ class TaskDefinition:
         return self.stages[-1][0].entrypoint if self.stages else ()
 
     @property
+    def user(self) -> str:
+        """The final stage's USER (a Dockerfile's, as written; "" for root): who the
+        sandbox's commands run as, as in Docker."""
+        return self.stages[-1][0].user if self.stages else ""
+
+    @property
     def start_command(self) -> str:
         """What a sandbox of the image runs first, in the background: its ENTRYPOINT as
         Harbor starts it (tmax.tasks.dockerfile.entrypoint_command); "" for none."""

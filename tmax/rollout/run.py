@@ -110,6 +110,10 @@ class TaskImages:
         plan = self.plan(task)
         return plan.verifier_image if verifier and plan.verifier_image else plan.definition
 
+    def user(self, task: Task) -> str:
+        """Who the agent's commands run as in the task's sandbox (``Plan.user``)."""
+        return self.plan(task).user
+
     def start_command(self, task: Task, *, verifier: bool = False) -> str:
         """What a sandbox of the task's image (``verifier``: of its separate verifier's)
         runs before anything else: its ENTRYPOINT, as Harbor starts it; "" for none."""
@@ -172,8 +176,8 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         t_ask = time.monotonic()
         async with fleet.lease(sif, cpus=env.cpus, memory_mb=env.memory_mb,
                                storage_mb=env.storage_mb, network=env.network,
-                               ttl_s=lease_ttl_s,
-                               workdir=workdir) as lease:
+                               ttl_s=lease_ttl_s, workdir=workdir,
+                               user=images.user(task)) as lease:
             granted = time.monotonic()
             traj.node = lease.grant.node
             traj.timings["queue"] = round(lease.grant.queued_s, 4)

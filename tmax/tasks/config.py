@@ -237,7 +237,7 @@ class Verifier(_NetworkPolicy):
     as built: for tasks that grade what the agent installed. An agent can then change the
     tools that grade it (audits flag such tasks as hackable)."""
     user: str | int | None = None
-    """Harbor: the user tests/test.sh runs as (not applied by TMax yet)."""
+    """Harbor: the user tests/test.sh runs as (not applied: TMax's verifier runs as root)."""
     environment_mode: Literal["shared", "separate"] | None = None
     """Harbor 1.2+: "separate" runs test.sh in a fresh sandbox of its own, which gets only
     the ``artifacts`` (tests/Dockerfile its image, else the task's: ``Task.separate_verifier``)."""
@@ -253,7 +253,8 @@ class Agent(_NetworkPolicy):
     timeout_sec: float = Field(900.0, gt=0)
     """Episode time budget, counted from the moment the sandbox lease is granted."""
     user: str | int | None = None
-    """Harbor: the user the agent runs as (not applied by TMax yet)."""
+    """Harbor: the user the agent's commands (and the reference solution) run as, over the
+    Dockerfile's final USER (``tmax.images.build.ImageBuilds.run_user``)."""
 
 
 class Solution(_Harbor):

@@ -269,7 +269,6 @@ _NOT_APPLIED = {
     "environment.mcp_servers": "TMax's agents get no MCP servers",
     "environment.gpu_types": "any GPU the fleet has is used",
     "environment.tpu": "TMax's fleet has no TPUs",
-    "agent.user": "the agent runs as the sandbox's root",
     "verifier.user": "tests/test.sh runs as the sandbox's root",
     "verifier.collect": "no collect hooks run",
 }

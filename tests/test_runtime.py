@@ -205,15 +205,17 @@ def test_exec_output_exit_code_cwd_env_stdin_and_state(runtime, make):
 @pytest.mark.sandbox
 def test_timeout_kills_the_process_group_and_the_sandbox_stays_usable(runtime, make):
     sid = make()
-    result = run(runtime, sid, "sleep 101 & sleep 102; echo never", timeout=1)
+    # durations of this run's own: another run of this test on the host has its own sleeps
+    first, second = f"sleep 101.{os.getpid()}", f"sleep 102.{os.getpid()}"
+    result = run(runtime, sid, f"{first} & {second}; echo never", timeout=1)
     assert result.timed_out and result.exit_code == 124 and result.duration_s < 5
     assert "never" not in result.output
     assert run(runtime, sid, "echo back").output == "back\n"
     procs = run(runtime, sid, "ps -eo args").output
-    assert "sleep 101" not in procs and "sleep 102" not in procs
+    assert first not in procs and second not in procs
     host = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True,
                           check=True, timeout=30).stdout
-    assert "sleep 101" not in host
+    assert first not in host
 
 
 @pytest.mark.sandbox

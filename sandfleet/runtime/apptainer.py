@@ -250,6 +250,9 @@ class ApptainerRuntime(CommandRuntime):
             raise ImageMissing(str(spec.image), e.reason) from None
         if shutil.which(self.apptainer) is None:
             raise SandboxStartError(sandbox_id, f"no {self.apptainer} on this node")
+        if spec.user:
+            log.warning("sandbox %s: its commands run as the calling user, not as %r (the "
+                        "apptainer runtime cannot switch users)", sandbox_id, spec.user)
         with self._lock:
             if home.exists():
                 old = self._record(sandbox_id)

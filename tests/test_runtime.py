@@ -86,9 +86,9 @@ def test_a_user_is_looked_up_as_docker_does(tmp_path, monkeypatch):
                                 "svc:x:999:999::/srv:/usr/sbin/nologin\n")
     (etc / "group").write_text("root:x:0:\nagent:x:1000:\ndocker:x:998:agent,svc\n"
                                "staff:x:50:agent\nsvc:x:999:\n")
-    real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
-        str(tmp_path) + path if str(path).startswith("/etc/") else path, *a, **k))
+    real_open = os.open
+    monkeypatch.setattr(helper.os, "open", lambda path, *a: real_open(
+        str(tmp_path) + path if str(path).startswith("/etc/") else path, *a))
     assert helper.resolve_user("agent") == (1000, 1000, [1000, 50, 998], "/home/agent")
     assert helper.resolve_user("1000") == (1000, 1000, [1000, 50, 998], "/home/agent")
     assert helper.resolve_user("agent:staff") == (1000, 50, [50], "/home/agent")
@@ -99,6 +99,9 @@ def test_a_user_is_looked_up_as_docker_does(tmp_path, monkeypatch):
                       ("agent:nogroup", "no group 'nogroup'")):
         with pytest.raises(OSError, match=what):
             helper.resolve_user(bad)
+    (etc / "group").unlink()
+    os.mkfifo(etc / "group")  # what the sandbox put there is not waited on
+    assert helper.resolve_user("agent") == (1000, 1000, [1000], "/home/agent")
 
 
 def test_spec_roundtrip_rejects_unknown_fields():

@@ -392,11 +392,22 @@ def enter_spec(args: list[str]) -> dict:
 def _db(path: str) -> list[list[str]]:
     """The colon-separated lines of /etc/passwd or /etc/group (the sandbox's, after the
     root changed: the sandbox's root may have written them; it can only name its own ids)."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 20).decode("utf-8", "replace")
+    try:  # never blocks: a fifo there is not read (no imports here: the root has changed)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
+    try:
+        if os.fstat(fd).st_mode & 0o170000 != 0o100000:  # not a regular file
+            return []
+        chunks, left = [], 1 << 20
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        text = b"".join(chunks).decode("utf-8", "replace")
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
     return [line.split(":") for line in text.splitlines() if line.count(":") >= 3]
 
 

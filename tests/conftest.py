@@ -159,6 +159,25 @@ def checked_local_builds(store):
     return ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
 
 
+def checked_build(root: Path, base_store, make) -> tuple[Any, Any, Any]:
+    """``(store, task, build result)``: the task ``make(tasks folder)`` writes, built with
+    its checks into a fresh store at ``root`` holding ``base_store``'s Debian base."""
+    from tmax.tasks import load_task
+
+    store = store_with_base(root / "store", base_store)
+    task = load_task(make(root / "tasks"))
+    return store, task, checked_local_builds(store).build(task)
+
+
+def passing_checks_log(store, task, result) -> str:
+    """The log of a build whose checks passed (nop 0, oracle 1), asserted first."""
+    assert result.status == "built", result.error
+    log = store.path(store.read().tasks[task.task_id].checks.log).read_text()
+    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0), \
+        log[-3000:]
+    return log
+
+
 @pytest.fixture
 def image_store(tmp_path, base_store):
     """A fresh, empty store that already holds the base (hard-linked, no rebuild)."""

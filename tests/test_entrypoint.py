@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from sandfleet.client import AsyncFleetClient
-from tests.conftest import checked_local_builds, store_with_base
+from tests.conftest import checked_build, passing_checks_log
 from tests.test_tasks import make_task
 from tmax.tasks import load_task
 
@@ -53,22 +53,17 @@ SOLVE_COMMAND = f"python3 - > /app/answer.txt <<'PY'\n{FETCH}PY"
 
 @pytest.fixture(scope="module")
 def service_store(tmp_path_factory, base_store):
-    root = tmp_path_factory.mktemp("entrypoint")
-    store = store_with_base(root / "store", base_store)
-    builds = checked_local_builds(store)
-    task = load_task(make_task(root / "tasks", "service", **{
-        "environment/Dockerfile": DOCKERFILE, "environment/entrypoint.sh": ENTRYPOINT_SH,
-        "tests/test.sh": TEST_SH, "solution/solve.sh": f"#!/bin/bash\n{SOLVE_COMMAND}\n"}))
-    return store, task, builds.build(task)
+    return checked_build(tmp_path_factory.mktemp("entrypoint"), base_store,
+                         lambda tasks: make_task(tasks, "service", **{
+                             "environment/Dockerfile": DOCKERFILE,
+                             "environment/entrypoint.sh": ENTRYPOINT_SH,
+                             "tests/test.sh": TEST_SH,
+                             "solution/solve.sh": f"#!/bin/bash\n{SOLVE_COMMAND}\n"}))
 
 
 @pytest.mark.sandbox
 def test_the_checks_start_the_entrypoints_service(service_store):
-    store, task, result = service_store
-    assert result.status == "built", result.error
-    log = store.path(store.read().tasks[task.task_id].checks.log).read_text()
-    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0), \
-        log[-3000:]
+    log = passing_checks_log(*service_store)
     assert "exec setsid /entrypoint.sh sh -c 'sleep infinity'" in log
 
 

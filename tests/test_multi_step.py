@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandfleet.client import AsyncFleetClient
-from tests.conftest import checked_local_builds, store_with_base
+from tests.conftest import checked_build, passing_checks_log
 from tests.test_tasks import make_task
 from tmax.tasks import load_task, validate_task
 from tmax.tasks.model import Task
@@ -151,20 +151,12 @@ def test_every_steps_verifier_is_prepared_in_the_one_image(tmp_path):
 
 @pytest.fixture(scope="module")
 def steps_store(tmp_path_factory, base_store):
-    root = tmp_path_factory.mktemp("steps")
-    store = store_with_base(root / "store", base_store)
-    builds = checked_local_builds(store)
-    task = load_task(steps_task(root / "tasks"))
-    return store, task, builds.build(task)
+    return checked_build(tmp_path_factory.mktemp("steps"), base_store, steps_task)
 
 
 @pytest.mark.sandbox
 def test_the_checks_run_each_steps_solution_and_verifier_in_one_sandbox(steps_store):
-    store, task, result = steps_store
-    assert result.status == "built", result.error
-    log = store.path(store.read().tasks[task.task_id].checks.log).read_text()
-    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0), \
-        log[-3000:]
+    log = passing_checks_log(*steps_store)
     assert "step create: 0.0 is below min_reward; no more steps" in log  # nop stops early
     assert "## step count" in log and "bash ./setup.sh" in log
 

@@ -98,6 +98,18 @@ def test_the_environment_probe_is_read_as_data():
     assert parse_probe("bash: base64: command not found") == {}
 
 
+def test_the_verifier_env_adds_gits_trust_after_the_images_own_settings():
+    from tmax.tasks.environment import verifier_env
+
+    env = verifier_env({"A": "1", "PATH": "/image", "GIT_CONFIG_COUNT": "1",
+                        "GIT_CONFIG_KEY_0": "core.pager", "GIT_CONFIG_VALUE_0": "cat"},
+                       "/usr/bin", {"A": "task"})
+    assert env == {"A": "task", "PATH": "/usr/bin", "GIT_CONFIG_COUNT": "2",
+                   "GIT_CONFIG_KEY_0": "core.pager", "GIT_CONFIG_VALUE_0": "cat",
+                   "GIT_CONFIG_KEY_1": "safe.directory", "GIT_CONFIG_VALUE_1": "*"}
+    assert verifier_env({}, "/bin", {})["GIT_CONFIG_KEY_0"] == "safe.directory"
+
+
 def test_a_tasks_environment_never_runs_on_the_host(tmp_path):
     """An ENV name that is shell code is refused; a container.def's %environment is
     evaluated in the host check's sandbox, not on the host."""

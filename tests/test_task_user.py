@@ -1,6 +1,7 @@
 """The Dockerfile's final USER (or Harbor's ``[agent] user``): the agent's commands and the
 reference solution run as that user, as in Docker, without root's powers over the image's
-root-only files; the verifier runs as root. A root agent could read what such a task guards
+root-only files; the verifier runs as root, and git trusts the repositories the user owns
+(as Harbor's verifier, which runs as that user, would). A root agent could read what such a task guards
 (a real task: purple29th-tbench-2's git-bisect-flaky-test keeps its answers in a root-only
 folder). Unlike Docker, a setuid program does not raise a user's privileges: the sandbox's
 mounts are nosuid (bubblewrap's), which that task's helper needs.
@@ -20,11 +21,14 @@ from tmax.tasks import load_task
 
 DOCKERFILE = """\
 FROM python:3.11-slim
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends git >/dev/null
 RUN useradd -m -u 1000 agent && mkdir -p /app /var/lib/answers \\
     && echo 42 > /var/lib/answers/secret && chmod 700 /var/lib/answers \\
     && chown agent:agent /app
 WORKDIR /app
 USER agent
+RUN git init -q /app/repo && git -C /app/repo -c user.name=a -c user.email=a@example.org \\
+    commit -q --allow-empty -m first
 """
 SOLVE = """\
 #!/bin/bash
@@ -41,6 +45,7 @@ ok=1
 [ "$(stat -c %U /app/answer.txt 2>/dev/null)" = agent ] || ok=0
 [ "$(cat /app/direct 2>/dev/null)" = denied ] || ok=0
 [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ] || ok=0
+git -C /app/repo rev-parse HEAD || ok=0  # the agent's repository: git trusts it
 echo $ok > /logs/verifier/reward.txt
 """
 

@@ -33,7 +33,7 @@ from tmax.images.store import Checks
 from tmax.tasks import Task, artifacts
 from tmax.tasks.check import MissingSolution, run_solution
 from tmax.tasks.environment import PROBE as ENV_PROBE
-from tmax.tasks.environment import parse_probe
+from tmax.tasks.environment import parse_probe, verifier_env
 from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
@@ -111,8 +111,9 @@ class RuntimeBox:
         result = self.runtime.verify(self.id, ["/bin/bash", "/tests/test.sh"],
                                      tests=tests or task.tests_dir, logs=logs,
                                      timeout=timeout, cwd=self.workdir,
-                                     env={**self.env, "PATH": self.base_path,
-                                          **(step.verifier_env if step else verifier.env)},
+                                     env=verifier_env(self.env, self.base_path,
+                                                      step.verifier_env if step
+                                                      else verifier.env),
                                      agent_system=verifier.agent_system)
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")

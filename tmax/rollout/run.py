@@ -38,7 +38,7 @@ from tmax.agent.policy import Policy, PolicyUnavailable, start_episode
 from tmax.rollout.trajectory import Trajectory, Turn
 from tmax.tasks import artifacts
 from tmax.tasks.environment import PROBE as ENV_PROBE
-from tmax.tasks.environment import parse_probe
+from tmax.tasks.environment import parse_probe, verifier_env
 from tmax.tasks.model import NO_BAKED_TESTS, Task
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
@@ -403,8 +403,8 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
     verifier times out on its reference solution fails its build-time checks instead.
     """
     verifier = task.config.verifier
-    env = {**(image_env or {}), "PATH": base_path,
-           **(step.verifier_env if step else verifier.env)}
+    env = verifier_env(image_env or {}, base_path,
+                       step.verifier_env if step else verifier.env)
     timeout = step.verifier_timeout_sec if step else verifier.timeout_sec
     with tempfile.TemporaryDirectory(prefix="tmax-verify-") as tmp:
         result, got = await shell.verify(tests or task.tests_dir,

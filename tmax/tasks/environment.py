@@ -34,3 +34,25 @@ def parse_probe(output: str) -> dict[str, str]:
         if sep and name and name not in DROPPED and "\n" not in name:
             env[name] = value.decode("utf-8", "replace")
     return env
+
+
+def trust_repositories(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus git's ``safe.directory=*`` as one more command-scope setting
+    (``GIT_CONFIG_COUNT``; after any the environment already sets).
+
+    TMax runs test.sh as root; Harbor runs it as the image's USER, who owns the
+    repositories the agent worked in, and git refuses a repository another user owns
+    ("detected dubious ownership"). A verifier running as that user would read the
+    agent's repositories, their configuration included, as this one now does."""
+    count = env.get("GIT_CONFIG_COUNT", "0")
+    n = int(count) if count.isdigit() else 0
+    return {**env, f"GIT_CONFIG_KEY_{n}": "safe.directory", f"GIT_CONFIG_VALUE_{n}": "*",
+            "GIT_CONFIG_COUNT": str(n + 1)}
+
+
+def verifier_env(image_env: dict[str, str], path: str,
+                 task_env: dict[str, str]) -> dict[str, str]:
+    """test.sh's environment: the image's (``image_env``), PATH ``path``, git's trust in
+    the agent's repositories (``trust_repositories``), then the task's verifier env, which
+    wins."""
+    return {**trust_repositories({**image_env, "PATH": path}), **task_env}

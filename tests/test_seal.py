@@ -645,6 +645,35 @@ def test_FINDING_files_at_the_root_reach_the_verifier_as_symlinks(runtime, make,
 
 
 @pytest.mark.sandbox
+def test_the_verifiers_tests_are_a_plain_folder_it_can_move_away_and_back(runtime, make,
+                                                                         tmp_path):
+    """A real task's test.sh hides /tests while it runs the agent's program (mv /tests
+    /tmp/tests.hidden, then back), as it could in Docker: /tests is a folder on the
+    verifier's own root, not a mount point (which refused the move, or let `mv` copy it
+    into itself). The agent's /app and /tmp are the verifier's: what one writes the other
+    reads. The agent's own /tests is not the verifier's, and never sees the tests."""
+    sid = make(workdir="/app")
+    run(runtime, sid, "mkdir -p /app /tests && echo agent > /app/answer && "
+                      "echo planted > /tests/test_outputs.py")
+    test_sh = textwrap.dedent("""\
+        set -e
+        mv /tests /tmp/tests.hidden
+        test ! -e /tests
+        cat /app/answer
+        echo graded > /app/graded
+        mv /tmp/tests.hidden /tests
+        ls /tests
+        stat -c %m /tests
+        rm -rf /tests && test ! -e /tests
+        echo 1 > /logs/verifier/reward.txt
+        """)
+    result, reward = verify(runtime, sid, tmp_path, test_sh)
+    assert (reward, result.output.split()) == ("1", ["agent", "test.sh", "/"]), result.output
+    assert run(runtime, sid, "cat /app/graded /tests/test_outputs.py; ls -a /tmp").output \
+        .split() == ["graded", "planted", ".", ".."]
+
+
+@pytest.mark.sandbox
 def test_a_service_the_agent_started_answers_the_verifier(runtime, make, tmp_path):
     """FINDING (fails on the sealed runtime): the agent's server is frozen while the
     verifier runs (see test_a_verifier_with_more_output_than_a_pipe_holds_is_not_timed_out),

@@ -150,14 +150,20 @@ INIT_SH = ('(for f in ' + " ".join(IMAGE_ENV_FILES) + '; do if [ -r "$f" ]; then
 JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 # The verifier's host side, in a private copy of the sandbox's mount namespace: a tmpfs of
 # $2 at $1 (charged to the sandbox's memory cgroup, so what the verifier writes is bounded
-# and the agent, which cannot see it, cannot fill it) with a copy of the tests folder $4
-# and an empty logs folder, both owned by $3; then the rest (bwrap, as the sandbox's uid);
-# then what it left in logs copied (links as links) to the host folder $5.
+# and the agent, which cannot see it, cannot fill it) with a root folder "top" holding a
+# copy of the tests folder $4 as tests/, and an empty logs folder, all owned by $3; then the
+# rest (bwrap, as the sandbox's uid); then what it left in logs copied (links as links) to
+# the host folder $5.
 # With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
 # upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
 # is never written).
+# With $8 (not "-": the agent's root, frozen), each of its top-level entries but tests,
+# dev and proc is in "top" too: a folder (its mounts with it) or a file bound, a link
+# copied; "top" is then the verifier's / and its /tests a plain folder (a test.sh may
+# move it away and back, as it could in Docker).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
-               'cp -a -- "$t" "$v/tests" && mkdir "$v/logs" && chown -R -- "$3" "$v" '
+               'mkdir "$v/top" && cp -a -- "$t" "$v/top/tests" && mkdir "$v/logs" '
+               '"$v/top/dev" "$v/top/proc" && chown -R -- "$3" "$v" '
                '|| exit 125; if [ "$6" != - ]; then mkdir "$v/tools" "$v/.up" "$v/.work" && '
                'chown -- "$3" "$v/.up" && mount -t overlay overlay -o '
                '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work" "$v/tools" || exit 125; fi; '
@@ -165,11 +171,22 @@ VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v"
                'mkdir "$v/r$i" "$v/.u$i" "$v/.w$i" && chown -- "$3" "$v/.u$i" && '
                'mount -t overlay overlay -o "lowerdir=$low,upperdir=$v/.u$i,workdir=$v/.w$i" '
                '"$v/r$i" || exit 125; i=$((i + 1)); done; unset IFS; set +f; fi; '
-               'shift 7; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+               'if [ "$8" != - ]; then for p in "$8"/* "$8"/.[!.]* "$8"/..?*; do '
+               'n=${p##*/} d="$v/top/${p##*/}"; case $n in tests|dev|proc) continue;; esac; '
+               'if [ -L "$p" ]; then cp -P -- "$p" "$d" && chown -h -- "$3" "$d"; '
+               'elif [ -d "$p" ]; then mkdir -- "$d" && mount --rbind -- "$p" "$d"; '
+               'elif [ -f "$p" ]; then : > "$d" && mount --bind -- "$p" "$d"; '
+               'fi || exit 125; done; fi; '
+               'shift 8; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
 """The verifier's own mounts, made in the sandbox's mount namespace before it starts: a
 tmpfs ($1, size $2, owner $3) holding a copy of the tests ($4) and its logs (copied to $5 at
 the end); the image's verifier tools ($6, or -) and each of the image's PATH folders (the
-colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs."""
+colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs; the
+verifier's root folder, with the agent's top-level entries from $8 (or -: then bwrap binds
+the agent's root itself, and the tests over its /tests)."""
+TOP_LEVEL_MAX = 512
+"""An agent root with more top-level entries than this is bound whole as the verifier's /
+(one mount, not one per entry), its /tests then a mount point that cannot be moved."""
 VERIFIER_SPACE_MB = 256
 """Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes
 in /tests)."""
@@ -753,13 +770,16 @@ class LocalRuntime(CommandRuntime):
                agent_system: bool = False) -> ExecResult:
         """Run ``command`` (the task's verifier) beside the sandbox, in a process tree of
         its own that no agent process can see, signal or trace: new pid, mount, ipc, uts
-        and user namespaces, the sandbox's network. Its root is the agent's final file
-        system, except that the image's own ``PRISTINE`` directories and ``PRISTINE_ETC``
-        entries are bound over the agent's (unless ``agent_system``), a copy of host folder
-        ``tests`` covers /tests, and a fresh folder covers /logs/verifier, both on a tmpfs
-        of the verifier's own (bounded, in the sandbox's
-        memory cgroup); what it leaves in /logs/verifier is copied to host folder ``logs``
-        at the end: the only place it writes that the caller reads. Unless
+        and user namespaces, the sandbox's network. Its root is a folder of its own holding
+        the agent's final file system's top-level entries (its folders bound, so what either
+        writes there the other sees) and, as a plain folder, a copy of host folder ``tests``
+        as /tests (one a test.sh can move away and back); the image's own ``PRISTINE``
+        directories and ``PRISTINE_ETC`` entries are bound over the agent's (unless
+        ``agent_system``), and a fresh folder covers /logs/verifier. Its root, its tests and
+        logs are on a tmpfs of the verifier's own (bounded, in the sandbox's memory cgroup);
+        what it leaves in /logs/verifier is copied to host folder ``logs`` at the end: the
+        only place it writes that the caller reads. (An agent root of more than
+        ``TOP_LEVEL_MAX`` entries is bound whole instead, the tests over its /tests.) Unless
         ``agent_system``, the folders that ``env``'s PATH names outside ``PRISTINE`` (a
         venv's, /root/.local: ``path_roots``) are the image's too, where the image has
         them. The agent is frozen while that view is built, so it cannot race it."""
@@ -814,6 +834,7 @@ class LocalRuntime(CommandRuntime):
                  "unshare", "-m", "--propagation", "private", "--",
                  "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
                  f"{base}:{base}", str(tests), str(logs), tools, ":".join(overlays) or "-",
+                 str(self.mnt / "root") if spec.root != str(self.mnt / "root") else "-",
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -861,7 +882,10 @@ class LocalRuntime(CommandRuntime):
         verifier's PATH) and from the PATH of the image's verifier tools, where every
         component of that folder is a real directory in the image (one reached through a
         link of the image is left out: bwrap would follow that link on the host), and the
-        verifier's tests and logs at /tests and /logs/verifier.
+        verifier's logs at /logs/verifier; its root is ``VERIFIER_SH``'s folder "top" (the
+        tests in it, the agent's top-level entries bound or copied into it there), or the
+        agent's root with the tests bound at /tests where that has more than
+        ``TOP_LEVEL_MAX`` entries.
 
         With the agent frozen, the host first makes every mount point a real directory (or
         file) of the agent's tree, setting aside whatever the agent put there instead (a
@@ -915,8 +939,12 @@ class LocalRuntime(CommandRuntime):
                     roots += 1
         for sub in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
             fix.real_dir(f"{root}/{sub}")                             # mounts cover them
-        spec.binds += [(str(self.mnt / "verifier" / "tests"), "/tests"),
-                       (str(self.mnt / "verifier" / "logs"), "/logs/verifier")]
+        top = self.mnt / "verifier" / "top"
+        if len(fix.names(root)) <= TOP_LEVEL_MAX:  # its own /, the agent's entries in it
+            spec.root = str(top)
+        else:
+            spec.binds.append((str(top / "tests"), "/tests"))
+        spec.binds.append((str(self.mnt / "verifier" / "logs"), "/logs/verifier"))
         if has_tools:
             spec.binds.append((str(self.mnt / "verifier" / "tools"), VERIFIER_TOOLS))
             spec.env = tools_env

@@ -64,6 +64,7 @@ start time, but a pid can be reused between that check and ``setns`` (microsecon
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import hashlib
@@ -124,7 +125,7 @@ PRISTINE = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 """Top-level entries the verifier gets from the image as built, not from the agent."""
 PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
                 "python3", "perl", "bash.bashrc", "environment", "profile", "profile.d")
-PRISTINE_ETC_PREFIXES = ("python3.",)
+PRISTINE_ETC_PREFIXES = ("python3.", "ld-musl-")
 """Entries of /etc that decide which program or library runs (the loader's cache and
 preload list, the alternatives' links, interpreters' site customisation): the image's."""
 OVERLAY_SAFE = re.compile(r"[A-Za-z0-9._/+@-]+")
@@ -151,19 +152,21 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # The verifier's host side, in a private copy of the sandbox's mount namespace: a tmpfs of
 # $2 at $1 (charged to the sandbox's memory cgroup, so what the verifier writes is bounded
 # and the agent, which cannot see it, cannot fill it) with a root folder "top" holding a
-# copy of the tests folder $4 as tests/, and an empty logs folder, all owned by $3; then the
+# copy of the tests folder $4 as tests/, an empty logs folder and an empty file "empty",
+# all owned by $3; then the
 # rest (bwrap, as the sandbox's uid); then what it left in logs copied (links as links) to
 # the host folder $5.
 # With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
 # upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
 # is never written).
 # With $8 (not "-": the agent's root, frozen), each of its top-level entries but tests,
-# dev and proc is in "top" too: a folder (its mounts with it) or a file bound, a link
-# copied; "top" is then the verifier's / and its /tests a plain folder (a test.sh may
-# move it away and back, as it could in Docker).
+# dev, proc and the colon-separated names $9 (those the image's own cover; may be empty) is in "top"
+# too: a folder (its mounts with it) or a file bound, a link copied; "top" is then the
+# verifier's / and its /tests a plain folder (a test.sh may move it away and back, as it
+# could in Docker).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
                'mkdir "$v/top" && cp -a -- "$t" "$v/top/tests" && mkdir "$v/logs" '
-               '"$v/top/dev" "$v/top/proc" && chown -R -- "$3" "$v" '
+               '"$v/top/dev" "$v/top/proc" && : > "$v/empty" && chown -R -- "$3" "$v" '
                '|| exit 125; if [ "$6" != - ]; then mkdir "$v/tools" "$v/.up" "$v/.work" && '
                'chown -- "$3" "$v/.up" && mount -t overlay overlay -o '
                '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work" "$v/tools" || exit 125; fi; '
@@ -173,20 +176,26 @@ VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v"
                '"$v/r$i" || exit 125; i=$((i + 1)); done; unset IFS; set +f; fi; '
                'if [ "$8" != - ]; then for p in "$8"/* "$8"/.[!.]* "$8"/..?*; do '
                'n=${p##*/} d="$v/top/${p##*/}"; case $n in tests|dev|proc) continue;; esac; '
+               'case ":$9:" in *":$n:"*) continue;; esac; '
                'if [ -L "$p" ]; then cp -P -- "$p" "$d" && chown -h -- "$3" "$d"; '
                'elif [ -d "$p" ]; then mkdir -- "$d" && mount --rbind -- "$p" "$d"; '
                'elif [ -f "$p" ]; then : > "$d" && mount --bind -- "$p" "$d"; '
                'fi || exit 125; done; fi; '
-               'shift 8; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+               'shift 9; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
 """The verifier's own mounts, made in the sandbox's mount namespace before it starts: a
 tmpfs ($1, size $2, owner $3) holding a copy of the tests ($4) and its logs (copied to $5 at
 the end); the image's verifier tools ($6, or -) and each of the image's PATH folders (the
 colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs; the
-verifier's root folder, with the agent's top-level entries from $8 (or -: then bwrap binds
-the agent's root itself, and the tests over its /tests)."""
+verifier's root folder, with the agent's top-level entries from $8 but the names in $9 (or
+-: then bwrap binds the agent's root itself, and the tests over its /tests)."""
 TOP_LEVEL_MAX = 512
 """An agent root with more top-level entries than this is bound whole as the verifier's /
-(one mount, not one per entry), its /tests then a mount point that cannot be moved."""
+(one mount, not one per entry), its /tests then a mount point that cannot be moved; the
+agent then stays frozen while the verifier runs (its live root is the verifier's)."""
+LOADER_ETC = ("ld.so.preload", "ld.so.cache", f"ld-musl-{os.uname().machine}.path")
+"""Files in /etc the dynamic loader reads on its own (glibc's, musl's): where the image has
+none, the verifier gets an empty one, so one the agent writes while it runs is never read."""
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 VERIFIER_SPACE_MB = 256
 """Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes
 in /tests)."""
@@ -778,11 +787,15 @@ class LocalRuntime(CommandRuntime):
         ``agent_system``), and a fresh folder covers /logs/verifier. Its root, its tests and
         logs are on a tmpfs of the verifier's own (bounded, in the sandbox's memory cgroup);
         what it leaves in /logs/verifier is copied to host folder ``logs`` at the end: the
-        only place it writes that the caller reads. (An agent root of more than
-        ``TOP_LEVEL_MAX`` entries is bound whole instead, the tests over its /tests.) Unless
-        ``agent_system``, the folders that ``env``'s PATH names outside ``PRISTINE`` (a
-        venv's, /root/.local: ``path_roots``) are the image's too, where the image has
-        them. The agent is frozen while that view is built, so it cannot race it."""
+        only place it writes that the caller reads. The agent is frozen while that view is
+        built and thawed once the verifier's command runs (a server it left running can
+        answer); its files and folders that the verifier's mounts cover are immutable until
+        the verifier ends (``_Immutable``). An agent root of more than ``TOP_LEVEL_MAX``
+        entries is bound whole instead, the tests over its /tests, and the agent, whose
+        live root that is, stays frozen until the verifier ends; so it does where its
+        files cannot be made immutable. Unless ``agent_system``, the folders that
+        ``env``'s PATH names outside ``PRISTINE`` (a venv's, /root/.local: ``path_roots``)
+        are the image's too, where the image has them."""
         record = self._live(sandbox_id)
         self._check_monitor(record)
         logs = Path(logs)
@@ -804,10 +817,17 @@ class LocalRuntime(CommandRuntime):
             for pid in _read(str(freezer / "cgroup.procs")).split():
                 if int(pid) != record.init_pid():
                     _kill(int(pid))
+        guards = _Immutable(f"/proc/{record.monitor_pid()}/root")
         try:
-            spec = self._verifier_view(record, agent_system, path=(env or {}).get("PATH"),
-                                       cwd=cwd)
+            spec, guarded = self._verifier_view(record, agent_system,
+                                                path=(env or {}).get("PATH"), cwd=cwd)
+            # the thawed agent cannot remove (and so detach) the verifier's mount points in
+            # its tree; where they cannot be held so, or its live root is the verifier's
+            # (more than TOP_LEVEL_MAX names at /), it stays frozen until the verifier ends
+            frozen = spec.root == str(self.mnt / "root") or not guards.hold(
+                f"{self.mnt / 'root'}{path}" for path in guarded)
         except BaseException:
+            guards.release()
             Cgroups.freeze(freezer, False)
             raise
         info_r, info_w = os.pipe()
@@ -835,6 +855,7 @@ class LocalRuntime(CommandRuntime):
                  "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
                  f"{base}:{base}", str(tests), str(logs), tools, ":".join(overlays) or "-",
                  str(self.mnt / "root") if spec.root != str(self.mnt / "root") else "-",
+                 ":".join(d[1:] for _, d in spec.ro_binds if d.count("/") == 1),
                  "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                 + bwrap)
         started = {}
@@ -854,13 +875,17 @@ class LocalRuntime(CommandRuntime):
                     and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.002)  # its mounts are in place once the command runs
             started["child"] = child
-            Cgroups.freeze(freezer, False)
+            if not child:  # its host side may still be making mounts: end it first
+                kill_group(proc.pid)
+            if not frozen or not child:
+                Cgroups.freeze(freezer, False)
 
         try:
             output, code, timed_out, seconds = run_capture(
                 argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
                 pass_fds=(info_w, block_r), on_start=on_start)
         finally:
+            guards.release()
             Cgroups.freeze(freezer, False)  # (again, if it failed before: idempotent)
             for fd in sorted(fds):  # (a copy: close() changes the set)
                 close(fd)
@@ -875,7 +900,8 @@ class LocalRuntime(CommandRuntime):
             raise SandboxLost(record.sandbox_id, "its mount namespace is gone")
 
     def _verifier_view(self, record: SandboxRecord, agent_system: bool, *,
-                       path: str | None = None, cwd: str | None = None) -> BwrapSpec:
+                       path: str | None = None,
+                       cwd: str | None = None) -> tuple[BwrapSpec, list[str]]:
         """The verifier's mounts (see ``verify``): the agent's root, with the image's own
         ``PRISTINE`` directories and ``PRISTINE_ETC`` entries bound over it read-only, as
         is the image's copy of each folder ``path_roots`` picks from ``path`` (the
@@ -923,6 +949,11 @@ class LocalRuntime(CommandRuntime):
                     if _pristine_etc(name) and \
                             fix.like(f"{image}/etc/{name}", f"{root}/etc/{name}") == "bind":
                         spec.ro_binds.append((f"{image}/etc/{name}", f"/etc/{name}"))
+                for name in LOADER_ETC:  # none in the image: an empty one, held (below)
+                    if name not in image_etc:
+                        fix.empty_file(f"{root}/etc/{name}")
+                        spec.ro_binds.append((str(self.mnt / "verifier" / "empty"),
+                                              f"/etc/{name}"))
             keep = [record.spec["workdir"]] + ([cwd] if cwd else [])
             roots = 0
             for found in path_roots(f"{path or ''}:{tools_env.get('PATH', '')}", keep=keep):
@@ -948,7 +979,13 @@ class LocalRuntime(CommandRuntime):
         if has_tools:
             spec.binds.append((str(self.mnt / "verifier" / "tools"), VERIFIER_TOOLS))
             spec.env = tools_env
-        return spec
+        guarded: list[str] = []  # below the top level: the agent's own entries
+        for _, dest in spec.ro_binds + spec.binds if spec.root == str(top) else []:
+            parts = dest.strip("/").split("/")
+            if dest != VERIFIER_TOOLS:  # (a mount point in the agent's namespace already)
+                guarded += [p for p in ("/" + "/".join(parts[:k])
+                                        for k in range(2, len(parts) + 1)) if p not in guarded]
+        return spec, guarded
 
     def stop(self, sandbox_id: str) -> None:
         check_name("sandbox id", sandbox_id)
@@ -1102,6 +1139,13 @@ class _ViewFixer:
             self._make(lambda: os.mkdir(f"{self.ns}{path}", 0o755))
             os.lchown(f"{self.ns}{path}", self.uid, self.uid)
 
+    def empty_file(self, path: str) -> None:
+        """An empty regular file at ``path`` (whatever is there set aside)."""
+        self.set_aside(path)
+        self._make(lambda: os.close(os.open(f"{self.ns}{path}", os.O_CREAT | os.O_EXCL
+                                            | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
+        os.lchown(f"{self.ns}{path}", self.uid, self.uid)
+
     def like(self, image_path: str, path: str) -> str:
         """Make ``path`` a mount point for ``image_path`` (a directory or a file: "bind"),
         or the same link (then nothing needs mounting: "link"); set it aside when the
@@ -1122,11 +1166,65 @@ class _ViewFixer:
         if _stat.S_ISDIR(st.st_mode):
             self.real_dir(path)
         elif mine is None or not _stat.S_ISREG(mine.st_mode):
-            self.set_aside(path)
-            self._make(lambda: os.close(os.open(f"{self.ns}{path}", os.O_CREAT | os.O_EXCL
-                                                | os.O_WRONLY | os.O_NOFOLLOW, 0o644)))
-            os.lchown(f"{self.ns}{path}", self.uid, self.uid)
+            self.empty_file(path)
         return "bind"
+
+
+class _Immutable:
+    """Entries of the agent's tree made immutable (``FS_IMMUTABLE_FL``) while the verifier
+    runs, through descriptors held until ``release``: the agent's processes (no
+    CAP_LINUX_IMMUTABLE) can then neither remove nor rename them, and so cannot detach the
+    verifier's mounts on them (Linux detaches a mount in every namespace once its mount
+    point is removed in any, since 3.18), nor add entries to those folders."""
+
+    def __init__(self, ns: str):
+        self.ns = ns
+        self.held: list[tuple[int, int]] = []
+
+    def hold(self, paths: Iterable[str]) -> bool:
+        """Each of ``paths`` (sandbox paths under ``ns``, the agent frozen: no link
+        followed at the last component, the others made real folders), in order; False
+        when one cannot be held (a file system without the flag, a full disk)."""
+        for path in paths:
+            try:
+                fd = os.open(f"{self.ns}{path}",
+                             os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                log.warning("verifier: cannot hold %s in the agent's tree (%s)", path, e)
+                return False
+            try:
+                mode = os.fstat(fd).st_mode
+                if not (_stat.S_ISDIR(mode) or _stat.S_ISREG(mode)):
+                    raise OSError(errno.EINVAL, "neither a folder nor a file")
+                flags = array.array("i", [0])
+                try:
+                    fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+                except OSError as e:  # only in the image's (squashfs) layer: copied up by
+                    if e.errno != errno.ENOTTY:  # setting its times as they are, its
+                        raise                    # flags are then the writable layer's
+                    st = os.fstat(fd)
+                    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+                old = flags[0]
+                flags[0] = old | FS_IMMUTABLE_FL
+                fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
+            except OSError as e:
+                os.close(fd)
+                log.warning("verifier: cannot hold %s in the agent's tree (%s)", path, e)
+                return False
+            self.held.append((fd, old))
+        return True
+
+    def release(self) -> None:
+        """Their flags as they were, the descriptors closed."""
+        while self.held:
+            fd, old = self.held.pop()
+            try:
+                fcntl.ioctl(fd, FS_IOC_SETFLAGS, array.array("i", [old]), True)
+            except OSError as e:  # (its sandbox may be gone)
+                log.debug("verifier: could not restore flags: %s", e)
+            finally:
+                os.close(fd)
 
 
 def trusted_first(path: str, trusted: Iterable[str]) -> str:

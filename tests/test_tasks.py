@@ -328,3 +328,22 @@ def test_examples_are_valid_and_cover_all_domains():
         assert not t.config.environment.network, f"{t.task_id} must not need the network"
     difficulties = [t.difficulty for t in tasks]
     assert difficulties.count("easy") >= 6 and difficulties.count("hard") >= 3
+
+
+def test_a_test_sh_moving_its_tests_where_the_agent_runs_is_warned_about(tmp_path):
+    """A real task's test.sh hides /tests in /tmp while it runs the agent's program: that
+    hands them to the agent's processes, which run on beside the verifier."""
+    test_sh = ("#!/bin/bash\nif [ -d /tests ]; then mv /tests /tmp/tests.hidden; fi\n"
+               "mv /tmp/tests.hidden /tests\necho 1 > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, "hides", **{"tests/test.sh": test_sh})
+    [warning] = [p for p in validate_task(task) if "out of /tests" in p.message]
+    assert (warning.severity, warning.file) == ("warning", "tests/test.sh")
+    assert "(to /tmp/tests.hidden)" in warning.message
+    fine = ("#!/bin/bash\ncp /tests/data.csv /tests/work.csv  # within /tests\n"
+            "# mv /tests /tmp/x is only a comment\ncp -r /tests/fixtures /logs/verifier/\n"
+            "echo 1 > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, "keeps", **{"tests/test.sh": fine})
+    assert not [p for p in validate_task(task) if "out of /tests" in p.message]
+    copied = make_task(tmp_path, "copies", **{"tests/test.sh": "cp -a /tests/golden.txt "
+                                              "/app/\necho 1 > /logs/verifier/reward.txt\n"})
+    assert [p.message for p in validate_task(copied) if "(to /app/)" in p.message]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -368,6 +369,13 @@ def _check_steps(root: Path, task_id: str, problems: list[Problem],
                 "each step's in order)", severity="warning"))
 
 
+TESTS_MOVED = re.compile(
+    r"""^[^#\n]*?\b(?:mv|cp|rsync)\b(?:[ \t]+-[^\s]*)*[ \t]+["']?/tests(?:/[^\s"';&|]*)?["']?"""
+    r"""[ \t]+["']?(/(?!tests\b|logs/verifier\b)[^\s"';&|]*)""", re.MULTILINE)
+"""A command of test.sh that moves or copies /tests (or a file of it) out of the verifier's
+own folders; group 1 is where to."""
+
+
 def _check_verifier(root: Path, task_id: str, problems: list[Problem],
                     test_sh: Path | None = None, shown: str = TEST_SCRIPT,
                     helpers: tuple[Path, ...] = ()) -> None:
@@ -386,6 +394,14 @@ def _check_verifier(root: Path, task_id: str, problems: list[Problem],
             task_id, shown, "the test script writes no reward",
             "write one float in [0,1] to /logs/verifier/reward.txt (or a flat JSON dict "
             "of numbers to /logs/verifier/reward.json), whatever the outcome"))
+    moved = TESTS_MOVED.search(texts[0])
+    if moved:
+        problems.append(Problem(
+            task_id, shown, f"moves or copies its tests out of /tests (to {moved[1]}), "
+            "where the agent's processes, running on while the verifier runs, can read or "
+            "change them (in Docker as in TMax)",
+            "leave them in /tests, which no agent process can see in TMax (there is no "
+            "need to hide it while the agent's program runs)", severity="warning"))
 
 
 def _check_environment(root: Path, task_id: str, problems: list[Problem],

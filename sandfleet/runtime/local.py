@@ -192,9 +192,11 @@ TOP_LEVEL_MAX = 512
 """An agent root with more top-level entries than this is bound whole as the verifier's /
 (one mount, not one per entry), its /tests then a mount point that cannot be moved; the
 agent then stays frozen while the verifier runs (its live root is the verifier's)."""
-LOADER_ETC = ("ld.so.preload", "ld.so.cache", f"ld-musl-{os.uname().machine}.path")
-"""Files in /etc the dynamic loader reads on its own (glibc's, musl's): where the image has
-none, the verifier gets an empty one, so one the agent writes while it runs is never read."""
+LOADER_ETC = ("ld.so.preload", "ld.so.cache")
+"""Files in /etc glibc's dynamic loader reads on its own: where the image has none, the
+verifier gets an empty one, so one the agent writes while it runs is never read. (Not
+musl's ld-musl-<arch>.path: an empty one there means no library path at all; one the
+agent made before the verifier started is set aside, as ``PRISTINE_ETC_PREFIXES`` says.)"""
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 VERIFIER_SPACE_MB = 256
 """Room on the verifier's tmpfs beyond its tests (for /logs/verifier, and what it writes

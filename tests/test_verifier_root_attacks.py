@@ -267,6 +267,9 @@ def test_the_thawed_agent_cannot_detach_the_verifiers_mounts(runtime, make, tmp_
     result, reward = verify(runtime, sid, tmp_path, test_sh)
     seen = run(runtime, sid, "cat /logs/verifier/reward.txt 2>/dev/null").output
     assert (reward, seen) == ("0.5", ""), (reward, seen, result.output)
+    # once the verifier has ended, the agent's folder is its own again
+    assert run(runtime, sid, f"touch /{target}/x && rm /{target}/x && echo writable"
+               ).output == "writable\n"
 
 
 # ---- 3. a full disk

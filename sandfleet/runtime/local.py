@@ -153,17 +153,16 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # $2 at $1 (charged to the sandbox's memory cgroup, so what the verifier writes is bounded
 # and the agent, which cannot see it, cannot fill it) with a root folder "top" holding a
 # copy of the tests folder $4 as tests/, an empty logs folder and an empty file "empty",
-# all owned by $3; then the
-# rest (bwrap, as the sandbox's uid); then what it left in logs copied (links as links) to
-# the host folder $5.
+# all owned by $3; then the rest (bwrap, as the sandbox's uid); then what it left in logs
+# copied (links as links) to the host folder $5.
 # With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
 # upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
 # is never written).
 # With $8 (not "-": the agent's root, frozen), each of its top-level entries but tests,
-# dev, proc and the colon-separated names $9 (those the image's own cover; may be empty) is in "top"
-# too: a folder (its mounts with it) or a file bound, a link copied; "top" is then the
-# verifier's / and its /tests a plain folder (a test.sh may move it away and back, as it
-# could in Docker).
+# dev, proc and the colon-separated names $9 (those the image's own cover; may be empty)
+# is in "top" too: a folder (its mounts with it) or a file bound, a link copied; "top" is
+# then the verifier's / and its /tests a plain folder (a test.sh may move it away and
+# back, as it could in Docker).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
                'mkdir "$v/top" && cp -a -- "$t" "$v/top/tests" && mkdir "$v/logs" '
                '"$v/top/dev" "$v/top/proc" && : > "$v/empty" && chown -R -- "$3" "$v" '
@@ -820,6 +819,16 @@ class LocalRuntime(CommandRuntime):
                 if int(pid) != record.init_pid():
                     _kill(int(pid))
         guards = _Immutable(f"/proc/{record.monitor_pid()}/root")
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        fds = {info_r, info_w, block_r, block_w}
+        started = {}
+
+        def close(fd: int) -> None:  # once: another thread may get the number next
+            if fd in fds:
+                fds.discard(fd)
+                os.close(fd)
+
         try:
             spec, guarded = self._verifier_view(record, agent_system,
                                                 path=(env or {}).get("PATH"), cwd=cwd)
@@ -828,61 +837,50 @@ class LocalRuntime(CommandRuntime):
             # (more than TOP_LEVEL_MAX names at /), it stays frozen until the verifier ends
             frozen = spec.root == str(self.mnt / "root") or not guards.hold(
                 f"{self.mnt / 'root'}{path}" for path in guarded)
-        except BaseException:
-            guards.release()
-            Cgroups.freeze(freezer, False)
-            raise
-        info_r, info_w = os.pipe()
-        block_r, block_w = os.pipe()
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1",
-               **VERIFIER_ENV, **(env or {})}
-        for key, value in spec.env.items():  # the tools' settings, on top
-            env[key] = value.replace("$PATH", env.get(key, "")) if key == "PATH" else value
-        if not agent_system:  # the agent's folders on PATH can no longer shadow the image's
-            env["PATH"] = trusted_first(env["PATH"], [f"/{n}" for n in PRISTINE] +
-                                        [d for _, d in spec.ro_binds + spec.binds])
-        bwrap = sandbox_bwrap(root=spec.root, network=True, hostname=record.spec["hostname"],
-                              info_fd=info_w, block_fd=block_r, command=list(command),
-                              binds=spec, cwd=cwd or record.spec["workdir"], env=env)
-        base = record.uid_base
-        tools = "-"
-        if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
-            tools = f"{self.mnt / 'image'}{VERIFIER_TOOLS}"
-        overlays = [f"{self.mnt / 'image'}{dest}" for src, dest in spec.binds
-                    if Path(src).parent == self.mnt / "verifier" and Path(src).name[:1] == "r"]
-        argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False), "--",
-                 "nsenter", f"--mount=/proc/{record.monitor_pid()}/ns/mnt",
-                 f"--net=/proc/{record.init_pid()}/ns/net", "--",
-                 "unshare", "-m", "--propagation", "private", "--",
-                 "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
-                 f"{base}:{base}", str(tests), str(logs), tools, ":".join(overlays) or "-",
-                 str(self.mnt / "root") if spec.root != str(self.mnt / "root") else "-",
-                 ":".join(d[1:] for _, d in spec.ro_binds if d.count("/") == 1),
-                 "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
-                + bwrap)
-        started = {}
-        fds = {info_r, info_w, block_r, block_w}
+            env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1",
+                   **VERIFIER_ENV, **(env or {})}
+            for key, value in spec.env.items():  # the tools' settings, on top
+                env[key] = value.replace("$PATH", env.get(key, "")) if key == "PATH" else value
+            if not agent_system:  # the agent's folders on PATH can no longer shadow the image's
+                env["PATH"] = trusted_first(env["PATH"], [f"/{n}" for n in PRISTINE] +
+                                            [d for _, d in spec.ro_binds + spec.binds])
+            bwrap = sandbox_bwrap(root=spec.root, network=True,
+                                  hostname=record.spec["hostname"], info_fd=info_w,
+                                  block_fd=block_r, command=list(command), binds=spec,
+                                  cwd=cwd or record.spec["workdir"], env=env)
+            base = record.uid_base
+            tools = "-"
+            if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
+                tools = f"{self.mnt / 'image'}{VERIFIER_TOOLS}"
+            overlays = [f"{self.mnt / 'image'}{dest}" for src, dest in spec.binds
+                        if Path(src).parent == self.mnt / "verifier"
+                        and Path(src).name[:1] == "r"]
+            argv = (["sh", "-c", JOIN_SH, "sh", *self._procs_files(record, freezer=False),
+                     "--", "nsenter", f"--mount=/proc/{record.monitor_pid()}/ns/mnt",
+                     f"--net=/proc/{record.init_pid()}/ns/net", "--",
+                     "unshare", "-m", "--propagation", "private", "--",
+                     "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
+                     f"{base}:{base}", str(tests), str(logs), tools,
+                     ":".join(overlays) or "-",
+                     str(self.mnt / "root") if spec.root != str(self.mnt / "root") else "-",
+                     ":".join(d[1:] for _, d in spec.ro_binds if d.count("/") == 1),
+                     "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
+                    + bwrap)
 
-        def close(fd: int) -> None:  # once: another thread may get the number next
-            if fd in fds:
-                fds.discard(fd)
-                os.close(fd)
+            def on_start(proc: subprocess.Popen) -> None:
+                close(info_w)
+                close(block_r)
+                deadline = time.monotonic() + self.start_timeout_s
+                child = self._userns_ready(info_r, block_w, base, deadline)
+                while child and not _command_started(child) \
+                        and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.002)  # its mounts are in place once the command runs
+                started["child"] = child
+                if not child:  # its host side may still be making mounts: end it first
+                    kill_group(proc.pid)
+                if not frozen or not child:
+                    Cgroups.freeze(freezer, False)
 
-        def on_start(proc: subprocess.Popen) -> None:
-            close(info_w)
-            close(block_r)
-            deadline = time.monotonic() + self.start_timeout_s
-            child = self._userns_ready(info_r, block_w, base, deadline)
-            while child and not _command_started(child) \
-                    and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.002)  # its mounts are in place once the command runs
-            started["child"] = child
-            if not child:  # its host side may still be making mounts: end it first
-                kill_group(proc.pid)
-            if not frozen or not child:
-                Cgroups.freeze(freezer, False)
-
-        try:
             output, code, timed_out, seconds = run_capture(
                 argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
                 pass_fds=(info_w, block_r), on_start=on_start)

@@ -28,6 +28,9 @@ class BwrapSpec:
     """(host path, sandbox path) pairs mounted read-only."""
     binds: list[tuple[str, str]] = field(default_factory=list)
     """(host path, sandbox path) pairs mounted read-write."""
+    root_binds: list[tuple[str, str]] = field(default_factory=list)
+    """(host path, sandbox path) pairs mounted read-write right after the root, before
+    everything else (the entries of a root assembled from parts)."""
     symlinks: list[tuple[str, str]] = field(default_factory=list)
     """(target, sandbox path): symlinks created in the sandbox."""
     tmpfs: list[str] = field(default_factory=list)
@@ -42,6 +45,8 @@ class BwrapSpec:
 
     def argv(self, command: list[str]) -> list[str]:
         args = ["bwrap"] + (["--bind", self.root, "/"] if self.root else ["--tmpfs", "/"])
+        for src, dst in self.root_binds:
+            args += ["--bind", src, dst]
         for target, link in self.symlinks:
             args += ["--symlink", target, link]
         for src, dst in self.ro_binds:

@@ -158,11 +158,6 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
 # upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
 # is never written).
-# With $8 (not "-": the agent's root, frozen), each of its top-level entries but tests,
-# dev, proc and the colon-separated names $9 (those the image's own cover; may be empty)
-# is in "top" too: a folder (its mounts with it) or a file bound, a link copied; "top" is
-# then the verifier's / and its /tests a plain folder (a test.sh may move it away and
-# back, as it could in Docker).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
                'mkdir "$v/top" && cp -a -- "$t" "$v/top/tests" && mkdir "$v/logs" '
                '"$v/top/dev" "$v/top/proc" && : > "$v/empty" && chown -R -- "$3" "$v" '
@@ -173,24 +168,18 @@ VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v"
                'mkdir "$v/r$i" "$v/.u$i" "$v/.w$i" && chown -- "$3" "$v/.u$i" && '
                'mount -t overlay overlay -o "lowerdir=$low,upperdir=$v/.u$i,workdir=$v/.w$i" '
                '"$v/r$i" || exit 125; i=$((i + 1)); done; unset IFS; set +f; fi; '
-               'if [ "$8" != - ]; then for p in "$8"/* "$8"/.[!.]* "$8"/..?*; do '
-               'n=${p##*/} d="$v/top/${p##*/}"; case $n in tests|dev|proc) continue;; esac; '
-               'case ":$9:" in *":$n:"*) continue;; esac; '
-               'if [ -L "$p" ]; then cp -P -- "$p" "$d" && chown -h -- "$3" "$d"; '
-               'elif [ -d "$p" ]; then mkdir -- "$d" && mount --rbind -- "$p" "$d"; '
-               'elif [ -f "$p" ]; then : > "$d" && mount --bind -- "$p" "$d"; '
-               'fi || exit 125; done; fi; '
-               'shift 9; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+               'shift 7; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
 """The verifier's own mounts, made in the sandbox's mount namespace before it starts: a
 tmpfs ($1, size $2, owner $3) holding a copy of the tests ($4) and its logs (copied to $5 at
 the end); the image's verifier tools ($6, or -) and each of the image's PATH folders (the
 colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs; the
-verifier's root folder, with the agent's top-level entries from $8 but the names in $9 (or
--: then bwrap binds the agent's root itself, and the tests over its /tests)."""
+verifier's root folder "top", into which bwrap binds the agent's top-level entries
+(``_verifier_view``)."""
 TOP_LEVEL_MAX = 512
 """An agent root with more top-level entries than this is bound whole as the verifier's /
-(one mount, not one per entry), its /tests then a mount point that cannot be moved; the
-agent then stays frozen while the verifier runs (its live root is the verifier's)."""
+(one mount, not one per entry on bwrap's command line, which the kernel bounds), its
+/tests then a mount point that cannot be moved; the agent then stays frozen while the
+verifier runs (its live root is the verifier's)."""
 LOADER_ETC = ("ld.so.preload", "ld.so.cache")
 """Files in /etc glibc's dynamic loader reads on its own: where the image has none, the
 verifier gets an empty one, so one the agent writes while it runs is never read. (Not
@@ -862,8 +851,6 @@ class LocalRuntime(CommandRuntime):
                      "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
                      f"{base}:{base}", str(tests), str(logs), tools,
                      ":".join(overlays) or "-",
-                     str(self.mnt / "root") if spec.root != str(self.mnt / "root") else "-",
-                     ":".join(d[1:] for _, d in spec.ro_binds if d.count("/") == 1),
                      "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                     + bwrap)
 
@@ -971,8 +958,18 @@ class LocalRuntime(CommandRuntime):
         for sub in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
             fix.real_dir(f"{root}/{sub}")                             # mounts cover them
         top = self.mnt / "verifier" / "top"
-        if len(fix.names(root)) <= TOP_LEVEL_MAX:  # its own /, the agent's entries in it
+        names = fix.names(root)
+        if len(names) <= TOP_LEVEL_MAX:  # its own /, the agent's entries in it
             spec.root = str(top)
+            covered = {dest for _, dest in spec.ro_binds}  # (the image's own)
+            for name in names:
+                if name in ("tests", "dev", "proc") or f"/{name}" in covered:
+                    continue
+                kind = fix.kind(f"{root}/{name}")
+                if kind == "link":  # as it is (it resolves in the verifier's root)
+                    spec.symlinks.append((fix.link(f"{root}/{name}"), f"/{name}"))
+                elif kind in ("dir", "file"):  # (its mounts with it)
+                    spec.root_binds.append((f"{root}/{name}", f"/{name}"))
         else:
             spec.binds.append((str(top / "tests"), "/tests"))
         spec.binds.append((str(self.mnt / "verifier" / "logs"), "/logs/verifier"))
@@ -1126,6 +1123,17 @@ class _ViewFixer:
     def is_dir(self, path: str) -> bool:
         st = self._lstat(path)
         return st is not None and _stat.S_ISDIR(st.st_mode)
+
+    def kind(self, path: str) -> str:
+        """"dir", "file" (regular), "link", "other" or "" (none), not through a link."""
+        st = self._lstat(path)
+        if st is None:
+            return ""
+        return ("dir" if _stat.S_ISDIR(st.st_mode) else "file" if _stat.S_ISREG(st.st_mode)
+                else "link" if _stat.S_ISLNK(st.st_mode) else "other")
+
+    def link(self, path: str) -> str:
+        return os.readlink(f"{self.ns}{path}")
 
     def set_aside(self, path: str) -> None:
         if self._lstat(path) is not None:

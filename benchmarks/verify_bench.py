@@ -9,8 +9,8 @@ round) so a slow spell of the machine hits both alike.
 Run as root. Each revision runs from a git worktree made under a fresh /tmp folder (removed
 at the end), in an agent process of its own whose ``sandfleet`` is that tree's. The figure
 is the wall time of the ``verify`` call, taken inside the agent: the view (set-aside pass,
-mounts, since 50b1160 the top-level binds and the immutable flags), bwrap, test.sh, the
-copy of its logs.
+mounts; since b9374bd the agent's top-level entries bound one by one, since 02fa2e2 the
+immutable flags), bwrap, test.sh, the copy of its logs.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``VERIFIER_SH`` builds a folder "top" on the verifier's tmpfs: a plain copy of the tests
 at tests/, and each top-level entry of the agent's (frozen) root but tests, dev, proc and
-those the image's own cover (a folder rbind-ed, a regular file bound, a link copied with
-``cp -P``); that folder is the verifier's /. The verifier's mounts below the top level
+those the image's own cover (a folder or regular file bound by bwrap, a link made anew
+with the same target); that folder is the verifier's /. The verifier's mounts below the top level
 sit on the agent's own files and folders, which are made immutable while it runs (the
 thawed agent cannot remove them, which would detach the mounts). Past ``TOP_LEVEL_MAX``
 top-level entries the agent's root is bound whole instead, with the tests over its

@@ -896,9 +896,11 @@ class LocalRuntime(CommandRuntime):
         component of that folder is a real directory in the image (one reached through a
         link of the image is left out: bwrap would follow that link on the host), and the
         verifier's logs at /logs/verifier; its root is ``VERIFIER_SH``'s folder "top" (the
-        tests in it, the agent's top-level entries bound or copied into it there), or the
-        agent's root with the tests bound at /tests where that has more than
-        ``TOP_LEVEL_MAX`` entries.
+        tests in it; bwrap binds the agent's top-level folders and files there and makes
+        its links anew), or the agent's root with the tests bound at /tests where that has
+        more than ``TOP_LEVEL_MAX`` entries. Second: the paths below the top level that
+        ``_Immutable`` holds while the verifier runs (each mount point in the agent's
+        folders and the folders above it).
 
         With the agent frozen, the host first makes every mount point a real directory (or
         file) of the agent's tree, setting aside whatever the agent put there instead (a

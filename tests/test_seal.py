@@ -168,14 +168,16 @@ def run(runtime, sandbox_id, command, **kwargs):
     return runtime.exec(sandbox_id, command, **kwargs)
 
 
-def verify(runtime, sandbox_id, tmp_path: Path, test_sh: str, **kwargs):
-    """Run ``test_sh`` as the task verifier (``/bin/bash /tests/test.sh``) beside the sandbox;
-    (result, reward.txt's text or None)."""
+def verify(runtime, sandbox_id, tmp_path: Path, test_sh: str,
+           files: dict[str, str] | None = None, **kwargs):
+    """Run ``test_sh`` as the task verifier (``/bin/bash /tests/test.sh``) beside the sandbox,
+    ``files`` (name: text) beside it in /tests; (result, reward.txt's text or None)."""
     root = Path(tmp_path) / f"verify{next(_ids)}"
     tests, logs = root / "tests", root / "logs"
     tests.mkdir(parents=True)
     logs.mkdir()
-    (tests / "test.sh").write_text(test_sh)
+    for name, text in {**(files or {}), "test.sh": test_sh}.items():
+        (tests / name).write_text(text)
     kwargs.setdefault("timeout", 60)
     kwargs.setdefault("env", {"PATH": HOST_PATH})
     result = runtime.verify(sandbox_id, ["/bin/bash", "/tests/test.sh"], tests=tests,

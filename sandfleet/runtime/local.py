@@ -1196,13 +1196,10 @@ class _Immutable:
         followed at the last component, the others made real folders), in order; False
         when one cannot be held (a file system without the flag, a full disk)."""
         for path in paths:
+            fd = -1
             try:
                 fd = os.open(f"{self.ns}{path}",
                              os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as e:
-                log.warning("verifier: cannot hold %s in the agent's tree (%s)", path, e)
-                return False
-            try:
                 mode = os.fstat(fd).st_mode
                 if not (_stat.S_ISDIR(mode) or _stat.S_ISREG(mode)):
                     raise OSError(errno.EINVAL, "neither a folder nor a file")
@@ -1219,7 +1216,8 @@ class _Immutable:
                 flags[0] = old | FS_IMMUTABLE_FL
                 fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
             except OSError as e:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 log.warning("verifier: cannot hold %s in the agent's tree (%s)", path, e)
                 return False
             self.held.append((fd, old))

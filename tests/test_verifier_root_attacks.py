@@ -18,30 +18,13 @@ import json
 import shutil
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import tests.test_seal as seal
-from tests.test_seal import FORGE_PY, HOST_PATH, daemon, run, verify, write_file
+from tests.test_seal import FORGE_PY, daemon, run, verify, write_file
 
 dirs, runtime, make = seal.dirs, seal.runtime, seal.make  # test_seal's fixtures, for ours
-
-
-def verify_files(runtime, sandbox_id, tmp_path: Path, files: dict[str, str], **kwargs):
-    """``verify`` with more than test.sh in the tests folder."""
-    root = Path(tmp_path) / f"verify-files-{len(list(Path(tmp_path).iterdir()))}"
-    tests, logs = root / "tests", root / "logs"
-    tests.mkdir(parents=True)
-    logs.mkdir()
-    for name, text in files.items():
-        (tests / name).write_text(text)
-    kwargs.setdefault("timeout", 60)
-    kwargs.setdefault("env", {"PATH": HOST_PATH})
-    result = runtime.verify(sandbox_id, ["/bin/bash", "/tests/test.sh"], tests=tests,
-                            logs=logs, **kwargs)
-    reward = logs / "reward.txt"
-    return result, (reward.read_text().strip() if reward.is_file() else None)
 
 
 # ---- 1. hostile top-level names, links, fifos, sockets, hard links
@@ -112,9 +95,8 @@ def test_hostile_top_level_entries_are_bound_or_copied_as_themselves(
         print(json.dumps(seen))
         open("/logs/verifier/reward.txt", "w").write("1")
         """)
-    result, reward = verify_files(runtime, sid, tmp_path,
-                                  {"test.sh": "python3 /tests/probe.py\n", "probe.py": probe},
-                                  agent_system=agent_system)
+    result, reward = verify(runtime, sid, tmp_path, "python3 /tests/probe.py\n",
+                            {"probe.py": probe}, agent_system=agent_system)
     assert (result.exit_code, reward) == (0, "1"), result.output
     seen = json.loads(result.output.strip().splitlines()[-1])
     assert seen.pop("/tests") == ["probe.py", "test.sh"]
@@ -299,3 +281,31 @@ def test_a_full_disk_without_tests_or_logs_folders_still_gets_the_verifiers_rewa
     result, reward = verify(runtime, sid, tmp_path, test_sh)
     assert (result.exit_code, reward, result.output) == (0, "0.5", "test.sh\n"), \
         result.output
+
+
+@pytest.mark.sandbox
+def test_renaming_a_top_level_folder_or_clearing_the_flag_changes_nothing_for_the_verifier(
+        runtime, make, tmp_path):
+    """While the verifier runs, the agent tries to clear the immutable flag on
+    /logs/verifier (it has no CAP_LINUX_IMMUTABLE), then renames its /logs away and makes
+    a new /logs/verifier (on this overlay the rename itself fails and mv falls back to
+    copying and removing, which the immutable folder stops; a rename that went through
+    would not matter either: the verifier's /logs is bound to the folder, not the name).
+    The verifier's reward reaches the host and never the agent's folders."""
+    sid = make()
+    loop = ("while ! [ -e /tmp/go ]; do sleep 0.02; done; "  # the verifier has started
+            "{ chattr -i /logs/verifier; mv /logs /logs.old; mkdir -p /logs/verifier; "
+            "touch /tmp/done; } 2>>/var/tmp/err\n")
+    run(runtime, sid, "mkdir -p /logs/verifier && " + write_file("/opt/r.sh", loop) + " && "
+        + daemon("/opt/r.sh"))
+    test_sh = ("touch /tmp/go\n"  # (the agent's /tmp: it sees this)
+               "for i in $(seq 250); do [ -e /tmp/done ] && break; sleep 0.02; done\n"
+               "test -e /tmp/done && echo attacked\n"
+               "echo 0.5 > /logs/verifier/reward.txt\n")
+    result, reward = verify(runtime, sid, tmp_path, test_sh)
+    # the agent's attempt ran while the verifier ran (else this proves nothing)
+    assert (reward, result.output) == ("0.5", "attacked\n"), (reward, result.output)
+    after = run(runtime, sid, "cat /var/tmp/err; ls -A /logs/verifier /logs.old/verifier "
+                              "2>/dev/null")
+    assert after.output.startswith("chattr: Operation not permitted"), after.output
+    assert "reward.txt" not in after.output, after.output

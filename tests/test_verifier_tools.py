@@ -4,6 +4,7 @@ in a sandbox with no network."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -306,7 +307,8 @@ def test_pip_preparation_and_python_checks_in_the_script(tmp_path):
     script = tools.script()
     assert ("$V/bin/uv python find 3.13 >/dev/null 2>&1 || tmax_failed offline "
             "'Python 3.13 is not in the image'\n") in script
-    assert ('$V/bin/uv pip install --python "$tmax_py" --target $V/site pytest && ') in script
+    assert ('{ $V/bin/uv pip install --python "$tmax_py" --target $V/site pytest -c '
+            '"$tmax_pins/all" || ') in script
     assert "rm -rf $V/cache" not in script  # uv stays: the uvx line needs it at grade time
     only_pip = plan(make_tests(tmp_path / "p", **{"test.sh": "pip install pytest==8.4.1\n"}))
     assert "rm -rf $V/cache $V/bin/uv $V/bin/uvx\n" in only_pip.script()
@@ -393,6 +395,57 @@ def test_unmodified_boilerplates_grade_without_a_network(image_store, tmp_path):
             assert graded.exit_code == 0 and "1 passed" in graded.output, graded.output
     finally:
         runtime.stop("offline")
+
+
+# gordonyang-tbench's chat-server: the image has pytest, test.sh adds the ctrf plugin with pip
+CTRF_TESTS = ("#!/bin/bash\npip3 install --quiet --break-system-packages pytest-json-ctrf==0.3.5\n"
+              "pytest --version\nif pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA; "
+              "then r=1; else r=0; fi\necho $r > /logs/verifier/reward.txt\n")
+UPGRADE_TESTS = ("#!/bin/bash\npip install pytest==8.4.1\npytest --version\n"
+                 "python3 -m pytest --version\npytest /tests/test_outputs.py -rA && r=1 || r=0\n"
+                 "echo $r > /logs/verifier/reward.txt\n")
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("script, version", [(CTRF_TESTS, "8.3.5"), (UPGRADE_TESTS, "8.4.1")],
+                         ids=["plugin", "upgrade"])
+def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, tmp_path, script,
+                                                                 version):
+    """An image with pytest 8.3.5: `pip install pytest-json-ctrf` leaves pytest at 8.3.5 (as
+    pip in the image would; installing the newest pytest beside it once mixed a 9.x
+    `pytest` script with the image's 8.3.5 modules, an ImportError that scored every oracle
+    0), and `pip install pytest==8.4.1` gives 8.4.1 to the script and to `python3 -m`. The
+    agent's pytest stays as built."""
+    from sandfleet.runtime.base import SandboxSpec
+    from sandfleet.runtime.local import LocalRuntime
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.tasks import load_task
+
+    cache = Path.home() / ".cache" / "tmax"
+    src = make_task(tmp_path / "tasks", "pins", **{
+        "environment/Dockerfile": ("FROM python:3.11-slim\nRUN pip install pytest==8.3.5\n"
+                                   "WORKDIR /app\n"),
+        "tests/test.sh": script, "tests/test_outputs.py": TEST_OUTPUTS})
+    result = ImageBuilds(image_store, LocalBuilder(cache)).build(load_task(src))
+    assert result.status == "built", result.error
+    sif = image_store.path(image_store.read().tasks["pins"].sif)
+    runtime = LocalRuntime(tmp_path / "state", tmp_path / "rt-cache")
+    runtime.start("pins", SandboxSpec(image=sif, workdir="/app"))
+    try:
+        runtime.exec("pins", "echo 42 > /app/answer.txt", timeout=60)
+        tests = shutil.copytree(src / "tests", tmp_path / "tests")
+        graded = runtime.verify("pins", ["/bin/bash", "/tests/test.sh"], tests=tests,
+                                logs=tmp_path / "logs", timeout=300, cwd="/app")
+        assert graded.exit_code == 0 and "1 passed" in graded.output, graded.output
+        shown = re.findall(r"^pytest (\S+)$", graded.output, re.MULTILINE)
+        assert shown == [version] * (2 if script == UPGRADE_TESTS else 1), graded.output
+        if script == CTRF_TESTS:
+            assert (tmp_path / "logs" / "ctrf.json").is_file()
+        agent = runtime.exec("pins", "pytest --version", timeout=60)
+        assert agent.output.strip() == "pytest 8.3.5"
+    finally:
+        runtime.stop("pins")
 
 
 def test_an_oracle_failure_names_what_the_verifier_tools_could_not_prepare(tmp_path):

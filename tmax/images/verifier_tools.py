@@ -17,8 +17,11 @@ build root, with the network, after the task's own steps (both builders run the 
   tool's ``--version`` instead of the tests), then checked by running them all again with
   ``UV_OFFLINE=1`` in a fresh folder, as grade time will;
 - for ``pip install`` lines, their packages installed into /.tmax/verifier/site, which a
-  ``.pth`` file in the image's Python puts on sys.path where it exists (for the verifier
-  only), so pip finds them already satisfied and ``pytest`` / ``python -m pytest`` work;
+  ``.pth`` file in the image's Python puts on sys.path just before its site-packages where it
+  exists (for the verifier only), so pip finds them already satisfied and ``pytest`` /
+  ``python -m pytest`` work. They are resolved as pip in the image would: pinned to the
+  versions the image's Python has (``pip install pytest-json-ctrf`` keeps its pytest), then,
+  where that cannot resolve, with only the named packages free to move (an upgrade);
 - a Python the uv lines ask for (``uvx --python 3.12``) that the image lacks, where a base
   has that version (``INTERPRETER_BASES``): that base's interpreter with its standard library
   and every shared library it loads, its own C library and loader included, in
@@ -59,10 +62,30 @@ from pathlib import Path, PurePosixPath
 
 from tmax.images.definition import Definition
 
-FORMAT = "tmax-verifier-tools-v1"  # bump when what script() prepares changes meaning
+FORMAT = "tmax-verifier-tools-v2"  # bump when what script() prepares changes meaning
 DEFAULT_UV = "0.9.7"
 """uv for scripts that install the latest one (the version Harbor's boilerplate pins)."""
 ROOT = "/.tmax/verifier"
+
+# The image's installed distributions as name==version lines (names given as arguments left
+# out): constraints that keep what its Python has, as ``pip install`` in the image would.
+PINS_PY = (
+    "import importlib.metadata as m, re, sys\n"
+    "norm = lambda n: re.sub(r'[-_.]+', '-', n).lower()\n"
+    "skip = {norm(a) for a in sys.argv[1:]}\n"
+    "seen = set()\n"
+    "for d in m.distributions():\n"
+    "    n = norm(d.metadata['Name'] or '')\n"
+    "    v = d.version or ''\n"
+    "    if n and n not in seen and n not in skip and re.fullmatch(r'[0-9][0-9a-zA-Z.+!-]*', v):\n"
+    "        seen.add(n)\n"
+    "        print(n + '==' + v)\n")
+# The .pth line: /.tmax/verifier/site goes just before the first site-packages folder where
+# it exists (the verifier's only), so what it installs shadows the image's older copies, as
+# an upgrade in place would, and scripts in site/bin import their own versions.
+PTH_LINE = ("import os, sys; p = '/.tmax/verifier/site'; os.path.isdir(p) and p not in sys.path"
+            " and sys.path.insert(next((i for i, e in enumerate(sys.path) if e.endswith("
+            "('site-packages', 'dist-packages'))), len(sys.path)), p)")
 
 # Options that take a value, for the uv subcommands read here (the first positional after
 # them is a tool, a command, a path or a package).
@@ -212,13 +235,26 @@ class VerifierTools:
                       "unset UV_OFFLINE"]
         if self.pip:
             what = shlex.quote(f"{', '.join(self.pip_where)}: pip install {' '.join(self.pip)}")
+            reqs = " ".join(shlex.quote(p) for p in self.pip)
+            named = " ".join(shlex.quote(n) for n in dict.fromkeys(
+                _requirement_name(r) for r in self.pip) if n)
+            install = f'$V/bin/uv pip install --python "$tmax_py" --target $V/site {reqs}'
             lines += [
                 "tmax_py=$(command -v python3 || command -v python || true)",
-                ('[ -n "$tmax_py" ] && $V/bin/uv pip install --python "$tmax_py" '
-                 f"--target $V/site {' '.join(shlex.quote(p) for p in self.pip)} && "
-                 "tmax_sp=$(\"$tmax_py\" -c 'import site; print(site.getsitepackages()[0])') "
-                 '&& mkdir -p "$tmax_sp" && echo $V/site > "$tmax_sp/tmax-verifier.pth" '
+                # as pip does in the image: what its Python has stays (pins to its versions),
+                # then only the requested names may move, then no pins at all
+                f'tmax_pins=$(mktemp -d) && printf %s {shlex.quote(PINS_PY)} > "$tmax_pins/pins.py"',
+                'if [ -n "$tmax_py" ]; then',
+                '    "$tmax_py" "$tmax_pins/pins.py" > "$tmax_pins/all" || true',
+                f'    "$tmax_py" "$tmax_pins/pins.py" {named} > "$tmax_pins/other" || true',
+                "fi",
+                ('[ -n "$tmax_py" ] && { '
+                 f'{install} -c "$tmax_pins/all" || {install} -c "$tmax_pins/other" || {install}; }} '
+                 "&& tmax_sp=$(\"$tmax_py\" -c 'import site; print(site.getsitepackages()[0])') "
+                 f'&& mkdir -p "$tmax_sp" && printf \'%s\\n\' {shlex.quote(PTH_LINE)} '
+                 '> "$tmax_sp/tmax-verifier.pth" '
                  f"|| tmax_failed offline {what}"),
+                'rm -rf "$tmax_pins"',
             ]
         if not keep_uv:
             lines.append("rm -rf $V/cache $V/bin/uv $V/bin/uvx")
@@ -253,6 +289,12 @@ def _requirements_of(step: Step) -> list[str]:
     if step.kind in ("pip", "add", "tool-install"):
         return list(_positionals(step.args, UV_VALUE_OPTIONS))
     return []
+
+
+def _requirement_name(req: str) -> str:
+    """The project name a requirement string names ("pytest" of "pytest[extra]>=8"), or ""."""
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    return m.group(1) if m and "://" not in req else ""
 
 
 def _options(args: tuple[str, ...]) -> list[tuple[str, str]]:

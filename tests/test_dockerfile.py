@@ -149,6 +149,13 @@ def test_multi_stage_needs_only_what_the_final_stage_copies():
     ("FROM scratch\n", "line 1: FROM scratch is not supported"),
     ("FROM a AS b\nFROM b\n", "line 2: FROM b (an earlier stage) is not supported"),
     ("FROM a\nFROBNICATE x\n", "line 2: unknown instruction FROBNICATE"),
+    # gordonyang-tbench's computer-resource-optimization-v2: BuildKit reads a heredoc only as
+    # one word (<<'PY'); with a space the body's lines are instructions, in Docker as here
+    ("FROM a\nRUN python3 << 'PY'\nimport json\nPY\n",
+     ("line 3: unknown instruction IMPORT: line 2 opens a shell heredoc with a space after << "
+     "(\"<< 'PY'\")")),
+    ("FROM a\nRUN cat <<  EOF > /x\nfrom here to there\nEOF\n",
+     "line 3: FROM 'here to there': expected 'image [AS name]': line 2 opens a shell heredoc"),
     ("FROM a\nADD https://github.com/x/y.git /src\n", "line 2: ADD of a git repository"),
     ("FROM a\nCOPY --parents a /b\n", "line 2: COPY --parents is not supported"),
     ("FROM a\nCOPY onlyone\n", "line 2: COPY needs a source and a destination"),

@@ -31,6 +31,7 @@ HARBOR_COMMAND = ("sh", "-c", "sleep infinity")
 IGNORED = frozenset({"CMD", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK",
                      "STOPSIGNAL", "MAINTAINER", "ONBUILD"})
 HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
+SPACED_HEREDOC = re.compile(r"<<-?\s+[\"']?[A-Za-z_][A-Za-z0-9_]*[\"']?")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
          "s390x": "s390x"}
 
@@ -528,8 +529,21 @@ def parse(text: str, workdir_of: Callable[[str], str] = lambda image: "/",
     build. ``workdir_of``: a FROM image's WORKDIR (where relative paths start); ``path_of``:
     its PATH (what ``${PATH}`` is until the Dockerfile sets it, and what RUN steps get)."""
     parser = _Parser(workdir_of, path_of)
+    previous: Instruction | None = None
     for ins in instructions(text):
-        parser.instruction(ins)
+        try:
+            parser.instruction(ins)
+        except DockerfileError as e:
+            spaced = previous and previous.keyword in ("RUN", "COPY", "ADD") and \
+                SPACED_HEREDOC.search(previous.args)
+            if not spaced:
+                raise
+            raise DockerfileError(e.line, (
+                f"{e.message}: line {previous.line} opens a shell heredoc with a space after "
+                f"<< ({spaced.group(0)!r}), which Docker does not read as a Dockerfile heredoc, "
+                "so the lines after it are read as instructions (docker build fails the same "
+                "way); write it without the space, e.g. <<'PY'")) from None
+        previous = ins
     if not parser.stages:
         raise DockerfileError(0, "no FROM line: start the Dockerfile with FROM <image>")
     return Dockerfile(parser.stages)

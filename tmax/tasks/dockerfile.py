@@ -534,9 +534,9 @@ def parse(text: str, workdir_of: Callable[[str], str] = lambda image: "/",
         try:
             parser.instruction(ins)
         except DockerfileError as e:
-            spaced = previous and previous.keyword in ("RUN", "COPY", "ADD") and \
-                SPACED_HEREDOC.search(previous.args)
-            if not spaced:
+            spaced = SPACED_HEREDOC.search(previous.args) if previous is not None and \
+                previous.keyword in ("RUN", "COPY", "ADD") else None
+            if previous is None or spaced is None:
                 raise
             raise DockerfileError(e.line, (
                 f"{e.message}: line {previous.line} opens a shell heredoc with a space after "

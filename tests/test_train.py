@@ -108,7 +108,7 @@ def test_micro_batching_does_not_change_the_update():
     ma, mb = ta.step(samples(1)), tb.step(samples(1))
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-6)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-6)
+        assert torch.allclose(pa, pb, atol=1e-5)  # summation order differs: ~1e-6 seen
 
 
 def test_checkpoint_then_resume_gives_the_same_next_step(tmp_path):

@@ -243,7 +243,7 @@ class VerifierTools:
                 "tmax_py=$(command -v python3 || command -v python || true)",
                 # as pip does in the image: what its Python has stays (pins to its versions),
                 # then only the requested names may move, then no pins at all
-                f'tmax_pins=$(mktemp -d) && printf %s {shlex.quote(PINS_PY)} > "$tmax_pins/pins.py"',
+                f'tmax_pins=$V/.pins && mkdir -p "$tmax_pins" && printf %s {shlex.quote(PINS_PY)} > "$tmax_pins/pins.py"',
                 'if [ -n "$tmax_py" ]; then',
                 '    "$tmax_py" "$tmax_pins/pins.py" > "$tmax_pins/all" || true',
                 f'    "$tmax_py" "$tmax_pins/pins.py" {named} > "$tmax_pins/other" || true',

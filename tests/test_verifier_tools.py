@@ -406,11 +406,18 @@ UPGRADE_TESTS = ("#!/bin/bash\npip install pytest==8.4.1\npytest --version\n"
                  "echo $r > /logs/verifier/reward.txt\n")
 
 
+IMAGE_PYTEST = "FROM python:3.11-slim\nRUN pip install pytest==8.3.5\nWORKDIR /app\n"
+VENV_PYTEST = ("FROM python:3.11-slim\nRUN python3 -m venv /opt/venv && "
+               "/opt/venv/bin/pip install pytest==8.3.5\nENV PATH=/opt/venv/bin:$PATH\n"
+               "WORKDIR /app\n")
+
+
 @pytest.mark.sandbox
-@pytest.mark.parametrize("script, version", [(CTRF_TESTS, "8.3.5"), (UPGRADE_TESTS, "8.4.1")],
-                         ids=["plugin", "upgrade"])
-def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, tmp_path, script,
-                                                                 version):
+@pytest.mark.parametrize("dockerfile, script, version", [
+    (IMAGE_PYTEST, CTRF_TESTS, "8.3.5"), (IMAGE_PYTEST, UPGRADE_TESTS, "8.4.1"),
+    (VENV_PYTEST, UPGRADE_TESTS, "8.4.1")], ids=["plugin", "upgrade", "venv-on-path"])
+def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, tmp_path,
+                                                                 dockerfile, script, version):
     """An image with pytest 8.3.5: `pip install pytest-json-ctrf` leaves pytest at 8.3.5 (as
     pip in the image would; installing the newest pytest beside it once mixed a 9.x
     `pytest` script with the image's 8.3.5 modules, an ImportError that scored every oracle
@@ -424,9 +431,7 @@ def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, t
 
     cache = Path.home() / ".cache" / "tmax"
     src = make_task(tmp_path / "tasks", "pins", **{
-        "environment/Dockerfile": ("FROM python:3.11-slim\nRUN pip install pytest==8.3.5\n"
-                                   "WORKDIR /app\n"),
-        "tests/test.sh": script, "tests/test_outputs.py": TEST_OUTPUTS})
+        "environment/Dockerfile": dockerfile, "tests/test.sh": script, "tests/test_outputs.py": TEST_OUTPUTS})
     result = ImageBuilds(image_store, LocalBuilder(cache)).build(load_task(src))
     assert result.status == "built", result.error
     sif = image_store.path(image_store.read().tasks["pins"].sif)

@@ -421,8 +421,9 @@ def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, t
     """An image with pytest 8.3.5: `pip install pytest-json-ctrf` leaves pytest at 8.3.5 (as
     pip in the image would; installing the newest pytest beside it once mixed a 9.x
     `pytest` script with the image's 8.3.5 modules, an ImportError that scored every oracle
-    0), and `pip install pytest==8.4.1` gives 8.4.1 to the script and to `python3 -m`. The
-    agent's pytest stays as built."""
+    0), and `pip install pytest==8.4.1` gives 8.4.1 to the script and to `python3 -m`, also
+    where the image's PATH starts with a venv (its pip and Python are the ones test.sh runs).
+    The agent's pytest stays as built."""
     from sandfleet.runtime.base import SandboxSpec
     from sandfleet.runtime.local import LocalRuntime
     from tmax.images.build import ImageBuilds
@@ -431,7 +432,8 @@ def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, t
 
     cache = Path.home() / ".cache" / "tmax"
     src = make_task(tmp_path / "tasks", "pins", **{
-        "environment/Dockerfile": dockerfile, "tests/test.sh": script, "tests/test_outputs.py": TEST_OUTPUTS})
+        "environment/Dockerfile": dockerfile, "tests/test.sh": script,
+        "tests/test_outputs.py": TEST_OUTPUTS})
     result = ImageBuilds(image_store, LocalBuilder(cache)).build(load_task(src))
     assert result.status == "built", result.error
     sif = image_store.path(image_store.read().tasks["pins"].sif)

@@ -67,17 +67,15 @@ DEFAULT_UV = "0.9.7"
 """uv for scripts that install the latest one (the version Harbor's boilerplate pins)."""
 ROOT = "/.tmax/verifier"
 
-# The image's installed distributions as name==version lines (names given as arguments left
-# out): constraints that keep what its Python has, as ``pip install`` in the image would.
+# The image's installed distributions as name==version lines (names normalised): constraints
+# that keep what its Python has, as ``pip install`` in the image would.
 PINS_PY = (
-    "import importlib.metadata as m, re, sys\n"
-    "norm = lambda n: re.sub(r'[-_.]+', '-', n).lower()\n"
-    "skip = {norm(a) for a in sys.argv[1:]}\n"
+    "import importlib.metadata as m, re\n"
     "seen = set()\n"
     "for d in m.distributions():\n"
-    "    n = norm(d.metadata['Name'] or '')\n"
+    "    n = re.sub(r'[-_.]+', '-', d.metadata['Name'] or '').lower()\n"
     "    v = d.version or ''\n"
-    "    if n and n not in seen and n not in skip and re.fullmatch(r'[0-9][0-9a-zA-Z.+!-]*', v):\n"
+    "    if n and n not in seen and re.fullmatch(r'[0-9][0-9a-zA-Z.+!-]*', v):\n"
     "        seen.add(n)\n"
     "        print(n + '==' + v)\n")
 # The .pth line: /.tmax/verifier/site goes just before the first site-packages folder where
@@ -236,8 +234,9 @@ class VerifierTools:
         if self.pip:
             what = shlex.quote(f"{', '.join(self.pip_where)}: pip install {' '.join(self.pip)}")
             reqs = " ".join(shlex.quote(p) for p in self.pip)
-            named = " ".join(shlex.quote(n) for n in dict.fromkeys(
-                _requirement_name(r) for r in self.pip) if n)
+            names = [re.sub(r"[-_.]+", "-", n).lower() for n in dict.fromkeys(
+                _requirement_name(r) for r in self.pip) if n]
+            other = shlex.quote(f"^({'|'.join(names)})==") if names else "'^$'"
             install = f'$V/bin/uv pip install --python "$tmax_py" --target $V/site {reqs}'
             lines += [
                 "tmax_py=$(command -v python3 || command -v python || true)",
@@ -246,7 +245,7 @@ class VerifierTools:
                 f'tmax_pins=$V/.pins && mkdir -p "$tmax_pins" && printf %s {shlex.quote(PINS_PY)} > "$tmax_pins/pins.py"',
                 'if [ -n "$tmax_py" ]; then',
                 '    "$tmax_py" "$tmax_pins/pins.py" > "$tmax_pins/all" || true',
-                f'    "$tmax_py" "$tmax_pins/pins.py" {named} > "$tmax_pins/other" || true',
+                f'    grep -vE {other} "$tmax_pins/all" > "$tmax_pins/other" || true',
                 "fi",
                 ('[ -n "$tmax_py" ] && { '
                  f'{install} -c "$tmax_pins/all" || {install} -c "$tmax_pins/other" || {install}; }} '

@@ -423,36 +423,60 @@ def test_pip_lines_keep_the_images_packages_or_upgrade_them_whole(image_store, t
     `pytest` script with the image's 8.3.5 modules, an ImportError that scored every oracle
     0), and `pip install pytest==8.4.1` gives 8.4.1 to the script and to `python3 -m`, also
     where the image's PATH starts with a venv (its pip and Python are the ones test.sh runs).
-    The agent's pytest stays as built."""
+    Graded by the build's checks, as rollouts grade. The agent's pytest stays as built, and
+    its changes to the image's ``.pth`` file do not reach the verifier."""
     from sandfleet.runtime.base import SandboxSpec
     from sandfleet.runtime.local import LocalRuntime
     from tmax.images.build import ImageBuilds
     from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import ENV_PROBE, image_checker, parse_probe
     from tmax.tasks import load_task
+    from tmax.tasks.environment import verifier_env
 
     cache = Path.home() / ".cache" / "tmax"
     src = make_task(tmp_path / "tasks", "pins", **{
         "environment/Dockerfile": dockerfile, "tests/test.sh": script,
         "tests/test_outputs.py": TEST_OUTPUTS})
-    result = ImageBuilds(image_store, LocalBuilder(cache)).build(load_task(src))
+    builds = ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    result = builds.build(load_task(src))
     assert result.status == "built", result.error
+    checks_log = image_store.path(f"logs/pins-{result.digest}.checks.log").read_text()
+    assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0), \
+        checks_log
+    oracle = checks_log[checks_log.index("## oracle"):]
+    shown = re.findall(r"^pytest (\S+)$", oracle, re.MULTILINE)
+    assert shown == [version] * (2 if script == UPGRADE_TESTS else 1), oracle
     sif = image_store.path(image_store.read().tasks["pins"].sif)
     runtime = LocalRuntime(tmp_path / "state", tmp_path / "rt-cache")
     runtime.start("pins", SandboxSpec(image=sif, workdir="/app"))
     try:
-        runtime.exec("pins", "echo 42 > /app/answer.txt", timeout=60)
-        tests = shutil.copytree(src / "tests", tmp_path / "tests")
-        graded = runtime.verify("pins", ["/bin/bash", "/tests/test.sh"], tests=tests,
-                                logs=tmp_path / "logs", timeout=300, cwd="/app")
-        assert graded.exit_code == 0 and "1 passed" in graded.output, graded.output
-        shown = re.findall(r"^pytest (\S+)$", graded.output, re.MULTILINE)
-        assert shown == [version] * (2 if script == UPGRADE_TESTS else 1), graded.output
-        if script == CTRF_TESTS:
-            assert (tmp_path / "logs" / "ctrf.json").is_file()
+        image_env = parse_probe(runtime.exec("pins", ENV_PROBE, timeout=60, cwd="/").output)
         agent = runtime.exec("pins", "pytest --version", timeout=60)
         assert agent.output.strip() == "pytest 8.3.5"
+        # the agent, root and hostile: a wrong answer, every tmax-verifier.pth it can find
+        # made to end pytest with 0, and a site folder of its own where the verifier's goes
+        tamper = runtime.exec("pins", FORGE_PTH, timeout=60)
+        assert "pth" in tamper.output and "no site" in tamper.output, tamper.output
+        assert "agent's pytest: 0" in tamper.output  # the forgery works where it reaches
+        tests = shutil.copytree(src / "tests", tmp_path / "tests")
+        forged = runtime.verify("pins", ["/bin/bash", "/tests/test.sh"], tests=tests,
+                                logs=tmp_path / "forged", timeout=300, cwd="/app",
+                                env=verifier_env(image_env, image_env["PATH"], {}))
+        assert "1 failed" in forged.output, forged.output
+        assert (tmp_path / "forged" / "reward.txt").read_text().strip() == "0"
     finally:
         runtime.stop("pins")
+
+
+FORGE_PTH = """\
+echo 41 > /app/answer.txt
+line="import os, sys; os.path.basename(sys.argv[0]).startswith('pytest') and os._exit(0)"
+for f in $(find /usr /opt -name tmax-verifier.pth 2>/dev/null); do
+    printf '%s\\n' "$line" >> "$f" && echo "pth $f"
+done
+mkdir -p /.tmax/verifier/site 2>/dev/null && echo made || echo no site
+pytest /tests-that-do-not-exist >/dev/null 2>&1; echo "agent's pytest: $?"
+"""
 
 
 def test_an_oracle_failure_names_what_the_verifier_tools_could_not_prepare(tmp_path):

@@ -27,7 +27,7 @@ from tmax.images.definition import (
     parse_definition,
     task_definition,
 )
-from tmax.images.rootfs import BuildError, environment_of, remove_tree
+from tmax.images.rootfs import DEFAULT_PATH, BuildError, environment_of, remove_tree
 from tmax.images.store import (
     BaseEntry,
     Checks,
@@ -215,6 +215,10 @@ class ImageBuilds:
                                self.base_path)
         base_digest = self.base_digest(tdef.base)
         verifier = self._with_interpreters(verifier_plan(task))
+        if verifier.pip:  # pip lines are prepared for the Python the verifier's PATH finds
+            base_path = self.base_path(tdef.base) or DEFAULT_PATH
+            verifier = dataclasses.replace(verifier, path=environment_of(
+                tdef.definition, base_path).get("PATH") or base_path)
         vdef, separate = None, []
         if task.verifier_definition is not None:
             vdef = task_definition(task.tests_dir, self.bases.resolve, self.base_workdir,

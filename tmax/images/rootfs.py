@@ -259,13 +259,14 @@ def run_in_rootfs(rootfs: Path, command: list[str], log: Path, timeout: float, w
             close(fd)
 
 
-def environment_of(definition: Definition) -> dict[str, str]:
-    """The variables %environment exports (evaluated by sh, no host environment)."""
+def environment_of(definition: Definition, path: str = DEFAULT_PATH) -> dict[str, str]:
+    """The variables %environment exports (evaluated by sh, no host environment; PATH
+    ``path`` before it runs)."""
     script = definition.sections.get("environment", "")
     if not script.strip():
         return {}
     proc = subprocess.run(["sh", "-c", f"{script}\nenv -0"], capture_output=True, text=True,
-                          env={"PATH": DEFAULT_PATH}, timeout=10, check=False)
+                          env={"PATH": path}, timeout=10, check=False)
     env = {}
     for item in proc.stdout.split("\0"):
         key, sep, value = item.partition("=")

@@ -159,6 +159,9 @@ class VerifierTools:
     pip: tuple[str, ...] = ()
     """Requirements of ``pip install`` lines, installed for the image's Python."""
     pip_where: tuple[str, ...] = ()
+    path: str = ""
+    """The image's PATH, where ``pip`` lines look for its Python as test.sh will ("": the
+    build step's own PATH)."""
     pythons: tuple[str, ...] = ()
     """Python versions the uv lines ask for (-p / --python): the image must have them, or
     ``interpreters`` one of them."""
@@ -239,7 +242,8 @@ class VerifierTools:
             other = shlex.quote(f"^({'|'.join(names)})==") if names else "'^$'"
             install = f'$V/bin/uv pip install --python "$tmax_py" --target $V/site {reqs}'
             lines += [
-                "tmax_py=$(command -v python3 || command -v python || true)",
+                (f"tmax_py=$({f'PATH={shlex.quote(self.path)}; ' if self.path else ''}"
+                 "command -v python3 || command -v python || true)"),
                 # as pip does in the image: what its Python has stays (pins to its versions),
                 # then only the requested names may move, then no pins at all
                 f'tmax_pins=$V/.pins && mkdir -p "$tmax_pins" && printf %s {shlex.quote(PINS_PY)} > "$tmax_pins/pins.py"',

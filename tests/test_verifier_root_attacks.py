@@ -129,8 +129,8 @@ DAEMON = textwrap.dedent("""\
       echo x >> /var/tmp/beat
       [ -e /conftest.py ] || cp /var/tmp/c.py /conftest.py
       [ -e /pytest.ini ] || printf '[pytest]\\n' > /pytest.ini
-      rm -rf /t.new; mkdir -p /t.new /logs/verifier; cp /var/tmp/c.py /t.new/conftest.py
-      rm -rf /tests; mv /t.new /tests
+      rm -rf /var/tmp/t.new; mkdir -p /var/tmp/t.new /logs/verifier
+      cp /var/tmp/c.py /var/tmp/t.new/conftest.py; rm -rf /tests; mv /var/tmp/t.new /tests
       echo 1 > /logs/verifier/reward.txt
       if [ -e /verifier-made ]; then cp /verifier-made /var/tmp/leaked; fi
       sleep 0.02
@@ -157,8 +157,10 @@ def test_an_agent_process_changes_nothing_at_the_verifiers_root(runtime, make, t
     sid = make()
     run(runtime, sid, write_file("/var/tmp/c.py", FORGE_PY) + "; "
         + write_file("/opt/d.sh", DAEMON) + "; " + daemon("/opt/d.sh"))
-    # names at / but tests (which the daemon removes and remakes), which the host makes
-    names = "ls -A / | grep -cvx 'tests\\|t.new'"
+    # names at / but tests (which the daemon removes and remakes), which the host makes;
+    # the daemon builds the new one in /var/tmp, so that no name of its own comes and goes
+    # at / (a /t.new beside /tests at the freeze once made 513 names of the 512)
+    names = "ls -A / | grep -cvx tests"
     pad = (f"while ! [ -e /pytest.ini ]; do sleep 0.05; done; n=$({names}) && "
            f"for i in $(seq 1 $(({entries} - 1 - n))); do mkdir /pad$i; done && {names}")
     assert run(runtime, sid, pad).output.split()[-1] == str(entries - 1)

@@ -144,17 +144,35 @@ def test_multi_stage_needs_only_what_the_final_stage_copies():
     assert df.copy_sources() == []  # neither reads the build context
 
 
+def test_a_heredoc_with_blanks_after_the_arrows_is_read_as_buildkit_reads_it():
+    # gordonyang-tbench's computer-resource-optimization-v2 and database-sharding: `RUN python3
+    # << 'PY'`; BuildKit's lexer keeps the blanks after << in the word, so it is a heredoc
+    text = ("FROM d\nRUN python3 << 'PY'\nimport json\nprint(json.dumps(1))\nPY\n"
+            "RUN <<  EOF\necho alone\nEOF\nCOPY << \"END\" /etc/motd\nhello $HOME\nEND\n"
+            "RUN echo $((1 << 2)) && cat <<<x && echo $((a << b))\n")
+    ins = instructions(text)
+    assert [i.heredocs for i in ins[1:]] == [
+        (("PY", "import json\nprint(json.dumps(1))\n"),), (("EOF", "echo alone\n"),),
+        (("END", "hello $HOME\n"),), ()]
+    run_py, run_alone, copy, shifts = parse(text).final.steps
+    assert run_py.argv == ("/bin/sh", "-c",
+                           "python3 << 'PY'\nimport json\nprint(json.dumps(1))\nPY")
+    assert run_alone.argv == ("/bin/sh", "-c", "echo alone\n")
+    assert copy.inline == (("END", "hello $HOME\n"),) and copy.dest == "/etc/motd"
+    assert shifts.argv[-1] == "echo $((1 << 2)) && cat <<<x && echo $((a << b))"
+
+
 @pytest.mark.parametrize("text, message", [
     ("RUN x\n", "line 1: RUN before the first FROM"),
     ("FROM scratch\n", "line 1: FROM scratch is not supported"),
     ("FROM a AS b\nFROM b\n", "line 2: FROM b (an earlier stage) is not supported"),
     ("FROM a\nFROBNICATE x\n", "line 2: unknown instruction FROBNICATE"),
-    # gordonyang-tbench's computer-resource-optimization-v2: BuildKit reads a heredoc only as
-    # one word (<<'PY'); with a space the body's lines are instructions, in Docker as here
-    ("FROM a\nRUN python3 << 'PY'\nimport json\nPY\n",
-     ("line 3: unknown instruction IMPORT: line 2 opens a shell heredoc with a space after << "
-     "(\"<< 'PY'\")")),
-    ("FROM a\nRUN cat <<  EOF > /x\nfrom here to there\nEOF\n",
+    # BuildKit's lexer keeps blanks after << in the heredoc word, but not after <<-: there the
+    # body's lines are instructions, in Docker as here
+    ("FROM a\nRUN python3 <<- 'PY'\nimport json\nPY\n",
+     ("line 3: unknown instruction IMPORT: line 2 opens a shell heredoc with a space after <<- "
+     "(\"<<- 'PY'\")")),
+    ("FROM a\nRUN cat <<-  EOF > /x\nfrom here to there\nEOF\n",
      "line 3: FROM 'here to there': expected 'image [AS name]': line 2 opens a shell heredoc"),
     ("FROM a\nADD https://github.com/x/y.git /src\n", "line 2: ADD of a git repository"),
     ("FROM a\nCOPY --parents a /b\n", "line 2: COPY --parents is not supported"),

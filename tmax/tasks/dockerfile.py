@@ -30,8 +30,10 @@ HARBOR_COMMAND = ("sh", "-c", "sleep infinity")
 """The command Harbor's compose file gives every task's main container (its CMD's place)."""
 IGNORED = frozenset({"CMD", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK",
                      "STOPSIGNAL", "MAINTAINER", "ONBUILD"})
-HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
-SPACED_HEREDOC = re.compile(r"<<-?\s+[\"']?[A-Za-z_][A-Za-z0-9_]*[\"']?")
+HEREDOC = re.compile(r"(?<!<)<<(-?)([ \t]*)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\3")
+"""A heredoc opener: ``<<EOF``, ``<<-'EOF'``, ``<< "EOF"``. Groups: 1 ``-``, 4 the delimiter;
+``openers`` keeps those BuildKit reads as heredocs."""
+SPACED_HEREDOC = re.compile(r"<<-[ \t]+[\"']?[A-Za-z_][A-Za-z0-9_]*[\"']?")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
          "s390x": "s390x"}
 
@@ -204,18 +206,36 @@ def instructions(text: str) -> list[Instruction]:
         keyword, args = keyword.upper(), args.strip()
         docs = []
         if keyword in ("RUN", "COPY", "ADD") and not args.startswith("["):
-            for m in HEREDOC.finditer(args):
+            for m in openers(args):
+                chomp, name = bool(m.group(1)), m.group(4)
                 body = []
-                while i < len(lines) and lines[i].strip("\t" if m.group(1) else "") != \
-                        m.group(3):
-                    body.append(lines[i].lstrip("\t") if m.group(1) else lines[i])
+                while i < len(lines) and lines[i].strip("\t" if chomp else "") != name:
+                    body.append(lines[i].lstrip("\t") if chomp else lines[i])
                     i += 1
                 if i >= len(lines):
-                    raise DockerfileError(start, f"heredoc {m.group(3)} is never closed")
+                    raise DockerfileError(start, f"heredoc {name} is never closed")
                 i += 1
-                docs.append((m.group(3), "\n".join(body) + "\n"))
+                docs.append((name, "\n".join(body) + "\n"))
         out.append(Instruction(start, keyword, args, tuple(docs)))
     return out
+
+
+def openers(text: str) -> list[re.Match[str]]:
+    """The heredocs ``text`` (a RUN/COPY/ADD's arguments) opens, as BuildKit reads them: not
+    ``<<<`` (a here-string); ``<< 'EOF'`` too, as BuildKit's lexer keeps the blanks after
+    ``<<`` in the word, but only as a word of its own and without ``-`` (``<<- EOF`` and
+    ``$((x << y))`` are not heredocs there)."""
+    return [m for m in HEREDOC.finditer(text) if not m.group(2) or
+            (not m.group(1) and re.match(r"[\s;&|>]|$", text[m.end():]))]
+
+
+def _plain_openers(text: str) -> str:
+    """``text`` in pieces, each heredoc opener written as ``<<NAME`` / ``<<-NAME``."""
+    pieces, at = [], 0
+    for m in openers(text):
+        pieces += [text[at:m.start()], f"<<{m.group(1)}{m.group(4)}"]
+        at = m.end()
+    return "".join([*pieces, text[at:]])
 
 
 def _words(text: str, env: dict[str, str] | None, line: int) -> list[str]:
@@ -441,8 +461,8 @@ class _Parser:
         exec_form = _json_form(command)
         if exec_form is not None:
             argv = tuple(exec_form)
-        elif ins.heredocs and command.strip().startswith("<<") and \
-                len(ins.heredocs) == 1 and HEREDOC.fullmatch(command.strip()):
+        elif len(ins.heredocs) == 1 and [m.span() for m in openers(command.strip())] == \
+                [(0, len(command.strip()))]:
             body = ins.heredocs[0][1]  # RUN <<EOF: the body is the script
             argv = (*self.shell, body)
             command = body
@@ -455,7 +475,9 @@ class _Parser:
 
     def copy(self, ins: Instruction, add: bool = False) -> None:
         exec_form = _json_form(ins.args)
-        words = exec_form if exec_form is not None else _words(ins.args, self.scope(), ins.line)
+        args = ins.args if not ins.heredocs else \
+            _plain_openers(ins.args)  # "<< 'EOF'" is one word to Docker: "<<EOF"
+        words = exec_form if exec_form is not None else _words(args, self.scope(), ins.line)
         if exec_form is not None:
             words = [_substitute(w, self.scope(), ins.line) for w in words]
         flags, words = _flags(list(words))
@@ -540,9 +562,10 @@ def parse(text: str, workdir_of: Callable[[str], str] = lambda image: "/",
                 raise
             raise DockerfileError(e.line, (
                 f"{e.message}: line {previous.line} opens a shell heredoc with a space after "
-                f"<< ({spaced.group(0)!r}), which Docker does not read as a Dockerfile heredoc, "
-                "so the lines after it are read as instructions (docker build fails the same "
-                "way); write it without the space, e.g. <<'PY'")) from None
+                f"<<- ({spaced.group(0)!r}), which Docker does not read as a Dockerfile "
+                "heredoc (it does read << 'PY'), so the lines after it are read as "
+                "instructions (docker build fails the same way); write it without the space, "
+                "e.g. <<-'PY'")) from None
         previous = ins
     if not parser.stages:
         raise DockerfileError(0, "no FROM line: start the Dockerfile with FROM <image>")

@@ -458,7 +458,7 @@ def test_a_misspelt_key_is_an_error_naming_the_key_meant(tmp_path, toml, field, 
 
 
 @pytest.mark.parametrize("toml, field", [
-    ("[metadata]\ndifficulty = 'extreme'\n", "metadata.difficulty"),
+    ("[metadata]\ndifficulty = 'mediun'\n", "metadata.difficulty"),
     ("[metadata]\ndomain = 'securiti'\n", "metadata.domain"),
     ("[metadata]\nskills = 'grep'\n", "metadata.skills"),
     ("[metadata]\naxes = { level = 3 }\n", "metadata.axes.level"),

@@ -66,6 +66,25 @@ def test_another_datasets_domain_is_kept_with_a_warning_and_a_misspelling_is_an_
         load_task(typo)
 
 
+def test_another_datasets_difficulty_is_kept_with_a_warning_and_a_misspelling_is_an_error(
+        tmp_path):
+    # gordonyang-tbench's distant-estimate: Harbor's [metadata] is free-form
+    from tmax.tasks.native import load_task
+
+    task = make_task(tmp_path, "vh", **{"task.toml": '[metadata]\ndifficulty = "very hard"\n'
+                                        'domain = "debugging"\n'})
+    problems = validate_task(task)
+    assert not [p for p in problems if p.severity == "error"], problems
+    said = [p for p in problems if p.field == "metadata.difficulty"]
+    assert [p.severity for p in said] == ["warning"]
+    assert "difficulty 'very hard' is not one of TMax's three; kept as written" in said[0].message
+    loaded = load_task(task)
+    assert loaded.difficulty == "very hard" and loaded.summary()["difficulty"] == "very hard"
+    typo = make_task(tmp_path, "typo", **{"task.toml": '[metadata]\ndifficulty = "meduim"\n'})
+    with pytest.raises(TaskError, match="did you mean 'medium'"):
+        load_task(typo)
+
+
 def test_minimal_task_loads(tmp_path):
     task = load_task(make_task(tmp_path))
     assert task.task_id == "demo"

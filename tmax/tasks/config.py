@@ -67,15 +67,18 @@ DOMAINS: tuple[str, ...] = (
 """The nine task domains of the TMax recipe."""
 
 
-def near_domain(value: str) -> str | None:
-    """The one of the nine that ``value`` misspells (None: it is another name)."""
+DIFFICULTIES = ("easy", "medium", "hard")
+"""TMax's difficulty levels."""
+
+
+def near_miss(value: str, names: tuple[str, ...]) -> str | None:
+    """The one of ``names`` that ``value`` misspells (None: it is another name)."""
     import difflib
 
-    found = difflib.get_close_matches(value.lower(), DOMAINS, n=1, cutoff=0.8)
+    found = difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.8)
     return found[0] if found else None
 
 
-Difficulty = Literal["easy", "medium", "hard"]
 NetworkMode = Literal["no-network", "public", "allowlist"]
 
 SCHEMA_VERSIONS: tuple[str, ...] = ("1.0", "1.1", "1.2", "1.3", "1.4")
@@ -117,8 +120,9 @@ class Metadata(BaseModel):
     author_name: str = ""
     """Who wrote the task."""
     author_email: str = ""
-    difficulty: Difficulty = "medium"
-    """easy | medium | hard."""
+    difficulty: str = "medium"
+    """easy | medium | hard; another dataset's level is kept as written (Harbor's [metadata]
+    is free-form, e.g. "very hard"; validate warns), a near miss of the three is an error."""
     category: str = ""
     """Free-form category (Harbor's field); TMax uses ``domain`` for its nine domains."""
     domain: str | None = None
@@ -137,7 +141,14 @@ class Metadata(BaseModel):
     @field_validator("domain")
     @classmethod
     def _domain_not_misspelt(cls, value: str | None) -> str | None:
-        if value is not None and value not in DOMAINS and (near := near_domain(value)):
+        if value is not None and value not in DOMAINS and (near := near_miss(value, DOMAINS)):
+            raise ValueError(f"did you mean {near!r}?")
+        return value
+
+    @field_validator("difficulty")
+    @classmethod
+    def _difficulty_not_misspelt(cls, value: str) -> str:
+        if value not in DIFFICULTIES and (near := near_miss(value, DIFFICULTIES)):
             raise ValueError(f"did you mean {near!r}?")
         return value
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from tmax.tasks.config import (
     CURRENT_SCHEMA,
+    DIFFICULTIES,
     DOMAINS,
     SCHEMA_VERSIONS,
     STASH,
@@ -206,6 +207,13 @@ def _check(root: Path, task_id: str) -> tuple[list[Problem], TaskConfig | None]:
                         "written (eval and stats group by it, generation never samples it)",
                         f"nothing to do for another dataset's domain; TMax's are: "
                         f"{', '.join(DOMAINS)}", "metadata.domain", "warning")
+            difficulty = config.metadata.difficulty
+            if difficulty not in DIFFICULTIES:
+                problem(TASK_TOML, f"difficulty {difficulty!r} is not one of TMax's three; "
+                        "kept as written (eval groups by it; a training run that filters by "
+                        "difficulty leaves it out)",
+                        f"nothing to do for another dataset's level; TMax's are: "
+                        f"{', '.join(DIFFICULTIES)}", "metadata.difficulty", "warning")
             problems.extend(config_problems(task_id, config))
             problems.extend(unknown_key_problems(task_id, config))
 

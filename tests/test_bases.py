@@ -265,7 +265,8 @@ class FakeBuilder:
             raise BuildError("%post", f"{name} broke", log)
         out.write_text(f"{name} over {parent}\n")
 
-    def build_task(self, task, env_dir, base_sif, out, log, timeout, verifier=None) -> None:
+    def build_task(self, task, env_dir, base_sif, out, log, timeout, verifier=None,
+                   stage_sifs=None) -> None:
         out.write_text(f"task over {base_sif}\n")
 
 

@@ -309,6 +309,34 @@ def test_multi_stage_and_apt_in_the_local_builder(tmp_path, image_store):
     assert "usr/bin/dos2unix" not in list_sif(sif)  # the build stage's packages stay there
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_stages_on_different_bases_each_start_from_their_own(tmp_path, image_store):
+    """A builder stage over another base (tbench-multiturn's `FROM gcc:14 AS builder` then
+    `FROM python:3.11-slim`): it runs over its own base, the final stage gets only what it
+    copies; the image's digest covers that base too."""
+    (tmp_path / "marked.def").write_text(
+        "Bootstrap: localimage\nFrom: debian-slim\n\n%post\n"
+        "    echo from-the-builder-base > /etc/builder-base\n")
+    user = tmp_path / "map.yaml"
+    user.write_text("mappings:\n  - {image: 'builder-test:*', base: marked.def}\n")
+    task = make_task(tmp_path, **{"environment/Dockerfile": (
+        "FROM builder-test:1 AS builder\nRUN mkdir /out && cat /etc/builder-base > /out/seen\n"
+        "FROM debian:bookworm-slim\nCOPY --from=builder /out/seen /app/seen\n")})
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
+                         base_map=user)
+    plan = builds.plan(load_task(task))
+    assert (plan.base, plan.definition.stage_bases) == ("debian-slim", ("marked",))
+    result = builds.build(load_task(task), check=False)
+    assert result.status == "built", result.error
+    sif = image_store.path(image_store.read().tasks["demo"].sif)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(sif, "/app/seen", out) == "from-the-builder-base\n"
+    assert "etc/builder-base" not in list_sif(sif)  # the final stage is over debian-slim
+    (tmp_path / "marked.def").write_text((tmp_path / "marked.def").read_text() + "\n")
+    assert builds.plan(load_task(task)).digest != plan.digest
+
+
 def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     """What `apptainer build` gets for two stages: each bootstrapped from the base with its
     own Stage name, the final one copying from the first by ``%files from s0`` into the
@@ -329,6 +357,26 @@ def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     assert "tmax_copy /.tmax-build/s1/c5 /usr/local/bin/ 1" in final
     assert "%environment\n    export PATH=" in final and "export MODE=prod" in final
     assert "%environment" not in first and "make /out/tool" in first
+
+
+def test_apptainer_definition_of_stages_on_different_bases(tmp_path):
+    """Each stage is bootstrapped from its own base's SIF; one the build was not given is a
+    clear error."""
+    from tmax.images.builders import dockerfile_over
+    from tmax.images.definition import dockerfile_definition
+
+    task = dockerfile_definition(
+        "FROM gcc:14 AS build\nRUN make /out/tool\n"
+        "FROM python:3.11-slim\nCOPY --from=build /out/tool /usr/local/bin/\n",
+        lambda image: "buildpack-deps-trixie" if image.startswith("gcc") else "debian-slim")
+    assert (task.base, task.stage_bases) == ("debian-slim", ("buildpack-deps-trixie",))
+    text = dockerfile_over(task, Path("/store/bases/slim.sif"), tmp_path,
+                           {"buildpack-deps-trixie": Path("/store/bases/bp.sif")})
+    first, final = text.split("Bootstrap: localimage")[1:]
+    assert first.startswith("\nFrom: /store/bases/bp.sif\nStage: s0\n")
+    assert final.startswith("\nFrom: /store/bases/slim.sif\nStage: s1\n")
+    with pytest.raises(BuildError, match="stage build starts from base 'buildpack-deps-trixie'"):
+        dockerfile_over(task, Path("/store/bases/slim.sif"), tmp_path)
 
 
 def test_a_bases_workdir_is_where_relative_paths_start(tmp_path):

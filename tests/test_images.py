@@ -525,11 +525,11 @@ def test_a_builder_crash_fails_that_task_only(image_store, tmp_path):
 
     class Crashing(LocalBuilder):
         def build_task(self, task, env_dir, base_sif, out, log, timeout, network=True,
-                       verifier=None):
+                       verifier=None, stage_sifs=None):
             if "boom" in str(env_dir):
                 raise RuntimeError("unsquashfs failed (1): corrupt fragment")
             return super().build_task(task, env_dir, base_sif, out, log, timeout, network,
-                                      verifier)
+                                      verifier, stage_sifs)
 
     builds = ImageBuilds(image_store, Crashing(Path.home() / ".cache" / "tmax"))
     boom = make_task(tmp_path / "tasks", "boom")

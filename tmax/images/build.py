@@ -224,10 +224,13 @@ class ImageBuilds:
             vdef = task_definition(task.tests_dir, self.bases.resolve, self.base_workdir,
                                    self.base_path)
             separate = ["separate verifier", self.base_digest(vdef.base),
+                        *[self.base_digest(b) for b in vdef.stage_bases],
                         vdef.definition.render(), vdef.workdir, tree_digest(task.tests_dir),
                         installers.stamp(installers.find(s for s, _ in vdef.stages))]
         stand_ins = installers.stamp(installers.find(s for s, _ in tdef.stages))
-        digest = digest_of(BUILD_FORMAT, "task", base_digest, tdef.definition.render(),
+        digest = digest_of(BUILD_FORMAT, "task", base_digest,
+                           *[self.base_digest(b) for b in tdef.stage_bases],
+                           tdef.definition.render(),
                            tdef.workdir, tree_digest(task.environment_dir),
                            *([verifier.digest_text()] if verifier else []),
                            *([stand_ins] if stand_ins else []), *separate)  # (every stage's)
@@ -399,7 +402,8 @@ class ImageBuilds:
             self.builder.build_task(plan.definition, plan.task.environment_dir,
                                     self.store.path(base.sif), tmp / "image.sif", logfile,
                                     timeout=timeout,
-                                    verifier=None if vdef else (verifier or None))
+                                    verifier=None if vdef else (verifier or None),
+                                    stage_sifs=self._stage_sifs(plan.definition))
             vrel, vsize, vsha = "", 0, ""
             if vdef is not None:  # the separate verifier's image, with the verifier tools
                 with open(logfile, "a") as out:
@@ -407,7 +411,8 @@ class ImageBuilds:
                               f"{vdef.base}\n")
                 vbase = self.store.path(self.ensure_base(vdef.base).sif)
                 self.builder.build_task(vdef, plan.task.tests_dir, vbase, tmp / "verifier.sif",
-                                        logfile, timeout=timeout, verifier=verifier or None)
+                                        logfile, timeout=timeout, verifier=verifier or None,
+                                        stage_sifs=self._stage_sifs(vdef))
                 if not _sif_lists(tmp / "verifier.sif", "tests/test.sh"):
                     from tmax.tasks.model import NO_BAKED_TESTS
 
@@ -438,6 +443,10 @@ class ImageBuilds:
         self.store.update(record)
         return entry
 
+    def _stage_sifs(self, tdef: TaskDefinition) -> dict[str, Path]:
+        """The SIF of each base an earlier Dockerfile stage starts from (built if need be)."""
+        return {b: self.store.path(self.ensure_base(b).sif) for b in tdef.stage_bases}
+
     def build_all(self, tasks: list[Task], *, jobs: int = 2, force: bool = False,
                   check: bool = True, progress: bool = True) -> list[BuildResult]:
         """Build every task's image, ``jobs`` at a time, with a progress bar; the bases
@@ -456,7 +465,8 @@ class ImageBuilds:
         plans_ok = []
         for task in tasks:
             try:
-                plans_ok.append(self.plan(task).base)
+                plan = self.plan(task)
+                plans_ok += [*plan.definition.stage_bases, plan.base]
             except (BaseMappingError, BuildError, ValueError):
                 pass  # reported by build()
         for base in dict.fromkeys(plans_ok):  # bases first, once each, in order

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -56,9 +57,11 @@ class Builder(Protocol):
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None) -> None:
+                   verifier: verifier_tools.VerifierTools | None = None,
+                   stage_sifs: Mapping[str, Path] | None = None) -> None:
         """Build a task image from its definition and its base's SIF, then prepare the
-        ``verifier`` tools in it (tmax.images.verifier_tools)."""
+        ``verifier`` tools in it (tmax.images.verifier_tools); ``stage_sifs``: the SIF of
+        each of ``task.stage_bases`` (earlier Dockerfile stages on other bases)."""
 
 
 def _suite(definition_text: str) -> str:
@@ -82,14 +85,17 @@ def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -
     return Definition({"bootstrap": "localimage", "from": str(base_sif)}, sections)
 
 
-def _stage_base(task: TaskDefinition, stage: Stage, base_sif: Path) -> Path:
+def _stage_base(task: TaskDefinition, stage: Stage, base_sif: Path,
+                stage_sifs: Mapping[str, Path] | None) -> Path:
+    """The SIF a stage starts from: the task's base, or its own (``stage_sifs``)."""
     base = {s.index: b for s, b in task.stages}[stage.index]
-    if base != task.base:
+    if base == task.base:
+        return base_sif
+    if stage_sifs is None or base not in stage_sifs:
         raise BuildError(f"Dockerfile line {stage.line}",
-                         f"stage {stage.name or stage.index} starts from base {base!r}, the "
-                         f"final stage from {task.base!r}: stages on different bases are not "
-                         "supported yet")
-    return base_sif
+                         f"stage {stage.name or stage.index} starts from base {base!r}, "
+                         "whose image the build was not given")
+    return stage_sifs[base]
 
 
 def external_image(ref: str, cache_dir: Path, log: Path, timeout: float) -> Path:
@@ -120,9 +126,10 @@ def _note(log: Path, task: TaskDefinition) -> None:
             f.write("".join(f"note: {n}\n" for n in task.notes))
 
 
-def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None) -> str:
+def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
+                    stage_sifs: Mapping[str, Path] | None = None) -> str:
     """The Apptainer definition of a Dockerfile task: one stage per needed Dockerfile stage
-    (``Stage: s<n>``), each bootstrapped from the base, its staged files (``staged``/s<n>,
+    (``Stage: s<n>``), each bootstrapped from its base (``base_sif``, or ``stage_sifs``), its staged files (``staged``/s<n>,
     laid out as the image's /.tmax-build) by %files, COPY --from a stage by ``%files from``,
     its script as %post; the final stage's ENV as %environment."""
     parts = []
@@ -145,7 +152,8 @@ def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None) -
         if stage is task.stages[-1][0]:
             sections.update({k: v for k, v in task.definition.sections.items()
                              if k == "environment"})
-        header = {"bootstrap": "localimage", "from": str(_stage_base(task, stage, base_sif)),
+        header = {"bootstrap": "localimage",
+                  "from": str(_stage_base(task, stage, base_sif, stage_sifs)),
                   "stage": f"s{stage.index}"}
         parts.append(Definition(header, sections).render())
     return "\n".join(parts)
@@ -198,14 +206,15 @@ class ApptainerBuilder:
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None) -> None:
+                   verifier: verifier_tools.VerifierTools | None = None,
+                   stage_sifs: Mapping[str, Path] | None = None) -> None:
         """(``network``: Apptainer's build steps always have the host's.)"""
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
             deffile = Path(tmp) / "task.def"
             if task.stages:
                 _note(log, task)
                 text = self._dockerfile_text(task, env_dir, base_sif, Path(tmp), log, timeout,
-                                             verifier)
+                                             verifier, stage_sifs)
             else:
                 definition = _task_definition_over(base_sif, task, env_dir)
                 if verifier:  # uv by %files, the preparation at the end of %post
@@ -222,7 +231,8 @@ class ApptainerBuilder:
 
     def _dockerfile_text(self, task: TaskDefinition, env_dir: Path, base_sif: Path, tmp: Path,
                          log: Path, timeout: float,
-                         verifier: verifier_tools.VerifierTools | None) -> str:
+                         verifier: verifier_tools.VerifierTools | None,
+                         stage_sifs: Mapping[str, Path] | None) -> str:
         for stage, _ in task.stages:
             stage_files(stage, env_dir, tmp / f"s{stage.index}" / STAGING.lstrip("/") /
                         f"s{stage.index}",
@@ -230,7 +240,7 @@ class ApptainerBuilder:
                         ca=verifier_tools.build_ca())
             installers.prepare(installers.find([stage]), tmp / f"s{stage.index}" /
                                installers.SHIM_DIR.lstrip("/"), tmp, log, timeout)
-        text = dockerfile_over(task, base_sif, tmp)
+        text = dockerfile_over(task, base_sif, tmp, stage_sifs)
         if not verifier:
             return text
         # the verifier tools' preparation goes at the end of the final stage
@@ -297,11 +307,12 @@ class LocalBuilder:
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None) -> None:
+                   verifier: verifier_tools.VerifierTools | None = None,
+                   stage_sifs: Mapping[str, Path] | None = None) -> None:
         if task.stages:
             _note(log, task)
             return self._build_dockerfile(task, env_dir, base_sif, out, log, timeout, network,
-                                          verifier)
+                                          verifier, stage_sifs)
         rootfs = self._scratch_root()
         rootfs.mkdir()
         try:
@@ -331,16 +342,18 @@ class LocalBuilder:
 
     def _build_dockerfile(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                           log: Path, timeout: float, network: bool,
-                          verifier: verifier_tools.VerifierTools | None) -> None:
-        """Each needed stage in its own root filesystem, in order: its files staged, its
-        script run; the final one packed (see tmax.images.dockerbuild)."""
+                          verifier: verifier_tools.VerifierTools | None,
+                          stage_sifs: Mapping[str, Path] | None) -> None:
+        """Each needed stage in its own root filesystem over its own base, in order: its
+        files staged, its script run; the final one packed (see tmax.images.dockerbuild)."""
         roots: dict[int, Path] = {}
         try:
             for stage, _ in task.stages:
                 rootfs = self._scratch_root()
                 rootfs.mkdir()
                 roots[stage.index] = rootfs
-                copy_tree(self.base_rootfs(_stage_base(task, stage, base_sif)), rootfs)
+                copy_tree(self.base_rootfs(_stage_base(task, stage, base_sif, stage_sifs)),
+                          rootfs)
                 stage_files(stage, env_dir, rootfs / STAGING.lstrip("/") / f"s{stage.index}",
                             image_root=lambda ref: external_image(ref, self.cache_dir, log,
                                                                   timeout),

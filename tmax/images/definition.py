@@ -96,6 +96,12 @@ class TaskDefinition:
         return self.stages[-1][0].user if self.stages else ""
 
     @property
+    def stage_bases(self) -> tuple[str, ...]:
+        """The bases of earlier stages (COPY --from) other than the final stage's, once
+        each, in order: each stage is built over its own base, as in Docker."""
+        return tuple(dict.fromkeys(b for _, b in self.stages if b != self.base))
+
+    @property
     def start_command(self) -> str:
         """What a sandbox of the image runs first, in the background: its ENTRYPOINT as
         Harbor starts it (tmax.tasks.dockerfile.entrypoint_command); "" for none."""

@@ -129,9 +129,10 @@ def _note(log: Path, task: TaskDefinition) -> None:
 def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
                     stage_sifs: Mapping[str, Path] | None = None) -> str:
     """The Apptainer definition of a Dockerfile task: one stage per needed Dockerfile stage
-    (``Stage: s<n>``), each bootstrapped from its base (``base_sif``, or ``stage_sifs``), its staged files (``staged``/s<n>,
-    laid out as the image's /.tmax-build) by %files, COPY --from a stage by ``%files from``,
-    its script as %post; the final stage's ENV as %environment."""
+    (``Stage: s<n>``), each bootstrapped from its base (``base_sif``, or its own in
+    ``stage_sifs``), its staged files (``staged``/s<n>, laid out as the image's
+    /.tmax-build) by %files, COPY --from a stage by ``%files from``, its script as %post;
+    the final stage's ENV as %environment."""
     parts = []
     for stage, _ in task.stages:
         sections: dict[str, str] = {}

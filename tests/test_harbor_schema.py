@@ -435,6 +435,16 @@ def test_a_key_neither_defines_is_kept_with_a_warning(tmp_path, version, toml, f
     assert strict.exit_code != 0 and f"unknown key '{key}'" in strict.output
 
 
+def test_a_key_that_names_another_thing_is_only_a_warning(tmp_path):
+    """terminus-bench-tasks' debian_production_task has a top-level `task_id` (Harbor
+    ignores it): `task` plus `_id` is another key, not a misspelling of [task]."""
+    path = make_task(tmp_path, 'version = "1.0"\nname = "x"\ntask_id = "3c62f37c"\n')
+    assert errors(path) == []
+    said = {p.field: p for p in validate_task(path) if p.severity == "warning"}
+    assert "unknown key 'task_id' at the top level" in said["task_id"].message
+    assert load_task(path).config.to_toml_dict()["task_id"] == "3c62f37c"  # kept as written
+
+
 @pytest.mark.parametrize("toml, field, meant", [
     ('schema_version = "1.3"\n[environment]\nallow_internt = false\n',
      "environment.allow_internt", "allow_internet"),
@@ -445,6 +455,8 @@ def test_a_key_neither_defines_is_kept_with_a_warning(tmp_path, version, toml, f
      "timeout_sec"),
     ('schema_version = "1.1"\n[task]\nname = "a/b"\ndescripton = "x"\n',
      "task.descripton", "description"),
+    ('schema_version = "1.3"\n[environment]\nstorage_gb = 10\n', "environment.storage_gb",
+     "storage"),
 ])
 def test_a_misspelt_key_is_an_error_naming_the_key_meant(tmp_path, toml, field, meant):
     """A near-miss of a defined key is a typo that would silently change the task (e.g.

@@ -257,14 +257,23 @@ def unknown_key_problems(task_id: str, config: TaskConfig) -> list[Problem]:
     return out
 
 
+UNIT_SUFFIXES = frozenset({"s", "sec", "secs", "second", "seconds", "ms", "min", "mins",
+                           "minute", "minutes", "h", "hours", "b", "k", "kb", "kib", "m", "mb",
+                           "mib", "g", "gb", "gib"})
+"""What a key may add to or drop from a defined one and still mean it (``timeout`` for
+``timeout_sec``, ``memory_gb`` for ``memory``), unlike a suffix that names another thing
+(``task_id`` is not ``task``)."""
+
+
 def _near_miss(key: str, known: tuple[str, ...]) -> str | None:
     """The defined key ``key`` is probably a misspelling of (close spelling, or one is the
-    other with a suffix such as ``_sec`` or ``_mb``)."""
+    other with a unit suffix such as ``_sec`` or ``_mb``)."""
     k = key.lower().replace("-", "_")
     if k in known:
         return k
     for name in known:
-        if k != name and (name.startswith(k + "_") or k.startswith(name + "_")):
+        longer, shorter = (name, k) if len(name) > len(k) else (k, name)
+        if longer.startswith(shorter + "_") and longer[len(shorter) + 1:] in UNIT_SUFFIXES:
             return name
     close = difflib.get_close_matches(k, known, n=1, cutoff=0.8)
     return close[0] if close else None

@@ -186,6 +186,23 @@ def test_pip_install_lines(tmp_path):
     assert "PIP_NO_INDEX=1" in tools.grade_env()
 
 
+def test_uv_pip_install_into_the_system_python_is_prepared_as_a_pip_line(tmp_path):
+    """terminus-bench-tasks' debian_production_task: `uv pip install --system -r
+    /tests/requirements.txt`, then `python3 -m pytest`: the packages are prepared as a pip
+    line's (visible to the image's Python), uv's own options dropped."""
+    tools = plan(make_tests(tmp_path, **{
+        "test.sh": "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh\n"
+                   "source $HOME/.local/bin/env\n"
+                   "uv pip install --system -r /tests/requirements.txt\n"
+                   "uv pip install --system --index-strategy unsafe-best-match "
+                   "--python=3.11 pyyaml==6.0.2\n"
+                   "python3 -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py\n",
+        "requirements.txt": "# pins\npytest==8.4.1\npytest-json-ctrf==0.3.5\n"}))
+    assert tools.unprepared == ()
+    assert tools.pip == ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "pyyaml==6.0.2")
+    assert tools.pip_where == ("tests/test.sh:3", "tests/test.sh:4") and tools.steps == ()
+
+
 def test_what_is_left_unprepared(tmp_path):
     tools = plan(make_tests(tmp_path, **{"test.sh": (
         "apt-get update && apt-get install -y curl\n"

@@ -16,7 +16,8 @@ build root, with the network, after the task's own steps (both builders run the 
 - a uv cache in /.tmax/verifier/cache, filled by running each uv command line once (a
   tool's ``--version`` instead of the tests), then checked by running them all again with
   ``UV_OFFLINE=1`` in a fresh folder, as grade time will;
-- for ``pip install`` lines, their packages installed into /.tmax/verifier/site, which a
+- for ``pip install`` lines (and ``uv pip install --system``, which installs into the
+  image's Python as pip does), their packages installed into /.tmax/verifier/site, which a
   ``.pth`` file in the image's Python puts on sys.path just before its site-packages where it
   exists (for the verifier only), so pip finds them already satisfied and ``pytest`` /
   ``python -m pytest`` work. They are resolved as pip in the image would: pinned to the
@@ -621,6 +622,8 @@ class _Reader:
         elif kind == "venv":
             rest = self.venv_args(rest)
         elif kind in ("pip", "add"):
+            if kind == "pip" and "--system" in rest:  # into the image's Python, as pip would
+                return self.pip_command(where, shown, [Word(a) for a in _pip_form(rest)])
             if "--system" in rest:
                 return self.unprepared.append(f"{shown} (the system Python is read-only "
                                               "for the verifier)")
@@ -759,6 +762,22 @@ def _split_positional(args: list[str]) -> tuple[list[str], str | None]:
         else:
             return args[:i], arg
     return args, None
+
+
+def _pip_form(args: list[str]) -> list[str]:
+    """``uv pip install --system`` arguments as pip's: its requirements and requirement
+    files; uv's other options (with their values) dropped."""
+    out, it = [], iter(args)
+    for arg in it:
+        name, eq, _ = arg.partition("=")
+        if name in ("-r", "--requirement", "--requirements"):
+            out += [arg] if eq else ["-r", next(it, "")]
+        elif arg.startswith("-"):
+            if name in UV_VALUE_OPTIONS and not eq:
+                next(it, None)
+        else:
+            out.append(arg)
+    return out
 
 
 def _pip_args(argv: list[str]) -> list[str] | None:

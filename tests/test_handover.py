@@ -156,3 +156,28 @@ def test_heartbeats_show_who_is_alive_and_done(tmp_path):
     assert not is_done(h, "trainer")
     mark_done(h, "trainer")
     assert is_done(h, "trainer")
+
+
+def test_concurrent_writers_of_one_file_in_one_process_never_collide(tmp_path):
+    """The orchestrator's weight follower and its last step both write engines.json from
+    threads of one process (asyncio.to_thread): each writer needs its own temporary file
+    (one per process raced in CI: FileNotFoundError at os.replace)."""
+    hand = Handover(tmp_path / "run")
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(150):
+                hand.put_engines([{"engine": k, "version": i}])
+        except BaseException as e:  # noqa: BLE001 (collected for the assertion)
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    (last,) = hand.engines()
+    assert last["version"] == 149  # the file holds one writer's whole last write
+    assert [p.name for p in (tmp_path / "run").rglob("*.tmp")] == []

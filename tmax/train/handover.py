@@ -70,7 +70,9 @@ class Batch:
 
 
 def _atomic_file(path: Path, write: Callable[[Path], None]) -> Path:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """``write`` to a temporary file of this writer's own (process and thread: the
+    orchestrator writes from threads), then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)

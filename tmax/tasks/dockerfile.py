@@ -230,7 +230,7 @@ def openers(text: str) -> list[re.Match[str]]:
 
 
 def _plain_openers(text: str) -> str:
-    """``text`` in pieces, each heredoc opener written as ``<<NAME`` / ``<<-NAME``."""
+    """``text`` with each heredoc opener written as one word, ``<<NAME`` or ``<<-NAME``."""
     pieces, at = [], 0
     for m in openers(text):
         pieces += [text[at:m.start()], f"<<{m.group(1)}{m.group(4)}"]

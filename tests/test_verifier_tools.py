@@ -201,6 +201,7 @@ def test_uv_pip_install_into_the_system_python_is_prepared_as_a_pip_line(tmp_pat
     assert tools.unprepared == ()
     assert tools.pip == ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "pyyaml==6.0.2")
     assert tools.pip_where == ("tests/test.sh:3", "tests/test.sh:4") and tools.steps == ()
+    assert tools.pythons == ()  # the image's Python installs them, not a --python one
 
 
 def test_what_is_left_unprepared(tmp_path):

@@ -611,6 +611,8 @@ class _Reader:
             return self.unprepared.append(shown)
         else:
             return  # uv --version, uv pip list, ...: nothing to fetch
+        if kind == "pip" and "--system" in rest:  # into the image's Python, as pip would
+            return self.pip_command(where, shown, [Word(a) for a in _pip_form(rest)])
         for opt, value in _options(tuple(rest)):
             if opt in PYTHON_OPTIONS:
                 self.python(value)
@@ -622,8 +624,6 @@ class _Reader:
         elif kind == "venv":
             rest = self.venv_args(rest)
         elif kind in ("pip", "add"):
-            if kind == "pip" and "--system" in rest:  # into the image's Python, as pip would
-                return self.pip_command(where, shown, [Word(a) for a in _pip_form(rest)])
             if "--system" in rest:
                 return self.unprepared.append(f"{shown} (the system Python is read-only "
                                               "for the verifier)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import shlex
@@ -24,6 +23,7 @@ from tmax.tasks.config import (
     STASH,
     TaskConfig,
     from_harbor_dict,
+    near_miss,
     phase_network,
     unknown_keys,
 )
@@ -275,8 +275,7 @@ def _near_miss(key: str, known: tuple[str, ...]) -> str | None:
         longer, shorter = (name, k) if len(name) > len(k) else (k, name)
         if longer.startswith(shorter + "_") and longer[len(shorter) + 1:] in UNIT_SUFFIXES:
             return name
-    close = difflib.get_close_matches(k, known, n=1, cutoff=0.8)
-    return close[0] if close else None
+    return near_miss(k, known)
 
 
 _NOT_APPLIED = {

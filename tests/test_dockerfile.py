@@ -165,7 +165,6 @@ def test_a_heredoc_with_blanks_after_the_arrows_is_read_as_buildkit_reads_it():
 @pytest.mark.parametrize("text, message", [
     ("RUN x\n", "line 1: RUN before the first FROM"),
     ("FROM scratch\n", "line 1: FROM scratch is not supported"),
-    ("FROM a AS b\nFROM b\n", "line 2: FROM b (an earlier stage) is not supported"),
     ("FROM a\nFROBNICATE x\n", "line 2: unknown instruction FROBNICATE"),
     # BuildKit's lexer keeps blanks after << in the heredoc word, but not after <<-: there the
     # body's lines are instructions, in Docker as here
@@ -337,6 +336,51 @@ def test_stages_on_different_bases_each_start_from_their_own(tmp_path, image_sto
     assert builds.plan(load_task(task)).digest != plan.digest
 
 
+def test_a_stage_from_an_earlier_stage_continues_it():
+    """`FROM toolchain AS task` (a real Terminus task): the stage starts where `toolchain`
+    ended, with its ENV, WORKDIR, USER and SHELL (ARGs do not carry over, as in Docker); the
+    final stage needs it though nothing is copied from it; `FROM` a name that no stage has
+    is an image."""
+    text = ("ARG V=1\nFROM debian:bookworm AS toolchain\nARG V\nENV TOOLS=/opt/t\n"
+            "WORKDIR /src\nSHELL [\"/bin/bash\", \"-c\"]\nUSER builder\nRUN make\n"
+            "FROM debian:bookworm AS unused\nRUN true\n"
+            "FROM Toolchain AS task\nRUN echo $TOOLS $V\nWORKDIR app\n")
+    parsed = parse(text, workdir_of=lambda image: "/")
+    toolchain, _, task = parsed.stages
+    assert (task.parent, task.image) == (toolchain.index, "debian:bookworm")
+    assert task.env["TOOLS"] == "/opt/t" and task.user == "builder"
+    (run, workdir) = task.steps
+    assert run.argv == ("/bin/bash", "-c", "echo $TOOLS $V")
+    assert dict(run.env) == {"PATH": DEFAULT_PATH, "TOOLS": "/opt/t"}  # no V: ARGs reset
+    assert (run.workdir, workdir.path) == ("/src", "/src/app")
+    assert [s.name for s in parsed.needed()] == ["toolchain", "task"]
+    assert any("FROM Toolchain continues stage toolchain" in n for n in task.notes)
+    assert parse("FROM a AS b\nFROM c\n").final.parent is None
+
+
+def test_apptainer_definition_of_a_stage_from_an_earlier_stage(tmp_path):
+    """Apptainer cannot bootstrap from another stage: the final stage repeats the stage it
+    continues (its files and script, whose staged files stay for the next script) before its
+    own; that stage is not built on its own when nothing copies from it."""
+    from tmax.images.builders import dockerfile_over
+    from tmax.images.definition import dockerfile_definition
+
+    task = dockerfile_definition(
+        "FROM debian:bookworm AS toolchain\nCOPY tool.c /src/\nRUN make /src/tool\n"
+        "FROM toolchain AS task\nCOPY app /app\nRUN /src/tool /app\n",
+        lambda image: "debian-slim")
+    text = dockerfile_over(task, Path("/store/bases/b.sif"), tmp_path)
+    (final,) = text.split("Bootstrap: localimage")[1:]
+    assert final.startswith("\nFrom: /store/bases/b.sif\nStage: s1\n")
+    assert (f"%files\n    {tmp_path}/s0/.tmax-build /\n    {tmp_path}/s1/.tmax-build /\n"
+            in final)
+    post = final[final.index("%post"):]
+    assert post.index("make /src/tool") < post.index("/src/tool /app")
+    assert post.count("rm -rf /.tmax-build") == 1 and \
+        post.rindex("rm -rf /.tmax-build") > post.index("/src/tool /app")
+    assert "%environment" in final
+
+
 def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     """What `apptainer build` gets for two stages: each bootstrapped from the base with its
     own Stage name, the final one copying from the first by ``%files from s0`` into the
@@ -357,6 +401,26 @@ def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     assert "tmax_copy /.tmax-build/s1/c5 /usr/local/bin/ 1" in final
     assert "%environment\n    export PATH=" in final and "export MODE=prod" in final
     assert "%environment" not in first and "make /out/tool" in first
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_a_stage_from_an_earlier_stage_is_built_over_its_result(tmp_path, image_store):
+    """claims-remittance-auth-desk's `FROM toolchain AS task`: the local builder builds the
+    final stage over what `toolchain` left (files, ENV), then its own steps."""
+    task = make_task(tmp_path, **{"environment/Dockerfile": (
+        "FROM debian:bookworm-slim AS toolchain\nENV TOOL_HOME=/opt/tool\n"
+        "COPY tool.sh /opt/tool/\nRUN chmod +x /opt/tool/tool.sh && echo built > /opt/tool/mark\n"
+        "FROM toolchain AS task\nRUN $TOOL_HOME/tool.sh > /app/out && cat /opt/tool/mark >> /app/out\n"),
+        "environment/tool.sh": "#!/bin/sh\necho from-the-tool\n"})
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"))
+    result = builds.build(load_task(task), check=False)
+    assert result.status == "built", result.error
+    sif = image_store.path(image_store.read().tasks["demo"].sif)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(sif, "/app/out", out) == "from-the-tool\nbuilt\n"
+    assert "TOOL_HOME" in cat_sif(sif, "/.singularity.d/env/90-environment.sh", out)
+    assert not any(p.startswith(".tmax-build") for p in list_sif(sif))
 
 
 def test_apptainer_definition_of_stages_on_different_bases(tmp_path):

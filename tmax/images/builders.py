@@ -132,29 +132,45 @@ def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
     (``Stage: s<n>``), each bootstrapped from its base (``base_sif``, or its own in
     ``stage_sifs``), its staged files (``staged``/s<n>, laid out as the image's
     /.tmax-build) by %files, COPY --from a stage by ``%files from``, its script as %post;
-    the final stage's ENV as %environment."""
+    the final stage's ENV as %environment. Apptainer cannot bootstrap from another stage, so
+    a stage ``FROM <an earlier stage>`` repeats that stage's files and script before its own
+    (the chain from the stage on a base); one that only such stages start from is not built
+    on its own."""
+    by_index = {stage.index: stage for stage, _ in task.stages}
+    copied = {step.from_stage for stage, _ in task.stages for step in stage.steps
+              if isinstance(step, Copy) and step.from_stage is not None}
+    final = task.stages[-1][0]
     parts = []
     for stage, _ in task.stages:
+        if stage is not final and stage.index not in copied:
+            continue
+        chain = [stage]
+        while chain[0].parent is not None:
+            chain.insert(0, by_index[chain[0].parent])
         sections: dict[str, str] = {}
         froms: dict[int, list[str]] = {}
-        for step in stage.steps:
-            if isinstance(step, Copy) and step.from_stage is not None:
-                for k, src in enumerate(step.sources):
-                    dest = f"{STAGING}/s{stage.index}/c{step.line}/f{k}/" + \
-                        (PurePosixPath(src).name or "root")
-                    froms.setdefault(step.from_stage, []).append(
-                        f"    {shlex.quote(src)} {shlex.quote(dest)}")
+        for member in chain:
+            for step in member.steps:
+                if isinstance(step, Copy) and step.from_stage is not None:
+                    for k, src in enumerate(step.sources):
+                        dest = f"{STAGING}/s{member.index}/c{step.line}/f{k}/" + \
+                            (PurePosixPath(src).name or "root")
+                        froms.setdefault(step.from_stage, []).append(
+                            f"    {shlex.quote(src)} {shlex.quote(dest)}")
         for index, lines in froms.items():
             sections[f"files from s{index}"] = "\n".join(lines)
         if staged is not None:
-            sections["files"] = f"    {shlex.quote(str(staged / f's{stage.index}' / STAGING.lstrip('/')))} /"
+            sections["files"] = "\n".join(
+                f"    {shlex.quote(str(staged / f's{m.index}' / STAGING.lstrip('/')))} /"
+                for m in chain)
+        script = "".join(stage_script(m, clean=m is stage) for m in chain)
         sections["post"] = "\n".join(f"    {line}" if line else ""
-                                      for line in stage_script(stage).splitlines())
-        if stage is task.stages[-1][0]:
+                                      for line in script.splitlines())
+        if stage is final:
             sections.update({k: v for k, v in task.definition.sections.items()
                              if k == "environment"})
         header = {"bootstrap": "localimage",
-                  "from": str(_stage_base(task, stage, base_sif, stage_sifs)),
+                  "from": str(_stage_base(task, chain[0], base_sif, stage_sifs)),
                   "stage": f"s{stage.index}"}
         parts.append(Definition(header, sections).render())
     return "\n".join(parts)
@@ -353,8 +369,9 @@ class LocalBuilder:
                 rootfs = self._scratch_root()
                 rootfs.mkdir()
                 roots[stage.index] = rootfs
-                copy_tree(self.base_rootfs(_stage_base(task, stage, base_sif, stage_sifs)),
-                          rootfs)
+                copy_tree(roots[stage.parent] if stage.parent is not None else
+                          self.base_rootfs(_stage_base(task, stage, base_sif, stage_sifs)),
+                          rootfs)  # (FROM <an earlier stage>: over what it built)
                 stage_files(stage, env_dir, rootfs / STAGING.lstrip("/") / f"s{stage.index}",
                             image_root=lambda ref: external_image(ref, self.cache_dir, log,
                                                                   timeout),

@@ -84,8 +84,9 @@ def _where(stage: Stage) -> str:
     return f"{STAGING}/s{stage.index}"
 
 
-def stage_script(stage: Stage) -> str:
-    """The build script of one stage (see the module doc)."""
+def stage_script(stage: Stage, clean: bool = True) -> str:
+    """The build script of one stage (see the module doc); ``clean``: it ends by removing
+    the staged files (not when another stage's script follows it in the same build)."""
     ca = f"{_where(stage)}/ca.crt"
     out = [PRELUDE.rstrip(), f"export PATH={_q(stage.env.get('PATH', '') or os.defpath)}",
            f"TMAX_CA=; [ -f {ca} ] && TMAX_CA=\"" + " ".join(f"{v}={ca}" for v in CA_VARIABLES)
@@ -106,7 +107,8 @@ def stage_script(stage: Stage) -> str:
         elif isinstance(step, Run):
             out.append(f"echo {_q(f'tmax-build: line {step.line}: RUN {_shown(step.text)}')}")
             out.append(_run_line(step, shims=bool(stand_ins)))
-    out.append(f"rm -rf {_q(STAGING)}")
+    if clean:
+        out.append(f"rm -rf {_q(STAGING)}")
     return "\n".join(out) + "\n"
 
 

@@ -106,6 +106,12 @@ class Stage:
     notes: list[str] = field(default_factory=list)
     entrypoint: tuple[str, ...] = ()
     """ENTRYPOINT's argv (the shell form through the SHELL in force); () when none."""
+    shell: tuple[str, ...] = ("/bin/sh", "-c")
+    """The SHELL in force at the end of the stage."""
+    parent: int | None = None
+    """``FROM <an earlier stage>``: the index of the stage it continues (its files, ENV,
+    WORKDIR, USER, SHELL and ENTRYPOINT, as Docker starts it); ``image`` is then that
+    stage's image."""
 
 
 # After starting an ENTRYPOINT: wait (5 s at most) until it has reached Harbor's command
@@ -142,12 +148,15 @@ class Dockerfile:
         return self.stages[-1]
 
     def needed(self) -> list[Stage]:
-        """The stages the final one depends on (through COPY --from), itself last."""
+        """The stages the final one depends on (through COPY --from and FROM <stage>),
+        itself last."""
         want = {self.final.index}
         for stage in reversed(self.stages):
             if stage.index in want:
                 want |= {s.from_stage for s in stage.steps
                          if isinstance(s, Copy) and s.from_stage is not None}
+                if stage.parent is not None:
+                    want.add(stage.parent)
         return [s for s in self.stages if s.index in want]
 
     def copy_sources(self) -> list[tuple[int, str, str]]:
@@ -411,18 +420,24 @@ class _Parser:
         if image == "scratch":
             raise DockerfileError(ins.line, "FROM scratch is not supported: start from a "
                                   "base image")
-        if self._stage_index(image) is not None:
-            raise DockerfileError(ins.line, f"FROM {image} (an earlier stage) is not "
-                                  "supported; copy what you need with COPY --from")
-        path = self.path_of(image) or DEFAULT_PATH  # (the image's ENV PATH: ${PATH} is it)
-        stage = Stage(len(self.stages), name.lower(), image, ins.line,
-                      env={"PATH": path}, workdir=self.workdir_of(image))
+        parent = next((s for s in self.stages if s.name and s.name == image.lower()), None)
+        if parent is not None:  # an earlier stage by name (Docker looks there first)
+            stage = Stage(len(self.stages), name.lower(), parent.image, ins.line,
+                          env=dict(parent.env), workdir=parent.workdir, user=parent.user,
+                          entrypoint=parent.entrypoint, shell=parent.shell,
+                          parent=parent.index)
+            stage.notes.append(f"line {ins.line}: FROM {image} continues stage {parent.name} "
+                               "(built over its result, as in Docker)")
+        else:
+            path = self.path_of(image) or DEFAULT_PATH  # (the image's ENV PATH: ${PATH})
+            stage = Stage(len(self.stages), name.lower(), image, ins.line,
+                          env={"PATH": path}, workdir=self.workdir_of(image))
         if "platform" in flags:
             stage.notes.append(f"line {ins.line}: --platform={flags['platform']} ignored "
                                "(images are built for this machine)")
         self.stages.append(stage)
-        self.args, self.env = {}, {"PATH": path}
-        self.shell = ["/bin/sh", "-c"]
+        self.args, self.env = {}, dict(stage.env)
+        self.shell = list(stage.shell)
 
     def arg(self, ins: Instruction) -> None:
         for word in _words(ins.args, None, ins.line):
@@ -535,6 +550,7 @@ class _Parser:
         if not value:
             raise DockerfileError(ins.line, 'SHELL needs the JSON form, e.g. ["/bin/bash", "-c"]')
         self.shell = value
+        self.stage.shell = tuple(value)
 
     def _stage_index(self, ref: str) -> int | None:
         for stage in self.stages:

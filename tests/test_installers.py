@@ -45,6 +45,31 @@ def test_the_vendor_urls_of_run_steps_get_stand_ins_with_their_versions(monkeypa
     assert go.url == "https://golang.org/dl/go1.21.5.linux-$GOARCH.tar.gz"
 
 
+def test_a_stage_from_a_golang_tag_with_a_release_gets_that_go(monkeypatch):
+    """The bases have one Go each: a stage FROM golang:<release>... (any registry prefix,
+    digest) starts by putting that release's Go in /usr/local/go; a tag without one, a stage
+    FROM an earlier stage and network mode do not."""
+    monkeypatch.delenv(installers.MODE_ENV, raising=False)
+    stages = _stages(
+        "FROM public.ecr.aws/docker/library/golang:1.24-bookworm@sha256:" + "1a" * 32 +
+        " AS build\nRUN go build ./...\n"
+        "FROM build AS again\nRUN true\n"
+        "FROM golang:bookworm\nRUN true\n"
+        "FROM golang:1.22.7\nRUN true\n")
+    found = installers.find(stages)
+    assert [(s.kind, s.url, s.version, s.line) for s in found] == [
+        ("go-image", "golang:1.24-bookworm", "1.24", 1),
+        ("go-image", "golang:1.22.7", "1.22.7", 7)]
+    script = stage_script(stages[0])
+    unpack = installers.GO_IMAGE_SH.format(file=f"{installers.SHIM_DIR}/files/0-go-image",
+                                           line=1)
+    assert unpack in script and script.index(unpack) < script.index("go build ./...")
+    assert "go-image" not in stage_script(stages[1]) + stage_script(stages[2])
+    assert "golang:1.24-bookworm" in installers.stamp(found)  # (in the image digest)
+    monkeypatch.setenv(installers.MODE_ENV, "network")
+    assert installers.find(stages) == []
+
+
 def test_a_url_pattern_matches_the_url_the_step_fetches_and_nothing_else():
     import re
 
@@ -240,6 +265,40 @@ def test_uv_go_and_node_install_from_their_vendor_urls_with_only_the_registries(
     log = store.path(result.log).read_text()
     assert "installer stand-in: Dockerfile line 2: https://astral.sh/uv/0.7.13/install.sh" \
         in log and "go 1.21." in log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
+def test_a_golang_tag_builds_with_that_go(tmp_path, image_store):
+    """ansible-ci-control-plane's `FROM golang:1.24-bookworm` over a base whose Go is older
+    (golang-bookworm's is 1.23, and its go.mod says `go 1.24`): the stage builds with the
+    tag's Go from PyPI (1.22 here: the newest 1.22.x, over a base with no Go at all)."""
+    (tmp_path / "nogo.def").write_text(
+        "Bootstrap: localimage\nFrom: debian-slim\n\n%environment\n"
+        "    export PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin"
+        ":/usr/bin:/sbin:/bin\n    export GOTOOLCHAIN=local\n")
+    user = tmp_path / "map.yaml"
+    user.write_text("mappings:\n  - {image: 'golang:*', base: nogo.def}\n")
+    from tests.test_tasks import make_task
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.tasks import load_task
+
+    task = make_task(tmp_path, **{"environment/Dockerfile": (
+        "FROM golang:1.22-bookworm\nWORKDIR /src\nCOPY go.mod main.go ./\n"
+        "RUN go version > /go.txt && go build -o /usr/local/bin/hello . && hello > /hello.txt\n"),
+        "environment/go.mod": "module hello\n\ngo 1.22\n",
+        "environment/main.go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hi") }\n'})
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
+                         base_map=user)
+    result = builds.build(load_task(task), check=False)
+    assert result.status == "built", result.error
+    sif = image_store.path(image_store.read().tasks["demo"].sif)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert cat_sif(sif, "/go.txt", out).startswith("go version go1.22.")
+    assert cat_sif(sif, "/hello.txt", out) == "hi\n"
+    assert "usr/local/go/bin/go" in list_sif(sif)
+    assert "FROM golang:1.22-bookworm -> go 1.22." in image_store.path(result.log).read_text()
 
 
 def test_the_served_installers_are_well_formed_shell():

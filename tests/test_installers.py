@@ -272,29 +272,18 @@ def test_a_golang_tag_builds_with_that_go(tmp_path, image_store):
     """ansible-ci-control-plane's `FROM golang:1.24-bookworm` over a base whose Go is older
     (golang-bookworm's is 1.23, and its go.mod says `go 1.24`): the stage builds with the
     tag's Go from PyPI (1.22 here: the newest 1.22.x, over a base with no Go at all)."""
-    (tmp_path / "nogo.def").write_text(
-        "Bootstrap: localimage\nFrom: debian-slim\n\n%environment\n"
-        "    export PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin"
-        ":/usr/bin:/sbin:/bin\n    export GOTOOLCHAIN=local\n")
-    user = tmp_path / "map.yaml"
-    user.write_text("mappings:\n  - {image: 'golang:*', base: nogo.def}\n")
+    from tests.test_dockerfile import _build_task, _user_base
     from tests.test_tasks import make_task
-    from tmax.images.build import ImageBuilds
-    from tmax.images.builders import LocalBuilder
-    from tmax.tasks import load_task
 
+    user = _user_base(tmp_path, "nogo", "golang:*", (
+        "%environment\n    export PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin"
+        ":/usr/sbin:/usr/bin:/sbin:/bin\n    export GOTOOLCHAIN=local\n"))
     task = make_task(tmp_path, **{"environment/Dockerfile": (
         "FROM golang:1.22-bookworm\nWORKDIR /src\nCOPY go.mod main.go ./\n"
         "RUN go version > /go.txt && go build -o /usr/local/bin/hello . && hello > /hello.txt\n"),
         "environment/go.mod": "module hello\n\ngo 1.22\n",
         "environment/main.go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hi") }\n'})
-    builds = ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"),
-                         base_map=user)
-    result = builds.build(load_task(task), check=False)
-    assert result.status == "built", result.error
-    sif = image_store.path(image_store.read().tasks["demo"].sif)
-    out = tmp_path / "o"
-    out.mkdir()
+    _, result, sif, out = _build_task(tmp_path, image_store, task, user)
     assert cat_sif(sif, "/go.txt", out).startswith("go version go1.22.")
     assert cat_sif(sif, "/hello.txt", out) == "hi\n"
     assert "usr/local/go/bin/go" in list_sif(sif)

@@ -340,8 +340,16 @@ def test_the_uv_installer_puts_uv_where_the_vendors_does(tmp_path):
     assert (tmp_path / "unm/uv").exists() and not (tmp_path / "unm/env").exists()
 
 
+@pytest.mark.parametrize("dockerfile, stage", [
+    ("FROM python:3.11-slim\nRUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n", 0),
+    # a stage FROM an earlier one: its %files copy that stage's staged folder, then its own,
+    # so its own has the stand-ins of both (the earlier stage's RUN step fetches 0.7.13)
+    (("FROM python:3.11-slim AS tools\n"
+      "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"
+      "FROM tools\nRUN curl -LsSf https://astral.sh/uv/0.7.12/install.sh | sh\n"), 1),
+])
 def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copies(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, dockerfile, stage):
     """`apptainer build` gets the wrappers, the table and the served installer in the staged
     /.tmax-build its %files copies, and the RUN step's PATH starts with them (a stand-in
     apptainer keeps a copy of what it was given; uv itself is not downloaded here)."""
@@ -367,9 +375,7 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
         return tree
 
     monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
-    task = make_task(tmp_path, **{"environment/Dockerfile":
-                                  "FROM python:3.11-slim\n"
-                                  "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"})
+    task = make_task(tmp_path, **{"environment/Dockerfile": dockerfile})
     tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
     out = tmp_path / "out" / "image.sif"
     out.parent.mkdir()
@@ -377,9 +383,11 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
         tdef, task / "environment", Path("/store/bases/b.sif"), out, tmp_path / "log", 60)
     definition = (tmp_path / "rec.def").read_text()
     assert f"PATH={installers.SHIM_DIR}/bin:" in definition
-    shim = tmp_path / "rec.tmp" / "s0" / installers.SHIM_DIR.lstrip("/")
+    shim = tmp_path / "rec.tmp" / f"s{stage}" / installers.SHIM_DIR.lstrip("/")
     assert (shim / "bin" / "curl").stat().st_mode & 0o111
-    (row,) = (shim / "table").read_text().splitlines()
+    row, *later = (shim / "table").read_text().splitlines()
+    assert [r.split("\t")[0] for r in later] == \
+        ([r"https://astral\.sh/uv/0\.7\.12/install\.sh"] if stage else [])
     pattern, served = row.split("\t")
     assert pattern == r"https://astral\.sh/uv/0\.7\.13/install\.sh"
     assert served.startswith(installers.SHIM_DIR + "/files/")

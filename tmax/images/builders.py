@@ -126,6 +126,16 @@ def _note(log: Path, task: TaskDefinition) -> None:
             f.write("".join(f"note: {n}\n" for n in task.notes))
 
 
+def _chain(task: TaskDefinition, stage: Stage) -> list[Stage]:
+    """``stage`` after the stages it continues (FROM <an earlier stage>), first the one on a
+    base: what an Apptainer stage of it runs."""
+    by_index = {s.index: s for s, _ in task.stages}
+    chain = [stage]
+    while chain[0].parent is not None:
+        chain.insert(0, by_index[chain[0].parent])
+    return chain
+
+
 def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
                     stage_sifs: Mapping[str, Path] | None = None) -> str:
     """The Apptainer definition of a Dockerfile task: one stage per needed Dockerfile stage
@@ -136,7 +146,6 @@ def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
     a stage ``FROM <an earlier stage>`` repeats that stage's files and script before its own
     (the chain from the stage on a base); one that only such stages start from is not built
     on its own."""
-    by_index = {stage.index: stage for stage, _ in task.stages}
     copied = {step.from_stage for stage, _ in task.stages for step in stage.steps
               if isinstance(step, Copy) and step.from_stage is not None}
     final = task.stages[-1][0]
@@ -144,9 +153,7 @@ def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
     for stage, _ in task.stages:
         if stage is not final and stage.index not in copied:
             continue
-        chain = [stage]
-        while chain[0].parent is not None:
-            chain.insert(0, by_index[chain[0].parent])
+        chain = _chain(task, stage)
         sections: dict[str, str] = {}
         froms: dict[int, list[str]] = {}
         for member in chain:
@@ -255,7 +262,8 @@ class ApptainerBuilder:
                         f"s{stage.index}",
                         image_root=lambda ref: external_image(ref, tmp, log, timeout),
                         ca=verifier_tools.build_ca())
-            installers.prepare(installers.find([stage]), tmp / f"s{stage.index}" /
+            # (the stand-ins of its whole chain: its staged folder is copied after theirs)
+            installers.prepare(installers.find(_chain(task, stage)), tmp / f"s{stage.index}" /
                                installers.SHIM_DIR.lstrip("/"), tmp, log, timeout)
         text = dockerfile_over(task, base_sif, tmp, stage_sifs)
         if not verifier:

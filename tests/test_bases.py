@@ -79,6 +79,10 @@ IMAGES = REPO / "images"
     ("eclipse-temurin:17-jdk", "java-17"),
     ("openjdk:17-slim", "java-17"),
     ("eclipse-temurin:21-jdk-jammy", "java-21"),
+    ("public.ecr.aws/docker/library/maven:3.9.9-eclipse-temurin-21@sha256:" + "3a" * 32,
+     "maven-21"),  # (a real Terminus task)
+    ("maven:3.9-amazoncorretto-21-alpine", "maven-21"),
+    ("maven:3.9.11", "maven-21"),
     ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "t-bench-ubuntu"),
     ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "t-bench"),
     ("jupyter/scipy-notebook", "debian-datasci"),
@@ -105,6 +109,7 @@ def test_normalize(image, ref):
 
 
 @pytest.mark.parametrize("image", ["alpine:3.19", "python:2.7", "eclipse-temurin:11",
+                                   "maven:3.9.9-eclipse-temurin-17",
                                    "ghcr.io/other/thing:1", ""])
 def test_images_we_cannot_stand_in_for_stay_unmapped(image):
     with pytest.raises(BaseMappingError):

@@ -55,16 +55,22 @@ def test_a_stage_from_a_golang_tag_with_a_release_gets_that_go(monkeypatch):
         " AS build\nRUN go build ./...\n"
         "FROM build AS again\nRUN true\n"
         "FROM golang:bookworm\nRUN true\n"
-        "FROM golang:1.22.7\nRUN true\n")
+        "FROM golang:1.22.7\nRUN true\n"
+        "FROM node:22-bookworm-slim\nRUN npm ci\nFROM node:lts\n")
     found = installers.find(stages)
     assert [(s.kind, s.url, s.version, s.line) for s in found] == [
         ("go-image", "golang:1.24-bookworm", "1.24", 1),
-        ("go-image", "golang:1.22.7", "1.22.7", 7)]
+        ("go-image", "golang:1.22.7", "1.22.7", 7),
+        ("node-image", "node:22-bookworm-slim", "22", 9)]
     script = stage_script(stages[0])
-    unpack = installers.GO_IMAGE_SH.format(file=f"{installers.SHIM_DIR}/files/0-go-image",
-                                           line=1)
+    unpack = installers.image_tool_line("go-image", f"{installers.SHIM_DIR}/files/0-go-image", 1)
+    assert unpack.startswith(f"if [ -f {installers.SHIM_DIR}/files/0-go-image ]; then rm -rf ")
     assert unpack in script and script.index(unpack) < script.index("go build ./...")
     assert "go-image" not in stage_script(stages[1]) + stage_script(stages[2])
+    node = stage_script(stages[4])
+    assert node.index(f"tar -xzf {installers.SHIM_DIR}/files/0-node-image -C /usr/local") < \
+        node.index("npm ci")
+    assert "node-image" not in stage_script(stages[5])
     assert "golang:1.24-bookworm" in installers.stamp(found)  # (in the image digest)
     monkeypatch.setenv(installers.MODE_ENV, "network")
     assert installers.find(stages) == []
@@ -267,27 +273,39 @@ def test_uv_go_and_node_install_from_their_vendor_urls_with_only_the_registries(
         in log and "go 1.21." in log
 
 
+GO_PROGRAM = {"go.mod": "module hello\n\ngo 1.22\n",
+              "main.go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hi") }\n'}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
-def test_a_golang_tag_builds_with_that_go(tmp_path, image_store):
+@pytest.mark.parametrize("image, files, run, version, log_line", [
+    ("golang:1.22-bookworm", GO_PROGRAM,
+     "go version > /version.txt && go build -o /usr/local/bin/hello . && hello > /out.txt",
+     "go version go1.22.", "FROM golang:1.22-bookworm -> go 1.22."),
+    ("node:22-bookworm-slim", {"main.js": "console.log('hi')\n"},
+     "node --version > /version.txt && node main.js > /out.txt && npm --version",
+     "v22.", "FROM node:22-bookworm-slim -> Node.js 22."),
+])
+def test_a_tag_with_a_release_builds_with_that_release(tmp_path, image_store, image, files,
+                                                       run, version, log_line):
     """ansible-ci-control-plane's `FROM golang:1.24-bookworm` over a base whose Go is older
-    (golang-bookworm's is 1.23, and its go.mod says `go 1.24`): the stage builds with the
-    tag's Go from PyPI (1.22 here: the newest 1.22.x, over a base with no Go at all)."""
+    (golang-bookworm's is 1.23, and its go.mod says `go 1.24`), token-revocation-freshness's
+    `FROM node:22-bookworm-slim` over one with Node.js 18: the stage builds with the tag's
+    release from PyPI (here over a base with neither)."""
     from tests.test_dockerfile import _build_task, _user_base
     from tests.test_tasks import make_task
 
-    user = _user_base(tmp_path, "nogo", "golang:*", (
+    name = image.split(":")[0]
+    user = _user_base(tmp_path, "bare", f"{name}:*", (
         "%environment\n    export PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin"
         ":/usr/sbin:/usr/bin:/sbin:/bin\n    export GOTOOLCHAIN=local\n"))
     task = make_task(tmp_path, **{"environment/Dockerfile": (
-        "FROM golang:1.22-bookworm\nWORKDIR /src\nCOPY go.mod main.go ./\n"
-        "RUN go version > /go.txt && go build -o /usr/local/bin/hello . && hello > /hello.txt\n"),
-        "environment/go.mod": "module hello\n\ngo 1.22\n",
-        "environment/main.go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hi") }\n'})
+        f"FROM {image}\nWORKDIR /src\nCOPY . ./\nRUN {run}\n"),
+        **{f"environment/{k}": v for k, v in files.items()}})
     _, result, sif, out = _build_task(tmp_path, image_store, task, user)
-    assert cat_sif(sif, "/go.txt", out).startswith("go version go1.22.")
-    assert cat_sif(sif, "/hello.txt", out) == "hi\n"
-    assert "usr/local/go/bin/go" in list_sif(sif)
-    assert "FROM golang:1.22-bookworm -> go 1.22." in image_store.path(result.log).read_text()
+    assert cat_sif(sif, "/version.txt", out).startswith(version)
+    assert cat_sif(sif, "/out.txt", out) == "hi\n"
+    assert log_line in image_store.path(result.log).read_text()
 
 
 def test_the_served_installers_are_well_formed_shell():

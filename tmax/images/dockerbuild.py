@@ -95,10 +95,11 @@ def stage_script(stage: Stage, clean: bool = True) -> str:
     if stand_ins:  # (the format and URLs: in the digest of the image, as the script is)
         out.append(f"# {installers.stamp(stand_ins)}")
     for n, stand in enumerate(stand_ins):
-        if stand.kind == "go-image":
-            out.append(f"echo {_q(f'tmax-build: line {stage.line}: FROM {stand.url}: its Go')}")
-            out.append(installers.GO_IMAGE_SH.format(
-                file=_q(f"{installers.SHIM_DIR}/files/{n}-go-image"), line=stage.line))
+        if stand.kind in installers.IMAGE_TOOLS:
+            tool = {"go-image": "Go", "node-image": "Node.js"}[stand.kind]
+            out.append(f"echo {_q(f'tmax-build: line {stage.line}: FROM {stand.url}: its {tool}')}")
+            out.append(installers.image_tool_line(
+                stand.kind, _q(f"{installers.SHIM_DIR}/files/{n}-{stand.kind}"), stage.line))
     for step in stage.steps:
         if isinstance(step, Workdir):
             out.append(f"# line {step.line}: WORKDIR {step.path}")

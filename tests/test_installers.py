@@ -70,7 +70,9 @@ def test_a_stage_from_a_golang_tag_with_a_release_gets_that_go(monkeypatch):
     node = stage_script(stages[4])
     assert node.index(f"tar -xzf {installers.SHIM_DIR}/files/0-node-image -C /usr/local") < \
         node.index("npm ci")
+    assert "NODE_OPTIONS=--use-openssl-ca" in node  # (it reads the build machine's CAs)
     assert "node-image" not in stage_script(stages[5])
+    assert "NODE_OPTIONS" not in stage_script(stages[0]) + stage_script(stages[5])
     assert "golang:1.24-bookworm" in installers.stamp(found)  # (in the image digest)
     monkeypatch.setenv(installers.MODE_ENV, "network")
     assert installers.find(stages) == []
@@ -283,7 +285,11 @@ GO_PROGRAM = {"go.mod": "module hello\n\ngo 1.22\n",
      "go version > /version.txt && go build -o /usr/local/bin/hello . && hello > /out.txt",
      "go version go1.22.", "FROM golang:1.22-bookworm -> go 1.22."),
     ("node:22-bookworm-slim", {"main.js": "console.log('hi')\n"},
-     "node --version > /version.txt && node main.js > /out.txt && npm --version",
+     # npm reaches its registry through this machine's proxy, if any, as pip does, even where
+     # the Dockerfile points NODE_EXTRA_CA_CERTS at its author's missing proxy certificate
+     # (opportunity-web's ENV): official Node.js builds then read SSL_CERT_FILE
+     ("node --version > /version.txt && node main.js > /out.txt && NODE_EXTRA_CA_CERTS="
+      "/usr/local/share/ca-certificates/fwdproxy.crt npm view is-number@7.0.0 version"),
      "v22.", "FROM node:22-bookworm-slim -> Node.js 22."),
 ])
 def test_a_tag_with_a_release_builds_with_that_release(tmp_path, image_store, image, files,

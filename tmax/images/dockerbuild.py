@@ -14,9 +14,10 @@ both build what Docker builds, in Docker's order:
 - RUN steps that download a vendor's installer (astral.sh's uv, Go, NodeSource, rustup)
   get a stand-in from the package registries (tmax.images.installers);
 - RUN steps trust the certificates the build machine trusts (``CA_VARIABLES`` pointing at a
-  copy staged as ``ca.crt``, unless the Dockerfile sets them): a machine that reaches the
-  package registries only through a proxy with its own authority builds as one that does
-  not;
+  copy staged as ``ca.crt``, unless the Dockerfile sets them; with a Node.js stand-in,
+  ``NODE_OPTIONS=--use-openssl-ca`` too, so that Node reads ``SSL_CERT_FILE``): a machine
+  that reaches the package registries only through a proxy with its own authority builds as
+  one that does not;
 - the staging folder is removed at the end, so the image holds only what Docker's would.
 """
 
@@ -94,6 +95,10 @@ def stage_script(stage: Stage, clean: bool = True) -> str:
     stand_ins = installers.find([stage])
     if stand_ins:  # (the format and URLs: in the digest of the image, as the script is)
         out.append(f"# {installers.stamp(stand_ins)}")
+    if any(s.kind in ("node", "node-image") for s in stand_ins):
+        # the official Node.js builds these serve trust their own list, not SSL_CERT_FILE,
+        # unless told to use OpenSSL's (as Debian's nodejs does)
+        out.append('[ -n "$TMAX_CA" ] && TMAX_CA="$TMAX_CA NODE_OPTIONS=--use-openssl-ca"')
     for n, stand in enumerate(stand_ins):
         if stand.kind in installers.IMAGE_TOOLS:
             tool = {"go-image": "Go", "node-image": "Node.js"}[stand.kind]

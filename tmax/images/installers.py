@@ -146,8 +146,9 @@ def image_tool_line(kind: str, file: str, line: int) -> str:
 
 
 def find(stages: Iterable[Stage]) -> list[StandIn]:
-    """The stand-ins the RUN steps of ``stages`` need, and the Go of a stage FROM
-    golang:<version>, in order, none twice; none when ``$TMAX_INSTALLERS`` is ``network``."""
+    """The stand-ins the RUN steps of ``stages`` need, and the release of a stage FROM one
+    of ``IMAGE_TOOLS``' tags (golang:<version>, node:<major>), in order, none twice; none
+    when ``$TMAX_INSTALLERS`` is ``network``."""
     from tmax.images.bases import normalize
 
     if mode() == "network":

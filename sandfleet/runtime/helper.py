@@ -20,8 +20,9 @@ leader's child. It
    capabilities left on the host) and execs the given argv (bwrap).
 
 ``enter`` runs a command inside a running sandbox (in place of ``nsenter``): it joins the
-sandbox's cgroups, enters its user namespace first and then its mount, pid, network, ipc,
-uts and cgroup namespaces (no user namespaces can be made below the sandbox's), becomes root *of that namespace* (the sandbox's unprivileged
+sandbox's cgroups, enters its network namespace, then its user namespace and then its
+mount, pid, ipc, uts and cgroup namespaces (no user namespaces can be made below the
+sandbox's), becomes root *of that namespace* (the sandbox's unprivileged
 uid on the host), changes root to the sandbox's, drops every capability a container does
 not need (bounding set included: no ``CAP_SYS_ADMIN``, so no mounts, no cgroup or
 namespace tricks; ``setns`` into a user namespace hands out a full set, which is why this
@@ -54,9 +55,12 @@ VERIFIER_TOOLS = "/.tmax/verifier"
 agent by an empty read-only mount, shown to the verifier (see the runtime's ``verify``)."""
 RESERVE_FILES, RESERVE_BYTES = 8, 64 << 10
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
-NAMESPACES = (("user", 0x10000000), ("mnt", CLONE_NEWNS), ("pid", 0x20000000),
-              ("net", 0x40000000), ("ipc", 0x08000000), ("uts", 0x04000000),
+NAMESPACES = (("net", 0x40000000), ("user", 0x10000000), ("mnt", CLONE_NEWNS),
+              ("pid", 0x20000000), ("ipc", 0x08000000), ("uts", 0x04000000),
               ("cgroup", 0x02000000))
+"""In the order ``enter`` joins them: the network first, while still host root (a
+verifier's is its sandbox's, whose user namespace is not the verifier's: from inside the
+verifier's, it could not be joined), then the user namespace, which owns the rest."""
 # What a container keeps (Docker's default set): chown, dac_override, fowner, fsetid, kill,
 # setgid, setuid, setpcap, net_bind_service, net_raw, sys_chroot, mknod, audit_write,
 # setfcap. Notably absent: sys_admin, sys_ptrace, sys_module, sys_rawio, net_admin,
@@ -325,11 +329,14 @@ def enter(spec: dict) -> int:
     drop_capabilities(last=last_cap)
     env, argv, cwd = spec["env"], spec["argv"], spec["cwd"]
     if spec.get("user"):  # its capabilities go with root, as in a container
-        uid, gid, groups, home = resolve_user(spec["user"])
+        if spec["user"].startswith("#"):  # "#uid:gid:groups", resolved by the caller
+            uid, gid, groups = _ids(spec["user"][1:])
+        else:
+            uid, gid, groups, home = resolve_user(spec["user"])
+            env = {**env, "HOME": home}
         os.setgroups(groups)
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
-        env = {**env, "HOME": home}
     pid = os.fork()
     if pid == 0:
         default_signals(signal)
@@ -352,6 +359,17 @@ def enter(spec: dict) -> int:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
+
+
+def _ids(text: str) -> tuple[int, int, list[int]]:
+    """uid, gid and groups from "uid:gid:g1,g2" (``user_ids``)."""
+    uid, gid, groups = text.split(":")
+    return int(uid), int(gid), [int(g) for g in groups.split(",") if g]
+
+
+def user_ids(uid: int, gid: int, groups: list[int]) -> str:
+    """``enter``'s user for ids resolved beforehand (its HOME is then the caller's)."""
+    return f"#{uid}:{gid}:{','.join(map(str, groups))}"
 
 
 def execvpe(argv: list[str], env: dict[str, str]) -> None:
@@ -408,29 +426,35 @@ def _db(path: str) -> list[list[str]]:
         return []
     finally:
         os.close(fd)
+    return db_lines(text)
+
+
+def db_lines(text: str) -> list[list[str]]:
+    """The entries of an /etc/passwd or /etc/group text, as their colon-separated fields."""
     return [line.split(":") for line in text.splitlines() if line.count(":") >= 3]
 
 
-def resolve_user(user: str) -> tuple[int, int, list[int], str]:
-    """Docker's USER (``name|uid[:group|gid]``) in the current root: uid, gid, groups
-    (without a group given, the user's memberships in /etc/group too, as initgroups) and
-    home.
-    A name that is not there is an OSError; a uid that is not there runs with gid 0 and
-    home /, as Docker does."""
+def resolve_user(user: str, dbs: tuple[list[list[str]], list[list[str]]] | None = None,
+                 where: str = "sandbox") -> tuple[int, int, list[int], str]:
+    """Docker's USER (``name|uid[:group|gid]``) in the current root (or in ``dbs``, the
+    entries of an /etc/passwd and an /etc/group: ``db_lines``): uid, gid, groups (without a
+    group given, the user's memberships in /etc/group too, as initgroups) and home.
+    A name that is not there is an OSError naming ``where`` it was looked for; a uid that is
+    not there runs with gid 0 and home /, as Docker does."""
     name, _, group = user.partition(":")
-    entry = next((e for e in _db("/etc/passwd")
+    passwd, groups = dbs if dbs is not None else (_db("/etc/passwd"), _db("/etc/group"))
+    entry = next((e for e in passwd
                   if (e[0] == name if not name.isdigit() else e[2] == name)), None)
     if entry is None and not name.isdigit():
-        raise OSError(f"no user {name!r} in the sandbox's /etc/passwd")
+        raise OSError(f"no user {name!r} in the {where}'s /etc/passwd")
     uid = int(entry[2]) if entry else int(name)
     gid = int(entry[3]) if entry and entry[3].isdigit() else 0
     home = entry[5] if entry and len(entry) > 5 and entry[5] else "/"
-    groups = _db("/etc/group")
     if group:
         found = next((g for g in groups if (g[2] == group if group.isdigit() else
                                              g[0] == group)), None)
         if found is None and not group.isdigit():
-            raise OSError(f"no group {group!r} in the sandbox's /etc/group")
+            raise OSError(f"no group {group!r} in the {where}'s /etc/group")
         gid = int(found[2]) if found else int(group)
         return uid, gid, [gid], home  # a group given: that group alone (runc's rule)
     login = entry[0] if entry else ""

@@ -15,8 +15,9 @@ Process tree of one sandbox (host view)::
       python3 helper.py seal -> bwrap      the uid-range lock; private mount namespace
         bash (pid 1 inside): ignores every signal, sleeps until <lifetime>, exits
 
-Commands enter with ``helper.py enter`` (user namespace first, then mount, pid, net, ipc,
-uts, cgroup; root of the namespace; capabilities dropped to a container's set) after
+Commands enter with ``helper.py enter`` (network namespace, then user namespace, then
+mount, pid, ipc, uts, cgroup; root of the namespace; capabilities dropped to a container's
+set; then the command's user, as ``docker exec -u`` would) after
 joining the sandbox's cgroups; inside, the command gets exactly the given environment.
 ``sandbox.json`` records the pids and their start times, so ``list_running``/``reap``/
 ``stop`` work from a fresh instance and never touch a reused pid or another owner's sandbox.
@@ -55,7 +56,9 @@ Enforced (threat model: an untrusted agent as root inside, a semi-trusted image)
   agent's final files but with the image's own system directories and tool configuration
   (``PRISTINE``) and the image's own copy of the folders its PATH names outside them (a
   venv in /opt: ``path_roots``), and writes its reward into a host folder only it has
-  mounted.
+  mounted. Its command runs as ``verify``'s ``user`` (Docker's USER, as the image's own
+  /etc/passwd and /etc/group name it, never the agent's copy), entered as the agent's
+  commands are, so a set-user-ID program of the image works in it as in Docker.
 
 Not enforced: no CPU time quota (pinning bounds parallelism only), no seccomp filter, no
 per-task network policy (``spec.network`` shares the host's network). Pids are checked by
@@ -103,7 +106,7 @@ from sandfleet.runtime.base import (
     write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
-from sandfleet.runtime.helper import VERIFIER_TOOLS
+from sandfleet.runtime.helper import VERIFIER_TOOLS, db_lines, resolve_user, user_ids
 
 log = logging.getLogger(__name__)
 
@@ -153,28 +156,41 @@ JOIN_SH = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shi
 # $2 at $1 (charged to the sandbox's memory cgroup, so what the verifier writes is bounded
 # and the agent, which cannot see it, cannot fill it) with a root folder "top" holding a
 # copy of the tests folder $4 as tests/, an empty logs folder and an empty file "empty",
-# all owned by $3; then the rest (bwrap, as the sandbox's uid); then what it left in logs
-# copied (links as links) to the host folder $5.
+# all owned by $3, the logs folder writable by all (as Harbor makes /logs/verifier); then
+# the rest (bwrap, as the sandbox's uid); then what it left in logs copied (links as links)
+# to the host folder $5.
 # With $6 (not "-"), the image's verifier tools $6 are at $v/tools, under an overlay whose
 # upper layer is on that tmpfs (writable for the verifier, e.g. a tool's cache; the image
-# is never written).
+# is never written); with $8 (not "-"), that overlay copies metadata only and its files
+# are owned by host ids $8 (the verifier's user: they are its tools, as its own cache
+# would be; links are not followed).
 VERIFIER_SH = ('v=$1 t=$4 l=$5; mount -t tmpfs -o "size=$2,mode=0755" tmpfs "$v" && '
                'mkdir "$v/top" && cp -a -- "$t" "$v/top/tests" && mkdir "$v/logs" '
                '"$v/top/dev" "$v/top/proc" && : > "$v/empty" && chown -R -- "$3" "$v" '
-               '|| exit 125; if [ "$6" != - ]; then mkdir "$v/tools" "$v/.up" "$v/.work" && '
+               '&& chmod 0777 "$v/logs" || exit 125; if [ "$6" != - ]; then meta=; '
+               'if [ "$8" != - ]; then meta=,metacopy=on; fi; '
+               'mkdir "$v/tools" "$v/.up" "$v/.work" && '
                'chown -- "$3" "$v/.up" && mount -t overlay overlay -o '
-               '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work" "$v/tools" || exit 125; fi; '
+               '"lowerdir=$6,upperdir=$v/.up,workdir=$v/.work$meta" "$v/tools" || exit 125; '
+               'if [ "$8" != - ]; then chown -R -h -P -- "$8" "$v/tools" || exit 125; fi; fi; '
                'if [ "$7" != - ]; then set -f; i=0; IFS=:; for low in $7; do '
                'mkdir "$v/r$i" "$v/.u$i" "$v/.w$i" && chown -- "$3" "$v/.u$i" && '
                'mount -t overlay overlay -o "lowerdir=$low,upperdir=$v/.u$i,workdir=$v/.w$i" '
                '"$v/r$i" || exit 125; i=$((i + 1)); done; unset IFS; set +f; fi; '
-               'shift 7; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
+               'shift 8; "$@"; code=$?; cp -a -- "$v/logs/." "$l/" || exit 125; exit $code')
 """The verifier's own mounts, made in the sandbox's mount namespace before it starts: a
 tmpfs ($1, size $2, owner $3) holding a copy of the tests ($4) and its logs (copied to $5 at
-the end); the image's verifier tools ($6, or -) and each of the image's PATH folders (the
-colon-separated $7, or -) under a writable overlay whose changes stay on that tmpfs; the
-verifier's root folder "top", into which bwrap binds the agent's top-level entries
-(``_verifier_view``)."""
+the end); the image's verifier tools ($6, or -; owned by $8 unless -) and each of the
+image's PATH folders (the colon-separated $7, or -) under a writable overlay whose changes
+stay on that tmpfs; the verifier's root folder "top", into which bwrap binds the agent's
+top-level entries (``_verifier_view``). The rest is bwrap holding the verifier's
+namespaces (``VERIFIER_HOLD``) until the runtime kills its pid 1."""
+VERIFIER_HOLD = ["/bin/bash", "-c", "kill -STOP $$"]
+"""What bwrap runs in the verifier's namespaces (its own init as pid 1 above it): a process
+that stops itself, so the namespaces stay until the runtime ends them. The verifier's
+command is entered into them (``helper.py enter``), not run by bwrap, whose
+no_new_privs it would inherit: a set-user-ID program of the image must work for a
+verifier that runs as the image's user, as under Docker."""
 TOP_LEVEL_MAX = 512
 """An agent root with more top-level entries than this is bound whole as the verifier's /
 (one mount, not one per entry on bwrap's command line, which the kernel bounds), its
@@ -766,7 +782,7 @@ class LocalRuntime(CommandRuntime):
 
     def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
                timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
-               agent_system: bool = False) -> ExecResult:
+               agent_system: bool = False, user: str = "") -> ExecResult:
         """Run ``command`` (the task's verifier) beside the sandbox, in a process tree of
         its own that no agent process can see, signal or trace: new pid, mount, ipc, uts
         and user namespaces, the sandbox's network. Its root is a folder of its own holding
@@ -785,9 +801,21 @@ class LocalRuntime(CommandRuntime):
         live root that is, stays frozen until the verifier ends; so it does where its
         files cannot be made immutable. Unless ``agent_system``, the folders that
         ``env``'s PATH names outside ``PRISTINE`` (a venv's, /root/.local: ``path_roots``)
-        are the image's too, where the image has them."""
+        are the image's too, where the image has them.
+
+        ``command`` runs as ``user`` (Docker's USER; "" for root) as the image's own
+        /etc/passwd and /etc/group name it, not the agent's copies (which the agent may
+        have rewritten, to choose who grades it), with that user's home as HOME unless
+        ``env`` sets one: as ``docker exec -u`` (or Harbor's verifier as the image's USER)
+        runs it; a non-root user gets no capabilities, and the verifier tools' overlay
+        is its own. A user the image does not name exits 126 with why, as Docker's exec
+        fails."""
         record = self._live(sandbox_id)
         self._check_monitor(record)
+        try:
+            ids = self._image_user(record, user) if user else None
+        except OSError as e:
+            return ExecResult(f"sandfleet verify: {e}\n", 126, False, False, 0.0)
         logs = Path(logs)
         logs.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="verify-", dir=self._dir(sandbox_id)) as tmp:
@@ -795,11 +823,32 @@ class LocalRuntime(CommandRuntime):
             shutil.copytree(tests, staged, symlinks=True)
             size_mb = (_tree_bytes(staged) >> 20) + VERIFIER_SPACE_MB
             return self._run_verifier(record, staged, logs, size_mb, command, timeout=timeout,
-                                      cwd=cwd, env=env, agent_system=agent_system)
+                                      cwd=cwd, env=env, agent_system=agent_system, ids=ids,
+                                      setup_log=Path(tmp) / "setup.log")
+
+    def _image_user(self, record: SandboxRecord, user: str) -> tuple[int, int, list[int], str]:
+        """``user``'s uid, gid, groups and home as the image's /etc/passwd and /etc/group
+        name them (read through the sandbox's mount namespace, no link followed); an
+        OSError for a name the image has not, or an id outside the sandbox's range."""
+        image = str(self.mnt / "image")
+        fix = _ViewFixer(f"/proc/{record.monitor_pid()}/root", record.uid_base, "")
+        texts = [fix.read(f"{image}/etc/{name}", 1 << 20) if fix.is_dir(f"{image}/etc")
+                 else "" for name in ("passwd", "group")]
+        uid, gid, groups, home = resolve_user(user, (db_lines(texts[0]), db_lines(texts[1])),
+                                              where="image")
+        if not all(0 <= i < UID_COUNT for i in (uid, gid, *groups)):
+            raise OSError(f"user {user!r} has ids outside the sandbox's 0-{UID_COUNT - 1}")
+        return uid, gid, groups, home
 
     def _run_verifier(self, record: SandboxRecord, tests: Path, logs: Path, size_mb: int,
                       command: list[str], *, timeout: float, cwd: str | None,
-                      env: dict[str, str] | None, agent_system: bool) -> ExecResult:
+                      env: dict[str, str] | None, agent_system: bool,
+                      ids: tuple[int, int, list[int], str] | None,
+                      setup_log: Path) -> ExecResult:
+        """bwrap builds the verifier's namespaces and holds them (``VERIFIER_HOLD``); the
+        command is entered into them as ``ids`` (None: root) and, once it has ended, the
+        hold's pid 1 is killed, which ends whatever the command left there; then
+        ``VERIFIER_SH`` copies the logs out."""
         freezer = Path(self.cgroups.paths(self._cgroup_name(record.sandbox_id))["freezer"])
         if not Cgroups.freeze(freezer, True):  # it cannot be kept from racing: end it
             log.warning("sandbox %s: agent would not freeze; killing its processes",
@@ -811,7 +860,8 @@ class LocalRuntime(CommandRuntime):
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         fds = {info_r, info_w, block_r, block_w}
-        started = {}
+        host: subprocess.Popen | None = None
+        hold = -1  # a pidfd of the hold's pid 1
 
         def close(fd: int) -> None:  # once: another thread may get the number next
             if fd in fds:
@@ -826,8 +876,9 @@ class LocalRuntime(CommandRuntime):
             # (more than TOP_LEVEL_MAX names at /), it stays frozen until the verifier ends
             frozen = spec.root == str(self.mnt / "root") or not guards.hold(
                 f"{self.mnt / 'root'}{path}" for path in guarded)
-            env = {"PATH": DEFAULT_PATH, "HOME": "/root", "PYTHONNOUSERSITE": "1",
-                   **VERIFIER_ENV, **(env or {})}
+            uid = ids[0] if ids else 0
+            env = {"PATH": DEFAULT_PATH, "HOME": ids[3] if ids else "/root",
+                   "PYTHONNOUSERSITE": "1", **VERIFIER_ENV, **(env or {})}
             for key, value in spec.env.items():  # the tools' settings, on top
                 env[key] = value.replace("$PATH", env.get(key, "")) if key == "PATH" else value
             if not agent_system:  # the agent's folders on PATH can no longer shadow the image's
@@ -835,8 +886,8 @@ class LocalRuntime(CommandRuntime):
                                             [d for _, d in spec.ro_binds + spec.binds])
             bwrap = sandbox_bwrap(root=spec.root, network=True,
                                   hostname=record.spec["hostname"], info_fd=info_w,
-                                  block_fd=block_r, command=list(command), binds=spec,
-                                  cwd=cwd or record.spec["workdir"], env=env)
+                                  block_fd=block_r, command=VERIFIER_HOLD, binds=spec,
+                                  cwd="/", env={"PATH": DEFAULT_PATH})
             base = record.uid_base
             tools = "-"
             if any(dest == VERIFIER_TOOLS for _, dest in spec.binds):
@@ -851,35 +902,57 @@ class LocalRuntime(CommandRuntime):
                      "sh", "-c", VERIFIER_SH, "sh", str(self.mnt / "verifier"), f"{size_mb}m",
                      f"{base}:{base}", str(tests), str(logs), tools,
                      ":".join(overlays) or "-",
+                     f"{base + uid}:{base + ids[1]}" if ids and uid else "-",
                      "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                     + bwrap)
-
-            def on_start(proc: subprocess.Popen) -> None:
-                close(info_w)
-                close(block_r)
-                deadline = time.monotonic() + self.start_timeout_s
-                child = self._userns_ready(info_r, block_w, base, deadline)
-                while child and not _command_started(child) \
-                        and proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.002)  # its mounts are in place once the command runs
-                started["child"] = child
-                if not child:  # its host side may still be making mounts: end it first
-                    kill_group(proc.pid)
-                if not frozen or not child:
-                    Cgroups.freeze(freezer, False)
-
+            with open(setup_log, "wb") as out:
+                host = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, env=self._host_env(),
+                                        start_new_session=True, pass_fds=(info_w, block_r))
+            close(info_w)
+            close(block_r)
+            deadline = time.monotonic() + self.start_timeout_s
+            child = self._userns_ready(info_r, block_w, base, deadline)
+            try:
+                hold = os.pidfd_open(child) if child else -1
+            except ProcessLookupError:
+                child = None
+            while child and not _command_started(child) \
+                    and host.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)  # its mounts are in place once the hold runs
+            if not frozen or not child or not _command_started(child):
+                Cgroups.freeze(freezer, False)
+            if not child or not _command_started(child):
+                kill_group(host.pid)  # its host side may still be making mounts
+                host.wait()
+                tail = setup_log.read_text(errors="replace")[-1500:]
+                raise SandboxStartError(record.sandbox_id, f"verifier did not start: {tail}")
+            who = user_ids(uid, ids[1], ids[2]) if ids else ""
             output, code, timed_out, seconds = run_capture(
-                argv, timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
-                pass_fds=(info_w, block_r), on_start=on_start)
+                enter_argv(init_pid=child, cgroup_procs=self._procs_files(record, freezer=False),
+                           cpus=self._cpus(record), cwd=cwd or record.spec["workdir"], env=env,
+                           argv=list(command), user=who),
+                timeout=timeout, env=self._host_env(), limit=self.max_output_bytes)
+            _pidfd_kill(hold)  # the verifier's processes end with its pid 1
+            try:
+                copied = host.wait(timeout=self.copy_timeout_s)  # its logs copied out
+            except subprocess.TimeoutExpired:
+                copied = -1
+            if copied == 125:
+                tail = setup_log.read_text(errors="replace")[-1500:]
+                output += f"\nsandfleet verify: its logs were not all copied: {tail}"
         finally:
+            if host is not None and host.poll() is None:
+                _pidfd_kill(hold)
+                kill_group(host.pid)
+                host.wait()
+            if hold >= 0:
+                os.close(hold)
             guards.release()
             Cgroups.freeze(freezer, False)  # (again, if it failed before: idempotent)
             for fd in sorted(fds):  # (a copy: close() changes the set)
                 close(fd)
         self._check_alive(record.sandbox_id)
-        if not started.get("child"):
-            raise SandboxStartError(record.sandbox_id,
-                                    f"verifier did not start: {output[-1500:]}")
         return ExecResult(output, code, timed_out, False, seconds)
 
     def _check_monitor(self, record: SandboxRecord) -> None:
@@ -1306,6 +1379,15 @@ def _tools_env(text: str) -> dict[str, str]:
 
 def _pristine_etc(name: str) -> bool:
     return name in PRISTINE_ETC or name.startswith(PRISTINE_ETC_PREFIXES)
+
+
+def _pidfd_kill(fd: int) -> None:
+    """SIGKILL to the process of pidfd ``fd`` (-1: none), if it is still there."""
+    if fd >= 0:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _command_started(bwrap_child: int) -> bool:

@@ -350,19 +350,20 @@ class AsyncLease:
 
     async def verify(self, tests: str | os.PathLike, command: list[str], *, timeout: float,
                      dest: str | os.PathLike, cwd: str | None = None,
-                     env: dict[str, str] | None = None,
-                     agent_system: bool = False) -> tuple[ExecResult, Path]:
+                     env: dict[str, str] | None = None, agent_system: bool = False,
+                     user: str = "") -> tuple[ExecResult, Path]:
         """Run a task's verifier beside the sandbox: host folder ``tests`` is its /tests,
-        ``command`` runs in a process tree the agent cannot reach (on the local runtime;
-        see ``sandfleet.runtime.local``), and what it leaves in /logs/verifier lands in
-        host folder ``dest`` (which must not exist). The verifier's result and ``dest``."""
+        ``command`` runs as ``user`` (Docker's USER as the image names it; "" for root) in a
+        process tree the agent cannot reach (on the local runtime; see
+        ``sandfleet.runtime.local``), and what it leaves in /logs/verifier lands in host
+        folder ``dest`` (which must not exist). The verifier's result and ``dest``."""
         tests = Path(tests)
         if not tests.is_dir():
             raise FileNotFoundError(f"verify: {tests} is not a folder")
         data = await asyncio.to_thread(_tar_of, tests, "tests")
         message = Verify(id=new_id(), lease_id=self.lease_id, name="tests",
                          command=list(command), cwd=cwd, env=env or {}, timeout=timeout,
-                         agent_system=agent_system)
+                         agent_system=agent_system, user=user)
         result, logs = await self._call(message, data, timeout=timeout + 120)
         reply = parse_result(VerifyReply, result)
         out = await asyncio.to_thread(_untar_to, logs, Path(dest))

@@ -505,7 +505,8 @@ class Worker:
                 logs.mkdir()
                 result = self.runtime.verify(req.lease_id, list(req.command), tests=tests,
                                              logs=logs, timeout=req.timeout, cwd=req.cwd,
-                                             env=dict(req.env), agent_system=req.agent_system)
+                                             env=dict(req.env), agent_system=req.agent_system,
+                                             user=req.user)
                 return result, tar_bounded(logs, "verifier", MAX_PAYLOAD_BYTES)
 
         result, data = await self._pinned(held, work)

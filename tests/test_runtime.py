@@ -535,6 +535,101 @@ def test_verifier_tools_are_hidden_from_the_agent_and_given_to_the_verifier(
         runtime.stop("tools")
 
 
+@pytest.fixture(scope="module")
+def user_sif(base_sif, tmp_path_factory) -> Path:
+    """The base image plus a user ``grader`` (uid 1000, group 1000, also in group 1001), a
+    root-only /var/lib/secret, a set-user-ID-root ``peek`` (a copy of cat) that reads it, and
+    verifier tools with a cache (as an image whose Dockerfile ends ``USER grader``)."""
+    from sandfleet.runtime import sif
+
+    root = tmp_path_factory.mktemp("user-image") / "root"
+    sif.extract(base_sif, root)
+    with open(root / "etc" / "passwd", "a") as f:
+        f.write("grader:x:1000:1000::/home/grader:/bin/bash\n")
+    with open(root / "etc" / "group", "a") as f:
+        f.write("grader:x:1000:\nstaff2:x:1001:grader\n")
+    (root / "home" / "grader").mkdir(parents=True)
+    os.chown(root / "home" / "grader", 1000, 1000)
+    secret = root / "var" / "lib" / "secret"
+    secret.mkdir(parents=True)
+    (secret / "rate").write_text("0.7\n")
+    secret.chmod(0o700)
+    peek = root / "usr" / "local" / "bin" / "peek"
+    shutil.copy(root / "usr" / "bin" / "cat", peek)
+    peek.chmod(0o4755)
+    tools = root / ".tmax" / "verifier"
+    (tools / "cache").mkdir(parents=True)
+    (tools / "cache" / ".lock").write_text("")
+    (tools / "env").write_text("TOOL_CACHE=/.tmax/verifier/cache\n")
+    return sif.pack(root, root.parent / "user.sif")
+
+
+@pytest.mark.sandbox
+def test_the_verifier_runs_as_the_user_the_image_names(runtime, user_sif, tmp_path):
+    """``verify(user=...)`` as ``docker exec -u`` (Harbor's verifier as the image's USER):
+    the image's ids and home, no capabilities, the image's set-user-ID programs work,
+    /logs/verifier and the tools' cache are writable, root's files are not; the agent's
+    rewritten /etc/passwd does not choose the verifier's ids; a user the image does not
+    name exits 126, as Docker's exec fails."""
+    runtime.start("graded", SandboxSpec(image=user_sif, user="grader", workdir="/tmp"))
+    try:
+        # the agent (root here: the copy runs as root) makes grader uid 0 in its /etc/passwd
+        forged = run(runtime, "graded", "id -u")
+        assert forged.output == "1000\n"
+        (tmp_path / "passwd").write_text("root:x:0:0::/root:/bin/bash\n"
+                                         "grader:x:0:0::/root:/bin/bash\n")
+        runtime.copy_in("graded", tmp_path / "passwd", "/etc/passwd")
+        assert run(runtime, "graded", "grep -c ':0:0:' /etc/passwd").output == "2\n"
+        tests = tmp_path / "tests"
+        tests.mkdir()
+        (tests / "test.sh").write_text(
+            "id -u; id -g; id -G; echo $HOME; grep CapEff /proc/self/status\n"
+            "peek /var/lib/secret/rate\n"
+            "cat /var/lib/secret/rate 2>/dev/null || echo no-read\n"
+            "touch /etc/planted 2>/dev/null || echo no-write\n"
+            "echo x > $TOOL_CACHE/entry && : >> $TOOL_CACHE/.lock && echo cache-ok\n"
+            "echo 1 > /logs/verifier/reward.txt\n")
+        result = runtime.verify("graded", ["/bin/bash", "/tests/test.sh"], tests=tests,
+                                logs=tmp_path / "logs", timeout=60, user="grader")
+        assert result.exit_code == 0, result.output
+        assert result.output.splitlines() == [
+            "1000", "1000", "1000 1001", "/home/grader", "CapEff:\t0000000000000000",
+            "0.7", "no-read", "no-write", "cache-ok"], result.output
+        assert (tmp_path / "logs" / "reward.txt").read_text() == "1\n"
+        assert (tmp_path / "logs" / "reward.txt").stat().st_uid != 0  # (the sandbox's ids)
+        as_root = runtime.verify("graded", ["/bin/sh", "-c", "id -u; cat /var/lib/secret/rate"],
+                                 tests=tests, logs=tmp_path / "logs-root", timeout=60)
+        assert as_root.output == "0\n0.7\n"
+        by_uid = runtime.verify("graded", ["/bin/sh", "-c", "id -u; id -g; echo $HOME"],
+                                tests=tests, logs=tmp_path / "logs-uid", timeout=60,
+                                user="4242:1001")
+        assert by_uid.output == "4242\n1001\n/\n"
+        unknown = runtime.verify("graded", ["true"], tests=tests, logs=tmp_path / "logs-x",
+                                 timeout=60, user="nobody-here")
+        assert unknown.exit_code == 126
+        assert "no user 'nobody-here' in the image's /etc/passwd" in unknown.output
+    finally:
+        runtime.stop("graded")
+
+
+@pytest.mark.sandbox
+def test_a_verifier_starts_in_its_folder_even_where_the_agent_removed_it(runtime, make,
+                                                                          tmp_path):
+    """What the agent left is graded (a 0 it earned), never a verifier that could not start
+    (an error, left out of training, which an agent could choose by removing its folder)."""
+    sid = make(workdir="/tmp")
+    (tmp_path / "work").mkdir()
+    runtime.copy_in(sid, tmp_path / "work", "/srv/work")
+    gone = run(runtime, sid, "cd /srv/work && pwd; rm -rf /srv; ls /srv 2>&1 | grep -c 'No such'")
+    assert gone.output == "/srv/work\n1\n"
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text("pwd; ls -A | wc -l\n")
+    result = runtime.verify(sid, ["/bin/sh", "/tests/test.sh"], tests=tests,
+                            logs=tmp_path / "logs", timeout=60, cwd="/srv/work")
+    assert (result.exit_code, result.output) == (0, "/srv/work\n0\n")
+
+
 @pytest.mark.sandbox
 def test_a_sandbox_with_the_network_runs_commands_and_copies(runtime, make, tmp_path):
     """``network`` shares the host's network namespace: entering must not try to enter it

@@ -1,10 +1,11 @@
 """The Dockerfile's final USER (or Harbor's ``[agent] user``): the agent's commands and the
 reference solution run as that user, as in Docker, without root's powers over the image's
-root-only files; the verifier runs as root, and git trusts the repositories the user owns
-(as Harbor's verifier, which runs as that user, would). A root agent could read what such a task guards
-(a real task: purple29th-tbench-2's git-bisect-flaky-test keeps its answers in a root-only
-folder). Unlike Docker, a setuid program does not raise a user's privileges: the sandbox's
-mounts are nosuid (bubblewrap's), which that task's helper needs.
+root-only files; so does the verifier (or as Harbor's ``[verifier] user``), as Harbor runs
+it, and git trusts the repositories the user owns. A root agent could read what such a task
+guards (a real task: purple29th-tbench-2's git-bisect-flaky-test keeps its answers in a
+root-only folder, which its verifier reads through a set-user-ID helper of the image: such
+a helper works for the verifier, as under Docker). Unlike Docker, a setuid program does not
+raise the agent's privileges: the sandbox's mounts are nosuid (bubblewrap's).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ TEST_SH = """\
 #!/bin/bash
 mkdir -p /logs/verifier
 ok=1
-[ "$(id -u)" = 0 ] || ok=0
+[ "$(id -un)" = agent ] || ok=0  # the verifier too runs as the image's USER
+cat /var/lib/answers/secret >/dev/null 2>&1 && ok=0  # with that user's powers
 [ "$(cat /app/who 2>/dev/null)" = agent ] || ok=0
 [ "$(stat -c %U /app/answer.txt 2>/dev/null)" = agent ] || ok=0
 [ "$(cat /app/direct 2>/dev/null)" = denied ] || ok=0
@@ -73,13 +75,34 @@ def test_the_user_is_the_dockerfiles_final_user_unless_the_agent_section_names_o
     assert builds.plan(plain).user == ""
 
 
+def test_the_verifier_runs_as_the_final_user_unless_the_verifier_section_names_one(tmp_path):
+    """As Harbor: [verifier] user, else the image's USER (``docker exec`` without -u); the
+    [agent] user does not count. Checks made for another verifier user are not reused."""
+    from tmax.images.build import ImageBuilds, checks_inputs
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.store import ImageStore
+
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), LocalBuilder(tmp_path / "cache"))
+    task = load_task(user_task(tmp_path))
+    assert builds.plan(task).verifier_user() == "agent"
+    toml = '[metadata]\ndifficulty = "easy"\n[verifier]\nuser = {}\n[agent]\nuser = "root"\n'
+    for given, user in (('"nobody"', "nobody"), ("1000", "1000"), ('"root"', ""),
+                        ('"0:0"', "")):
+        named = load_task(user_task(tmp_path, f"v-{given.strip(chr(34))}",
+                                    **{"task.toml": toml.format(given)}))
+        assert (builds.plan(named).verifier_user(), builds.plan(named).user) == (user, "")
+        assert "verifier.user" not in {w.field for w in named.warnings}
+    assert builds.plan(load_task(make_task(tmp_path, "plain"))).verifier_user() == ""
+    assert checks_inputs(task, "agent") != checks_inputs(task) == checks_inputs(task, "")
+
+
 @pytest.fixture(scope="module")
 def user_store(tmp_path_factory, base_store):
     return checked_build(tmp_path_factory.mktemp("user"), base_store, user_task)
 
 
 @pytest.mark.sandbox
-def test_the_checks_run_the_solution_as_the_user_and_the_verifier_as_root(user_store):
+def test_the_checks_run_the_solution_and_the_verifier_as_the_user(user_store):
     passing_checks_log(*user_store)  # the oracle's files say who wrote them (TEST_SH)
 
 

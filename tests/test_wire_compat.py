@@ -125,10 +125,10 @@ REQUESTS = [
      '{"v":1,"id":"r12","token":"tok","type":"get","lease_id":"L1","path":"/logs"}'),
     (Verify(id="r13", token=TOKEN, lease_id="L1", name="tests",
             command=["bash", "/tests/test.sh"], cwd="/app", env={"B": "2"}, timeout=60.0,
-            agent_system=True), b"P",
+            agent_system=True, user="agent"), b"P",
      ('{"v":1,"id":"r13","token":"tok","type":"verify","lease_id":"L1","name":"tests",'
       '"command":["bash","/tests/test.sh"],"cwd":"/app","env":{"B":"2"},"timeout":60.0,'
-      '"agent_system":true}')),
+      '"agent_system":true,"user":"agent"}')),
 ]
 
 

@@ -129,9 +129,10 @@ class Runtime(Protocol):
 
     def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
                timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
-               agent_system: bool = False) -> ExecResult:
-        """Run a task's verifier: host folder ``tests`` is /tests, whatever it leaves in
-        /logs/verifier ends up in host folder ``logs``."""
+               agent_system: bool = False, user: str = "") -> ExecResult:
+        """Run a task's verifier as ``user`` (Docker's USER; "" for root): host folder
+        ``tests`` is /tests, whatever it leaves in /logs/verifier ends up in host folder
+        ``logs``."""
 
     def stop(self, sandbox_id: str) -> None:
         """Kill the sandbox and remove its state; a no-op when it is already gone."""
@@ -474,11 +475,12 @@ class CommandRuntime:
 
     def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
                timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
-               agent_system: bool = False) -> ExecResult:
+               agent_system: bool = False, user: str = "") -> ExecResult:
         """The verifier inside the sandbox itself, where a runtime cannot give it a process
         tree of its own: stale /logs/verifier and /tests removed, ``tests`` copied to
         /tests, ``command`` run, /logs/verifier copied to ``logs``. Not isolated from the
-        agent's processes (see the local runtime's ``verify`` for one that is)."""
+        agent's processes (see the local runtime's ``verify`` for one that is). ``user``
+        is not applied: such a runtime's commands run as its instance's one user."""
         clear = self._exec(sandbox_id, "rm -rf /logs/verifier /tests && mkdir -p /logs/verifier",
                            timeout=60, env=env, root=True)
         if clear.exit_code != 0:

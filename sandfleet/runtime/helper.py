@@ -1,5 +1,5 @@
 """The local runtime's privileged steps, run as host root in a process of their own:
-``python3 -I -S helper.py seal|enter SPEC_JSON``. Standard library only, no package
+``python3 -I -S helper.py seal|enter|suid ARGS``. Standard library only, no package
 imports (``-I -S``: nothing from the environment, the user or site-packages is read).
 
 ``seal`` builds one sandbox's root filesystem, then execs bubblewrap on it, as the sandbox
@@ -47,7 +47,7 @@ MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
 OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC = 1, 0o2000000
 AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
-MOUNT_ATTR_IDMAP = 0x00100000
+MOUNT_ATTR_IDMAP, MOUNT_ATTR_NOSUID, AT_SYMLINK_NOFOLLOW = 0x00100000, 0x2, 0x100
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 OOM_SCORE_ADJ = 500
 VERIFIER_TOOLS = "/.tmax/verifier"
@@ -144,6 +144,21 @@ def idmapped_bind(src: str, dest: str, userns_fd: int) -> None:
                              MOVE_MOUNT_F_EMPTY_PATH), f"move_mount to {dest}")
     finally:
         os.close(tree)
+
+
+def allow_setuid(pid: int, paths: list[str]) -> None:
+    """Clear ``nosuid`` on the mount points ``paths`` of process ``pid``'s mount namespace
+    (a verifier's: bwrap binds every folder nosuid, and the image's own set-user-ID
+    programs must work there as under Docker); no link is followed at a mount point."""
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNS), "setns mnt")
+    finally:
+        os.close(fd)
+    attr = MountAttr(0, MOUNT_ATTR_NOSUID, 0, 0)
+    for path in paths:
+        _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_SYMLINK_NOFOLLOW,
+                             ctypes.byref(attr), ctypes.sizeof(attr)), f"suid on {path}")
 
 
 def run(argv: list[str]) -> None:
@@ -472,6 +487,13 @@ def main() -> None:
             os.write(2, f"sandfleet enter: {e}\n".encode())
             code = 125
         os._exit(code)  # nothing to flush, nothing to finalize
+    if what == "suid":
+        try:
+            allow_setuid(int(sys.argv[2]), sys.argv[3:])
+        except (SealError, OSError, ValueError) as e:
+            os.write(2, f"sandfleet suid: {e}\n".encode())
+            os._exit(125)
+        os._exit(0)
     import json
 
     spec = json.loads(sys.argv[2])

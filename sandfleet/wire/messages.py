@@ -427,6 +427,10 @@ class Verify(Request):
     agent_system: bool = False
     """Let the verifier run the agent's system tools (/usr, /bin, /lib, /etc) instead of
     the image's: a task opts in when it grades what the agent installed."""
+    user: str = Field(default="", max_length=65,
+                      pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?)?$")
+    """Who the verifier's command runs as (Docker's USER, as the image names it; "" is
+    root)."""
 
 
 AnyRequest = Annotated[Ping | Acquire | Renew | Release | Status | Shutdown | Register

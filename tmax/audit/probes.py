@@ -312,7 +312,7 @@ class _Probes:
                                                workdir=self.workdir,
                                                user=self.prober.images.user(self.task)
                                                ) as lease:
-                shell = LeaseShell(lease)
+                shell = LeaseShell(lease, self.prober.images.verifier_user(self.task))
                 image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
                 if start := self.prober.images.start_command(self.task):  # its ENTRYPOINT
                     await shell.run(start, 60)

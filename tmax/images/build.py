@@ -83,21 +83,34 @@ class Plan:
     @property
     def user(self) -> str:
         """Who the agent's commands (and the reference solution) run as: the task's [agent]
-        user, else its Dockerfile's final USER; "" for root. The verifier runs as root."""
-        given = self.task.config.agent.user
-        if given is None:
-            return self.definition.user
-        return "" if str(given) in ("root", "0", "root:root", "0:0") else str(given)
+        user, else its Dockerfile's final USER; "" for root."""
+        return _user(self.task.config.agent.user, self.definition.user)
+
+    def verifier_user(self, separate: bool = False) -> str:
+        """Who tests/test.sh runs as, as Harbor runs it: the task's [verifier] user, else
+        the final USER of the image it runs in (``separate``: the separate verifier's,
+        where it has an image of its own); "" for root."""
+        image = self.verifier_image if separate and self.verifier_image else self.definition
+        return _user(self.task.config.verifier.user, image.user)
+
+
+def _user(given: str | int | None, image_user: str) -> str:
+    """A task's [agent] or [verifier] user, else the image's final USER; "" for root."""
+    if given is None:
+        return image_user
+    return "" if str(given) in ("root", "0", "root:root", "0:0") else str(given)
 
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def checks_inputs(task: Task) -> str:
+def checks_inputs(task: Task, verifier_user: str = "") -> str:
     """Digest of what a task's build-time checks read besides its image: tests/,
-    solution/, steps/ (a multi-step task's), and the verifier, agent and environment
-    settings (limits, network) and the steps'."""
+    solution/, steps/ (a multi-step task's), the verifier, agent and environment settings
+    (limits, network) and the steps', and who the verifier runs as where that is not
+    root (``Plan.verifier_user``: an image's final USER counts, as checks made when the
+    verifier always ran as root did not)."""
     parts = [tree_digest(d) if d.is_dir() else "-" for d in (task.tests_dir,
                                                              task.solution_dir,
                                                              task.root / "steps")]
@@ -106,7 +119,8 @@ def checks_inputs(task: Task) -> str:
                            task.config.environment.model_dump(mode="json"),
                            task.config.steps, task.config.multi_step_reward_strategy],
                           sort_keys=True)
-    return digest_of(BUILD_FORMAT, CHECKS_FORMAT, *parts, settings)
+    return digest_of(BUILD_FORMAT, CHECKS_FORMAT, *parts, settings,
+                     *([f"verifier user {verifier_user}"] if verifier_user else []))
 
 
 def _sif_lists(path: Path, member: str) -> bool:
@@ -338,7 +352,7 @@ class ImageBuilds:
         """A current image's result; its checks run again when they were made with other
         tests/, solution/ or settings (the image digest covers only what builds it)."""
         if check and self.checker is not None and entry.checks is not None and \
-                entry.checks.inputs != checks_inputs(plan.task):
+                entry.checks.inputs != checks_inputs(plan.task, plan.verifier_user()):
             entry = entry.model_copy(update={"checks": self._check(plan, entry)})
             self.store.update(lambda m: m.tasks.__setitem__(plan.task.task_id, entry))
         return BuildResult(plan.task.task_id, "cached", plan.digest,
@@ -368,10 +382,12 @@ class ImageBuilds:
         from tmax.images.checks import SandboxImage
 
         image = SandboxImage(self.store.path(entry.sif), entry.workdir,
-                             plan.definition.start_command, plan.user)
+                             plan.definition.start_command, plan.user, plan.verifier_user())
         vdef = plan.verifier_image
         verifier = SandboxImage(self.store.path(entry.verifier_sif), entry.verifier_workdir,
-                                vdef.start_command) if entry.verifier_sif and vdef else None
+                                vdef.start_command, vdef.user,
+                                plan.verifier_user(separate=True)
+                                ) if entry.verifier_sif and vdef else None
         return image, verifier
 
     def _check(self, plan: Plan, entry: ImageEntry) -> Checks | None:
@@ -381,7 +397,7 @@ class ImageBuilds:
         image, verifier = self.sandbox_images(plan, entry)
         checks = self.checker(plan.task, image, self.store.path(checks_log), verifier)
         checks.log = checks_log
-        checks.inputs = checks_inputs(plan.task)
+        checks.inputs = checks_inputs(plan.task, plan.verifier_user())
         return checks
 
     def _build_locked(self, plan: Plan, base: BaseEntry, start: float, check: bool

@@ -52,13 +52,18 @@ class SandboxImage:
     start: str = ""
     user: str = ""
     """Who its commands run as (``Plan.user``); "" for root."""
+    verifier_user: str = ""
+    """Who tests/test.sh runs as in a sandbox of it (``Plan.verifier_user``); "" for root."""
 
 
 class RuntimeBox:
     """A ``CheckSandbox`` over one sandbox of a runtime; logs what it runs."""
 
-    def __init__(self, runtime: Runtime, sandbox_id: str, workdir: str, log: list[str]):
+    def __init__(self, runtime: Runtime, sandbox_id: str, workdir: str, log: list[str],
+                 verifier_user: str = ""):
         self.runtime, self.id, self.workdir, self.log = runtime, sandbox_id, workdir, log
+        self.verifier_user = verifier_user
+        """Who test.sh runs as ("" for root); artifacts are collected as root."""
         self.env: dict[str, str] = {}
         """The image's environment, which the verifier gets (as Docker's exec would)."""
         self.base_path = DEFAULT_PATH
@@ -114,10 +119,13 @@ class RuntimeBox:
                                      env=verifier_env(self.env, self.base_path,
                                                       step.verifier_env if step
                                                       else verifier.env),
-                                     agent_system=verifier.agent_system)
+                                     agent_system=verifier.agent_system,
+                                     user=self.verifier_user)
         status = (f"[exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
                   f"{result.duration_s:.1f}s]")
-        self.log += ["$ verify: /bin/bash /tests/test.sh", result.output.rstrip(), status]
+        who = f" (as {self.verifier_user})" if self.verifier_user else ""
+        self.log += [f"$ verify{who}: /bin/bash /tests/test.sh", result.output.rstrip(),
+                     status]
         if result.timed_out:  # scores 0, as in rollouts (``tmax.rollout.run.grade``)
             self.log.append(f"{TIMED_OUT} after {timeout:g} s ([verifier] timeout_sec): "
                             "scores 0")
@@ -190,7 +198,7 @@ def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
     runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier,
                                         user=image.user))
     try:
-        box = RuntimeBox(runtime, sandbox_id, image.workdir, log)
+        box = RuntimeBox(runtime, sandbox_id, image.workdir, log, image.verifier_user)
         box.begin(image.start)
         yield box
     finally:

@@ -49,10 +49,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class LeaseShell:
-    """The harness's ``Shell`` (and file transfer) over a fleet lease."""
+    """The harness's ``Shell`` (and file transfer) over a fleet lease; ``verifier_user``:
+    who ``grade`` runs test.sh as ("" for root)."""
 
-    def __init__(self, lease: Any):
-        self.lease = lease
+    def __init__(self, lease: Any, verifier_user: str = ""):
+        self.lease, self.verifier_user = lease, verifier_user
 
     async def run(self, command: str, timeout: float):
         return await self.lease.run(command, timeout=timeout)
@@ -110,9 +111,16 @@ class TaskImages:
         plan = self.plan(task)
         return plan.verifier_image if verifier and plan.verifier_image else plan.definition
 
-    def user(self, task: Task) -> str:
-        """Who the agent's commands run as in the task's sandbox (``Plan.user``)."""
-        return self.plan(task).user
+    def user(self, task: Task, *, verifier: bool = False) -> str:
+        """Who the agent's commands run as in the task's sandbox (``Plan.user``;
+        ``verifier``: in a sandbox of its separate verifier, that image's final USER)."""
+        plan = self.plan(task)
+        return (plan.verifier_image or plan.definition).user if verifier else plan.user
+
+    def verifier_user(self, task: Task, *, separate: bool = False) -> str:
+        """Who test.sh runs as (``Plan.verifier_user``; ``separate``: in a sandbox of the
+        separate verifier's image)."""
+        return self.plan(task).verifier_user(separate)
 
     def start_command(self, task: Task, *, verifier: bool = False) -> str:
         """What a sandbox of the task's image (``verifier``: of its separate verifier's)
@@ -182,7 +190,7 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             traj.node = lease.grant.node
             traj.timings["queue"] = round(lease.grant.queued_s, 4)
             traj.timings["start"] = round(max(0.0, granted - t_ask - lease.grant.queued_s), 4)
-            shell = LeaseShell(lease)
+            shell = LeaseShell(lease, images.verifier_user(task))
             image_env = parse_probe((await shell.run(ENV_PROBE, 30)).output)
             base_path = image_env.get("PATH") or DEFAULT_PATH
             if start := images.start_command(task):  # the image's ENTRYPOINT
@@ -213,8 +221,11 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             venv = task.config.verifier_resources
             async with fleet.lease(vsif, cpus=venv.cpus, memory_mb=venv.memory_mb,
                                    storage_mb=venv.storage_mb, network=venv.network,
-                                   ttl_s=lease_ttl_s, workdir=vworkdir) as verifier_lease:
-                await _verify_separately(traj, task, LeaseShell(verifier_lease), vworkdir,
+                                   ttl_s=lease_ttl_s, workdir=vworkdir,
+                                   user=images.user(task, verifier=True)) as verifier_lease:
+                vshell = LeaseShell(verifier_lease,
+                                    images.verifier_user(task, separate=True))
+                await _verify_separately(traj, task, vshell, vworkdir,
                                          artifacts, Path(handoff.name),
                                          images.start_command(task, verifier=True))
             traj.timings["verifier"] = round(time.monotonic() - t_agent, 4)
@@ -411,7 +422,8 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
                                          ["/bin/bash", "/tests/test.sh"],
                                          timeout=timeout,
                                          dest=Path(tmp) / "verifier", cwd=workdir, env=env,
-                                         agent_system=verifier.agent_system)
+                                         agent_system=verifier.agent_system,
+                                         user=shell.verifier_user)
         output = result.output[-4000:]
         reward, error = None, ""
         if result.timed_out:

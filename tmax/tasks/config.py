@@ -248,7 +248,8 @@ class Verifier(_NetworkPolicy):
     as built: for tasks that grade what the agent installed. An agent can then change the
     tools that grade it (audits flag such tasks as hackable)."""
     user: str | int | None = None
-    """Harbor: the user tests/test.sh runs as (not applied: TMax's verifier runs as root)."""
+    """Harbor: the user tests/test.sh runs as, over the final USER of the image it runs in
+    (``tmax.images.build.Plan.verifier_user``)."""
     environment_mode: Literal["shared", "separate"] | None = None
     """Harbor 1.2+: "separate" runs test.sh in a fresh sandbox of its own, which gets only
     the ``artifacts`` (tests/Dockerfile its image, else the task's: ``Task.separate_verifier``)."""

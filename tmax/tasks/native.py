@@ -286,7 +286,6 @@ _NOT_APPLIED = {
     "environment.mcp_servers": "TMax's agents get no MCP servers",
     "environment.gpu_types": "any GPU the fleet has is used",
     "environment.tpu": "TMax's fleet has no TPUs",
-    "verifier.user": "tests/test.sh runs as the sandbox's root",
     "verifier.collect": "no collect hooks run",
 }
 """Harbor keys TMax reads and keeps but does not act on yet, and what happens instead."""

@@ -63,15 +63,15 @@ def test_enter_argv_is_exact():
                       user="agent:staff")
     helper = local._compiled.get(HELPER, HELPER)
     assert argv == [sys.executable, "-I", "-S", str(helper), "enter", "42", "2,3", "/app",
-                    "agent:staff", "2", "/cg/m/cgroup.procs", "/cg/p/cgroup.procs", "2", "A=1",
-                    "B=x=y", "ls", "-l"]
+                    "agent:staff", "500", "2", "/cg/m/cgroup.procs", "/cg/p/cgroup.procs", "2",
+                    "A=1", "B=x=y", "ls", "-l"]
     assert enter_spec(argv[5:]) == {
-        "init": 42, "cpus": [2, 3], "cwd": "/app", "user": "agent:staff",
+        "init": 42, "cpus": [2, 3], "cwd": "/app", "user": "agent:staff", "oom_score_adj": 500,
         "cgroup_procs": ["/cg/m/cgroup.procs", "/cg/p/cgroup.procs"],
         "env": {"A": "1", "B": "x=y"}, "argv": ["ls", "-l"]}
     root = enter_spec(enter_argv(init_pid=1, cgroup_procs=[], cpus=None, cwd="/", env={},
-                                 argv=["--", "x"])[5:])
-    assert (root["argv"], root["user"]) == (["--", "x"], "")
+                                 argv=["--", "x"], oom_score_adj=0)[5:])
+    assert (root["argv"], root["user"], root["oom_score_adj"]) == (["--", "x"], "", 0)
 
 
 def test_a_user_is_looked_up_as_docker_does(tmp_path, monkeypatch):
@@ -613,21 +613,27 @@ def test_the_verifier_runs_as_the_user_the_image_names(runtime, user_sif, tmp_pa
 
 
 @pytest.mark.sandbox
-def test_a_verifier_starts_in_its_folder_even_where_the_agent_removed_it(runtime, make,
-                                                                          tmp_path):
+def test_a_verifier_whose_folder_the_agent_removed_starts_in_root_and_is_graded(
+        runtime, make, tmp_path):
     """What the agent left is graded (a 0 it earned), never a verifier that could not start
-    (an error, left out of training, which an agent could choose by removing its folder)."""
+    (an error, left out of training, which an agent could choose by removing its folder or
+    putting a file there); Docker's exec would fail instead."""
     sid = make(workdir="/tmp")
     (tmp_path / "work").mkdir()
     runtime.copy_in(sid, tmp_path / "work", "/srv/work")
-    gone = run(runtime, sid, "cd /srv/work && pwd; rm -rf /srv; ls /srv 2>&1 | grep -c 'No such'")
-    assert gone.output == "/srv/work\n1\n"
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test.sh").write_text("pwd; ls -A | wc -l\n")
-    result = runtime.verify(sid, ["/bin/sh", "/tests/test.sh"], tests=tests,
-                            logs=tmp_path / "logs", timeout=60, cwd="/srv/work")
-    assert (result.exit_code, result.output) == (0, "/srv/work\n0\n")
+    (tests / "test.sh").write_text("pwd; echo 0 > /logs/verifier/reward.txt\n")
+    there = runtime.verify(sid, ["/bin/sh", "/tests/test.sh"], tests=tests,
+                           logs=tmp_path / "logs", timeout=60, cwd="/srv/work")
+    assert (there.exit_code, there.output) == (0, "/srv/work\n")
+    for leave in ("rm -rf /srv", "rm -rf /srv/work && touch /srv/work"):
+        run(runtime, sid, leave)
+        result = runtime.verify(sid, ["/bin/sh", "/tests/test.sh"], tests=tests,
+                                logs=tmp_path / leave.split()[-1].replace("/", "-"),
+                                timeout=60, cwd="/srv/work")
+        assert (result.exit_code, result.output) == (
+            0, "sandfleet verify: cannot enter /srv/work: started in /\n/\n"), leave
 
 
 @pytest.mark.sandbox

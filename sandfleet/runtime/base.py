@@ -296,13 +296,15 @@ def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
                 env: dict[str, str] | None = None, limit: int = MAX_OUTPUT_BYTES,
                 pass_fds: Sequence[int] = (),
                 on_start: Callable[[subprocess.Popen], None] | None = None,
+                on_timeout: Callable[[], None] | None = None,
                 ) -> tuple[str, int, bool, float]:
     """Run ``argv`` in its own process group: (output, exit code, timed out, seconds).
 
     ``pass_fds`` stay open in the child; ``on_start(proc)`` runs once it is started, before
     its output is read (the timeout counts from the start).
 
-    On timeout the whole group gets SIGKILL. Output is read until the command exits and
+    On timeout the whole group gets SIGKILL, then ``on_timeout()`` runs (to end what left
+    the group: a verifier's whole pid namespace). Output is read until the command exits and
     its pipe closes, or ``DRAIN_GRACE_S`` after it exits when a child that left the group
     still holds the pipe. A signal death is reported as 128+N, a timeout as 124.
     """
@@ -335,6 +337,8 @@ def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
             if exited_at is None and now >= deadline:
                 kill_members(proc.pid)  # the leader then reaps its child and exits
                 timed_out, deadline = True, float("inf")
+                if on_timeout is not None:
+                    on_timeout()
             for key, _ in sel.select(min(max(deadline - now, 0), 0.05)):
                 if key.fileobj is proc.stdout:
                     chunk = os.read(key.fd, 65536)

@@ -320,8 +320,8 @@ def enter(spec: dict) -> int:
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
-    with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice (the
-        f.write(str(OOM_SCORE_ADJ))                   # sandbox cannot go back below 0)
+    with open("/proc/self/oom_score_adj", "w") as f:  # the agent's: the OOM killer's first
+        f.write(str(spec["oom_score_adj"]))           # choice (it cannot go back below 0)
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
     # A namespace the sandbox shares with the host (the network, with ``network``) is one
@@ -411,15 +411,16 @@ def default_signals(signal) -> None:
 
 
 def enter_spec(args: list[str]) -> dict:
-    """``enter``'s arguments: INIT CPUS|- CWD USER|- N PROCS*N M ENV*M ARGV... (no JSON: it
-    runs on every command, and json's import costs more than the rest of its start-up)."""
-    n = int(args[4])
-    m = int(args[5 + n])
-    env = dict(item.split("=", 1) for item in args[6 + n:6 + n + m])
+    """``enter``'s arguments: INIT CPUS|- CWD USER|- OOM_SCORE_ADJ N PROCS*N M ENV*M ARGV...
+    (no JSON: it runs on every command, and json's import costs more than the rest of its
+    start-up)."""
+    n = int(args[5])
+    m = int(args[6 + n])
+    env = dict(item.split("=", 1) for item in args[7 + n:7 + n + m])
     return {"init": int(args[0]), "cpus": [int(c) for c in args[1].split(",")]
             if args[1] != "-" else None, "cwd": args[2],
-            "user": args[3] if args[3] != "-" else "", "cgroup_procs": args[5:5 + n],
-            "env": env, "argv": args[6 + n + m:]}
+            "user": args[3] if args[3] != "-" else "", "oom_score_adj": int(args[4]),
+            "cgroup_procs": args[6:6 + n], "env": env, "argv": args[7 + n + m:]}
 
 
 def _db(path: str) -> list[list[str]]:

@@ -106,7 +106,13 @@ from sandfleet.runtime.base import (
     write_json_atomic,
 )
 from sandfleet.runtime.bwrap import DEFAULT_PATH, BwrapSpec
-from sandfleet.runtime.helper import VERIFIER_TOOLS, db_lines, resolve_user, user_ids
+from sandfleet.runtime.helper import (
+    OOM_SCORE_ADJ,
+    VERIFIER_TOOLS,
+    db_lines,
+    resolve_user,
+    user_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +191,13 @@ image's PATH folders (the colon-separated $7, or -) under a writable overlay who
 stay on that tmpfs; the verifier's root folder "top", into which bwrap binds the agent's
 top-level entries (``_verifier_view``). The rest is bwrap holding the verifier's
 namespaces (``VERIFIER_HOLD``) until the runtime kills its pid 1."""
-VERIFIER_HOLD = ["/bin/bash", "-c", "kill -STOP $$"]
+VERIFIER_START = ["/bin/sh", "-c", ('cd "$0" 2>/dev/null || { echo "sandfleet verify: cannot '
+                                    'enter $0: started in /" >&2; cd /; }; exec "$@"')]
+"""The verifier's command starts in its working directory ($0), or in / where the agent
+made that unusable (removed it, or put a link or a file there): what it left is graded,
+never an error it could choose (Docker's exec would fail). Nothing is made on the host's
+side for it (a link there would lead outside the sandbox)."""
+VERIFIER_HOLD = ["/bin/sh", "-c", "kill -STOP $$"]
 """What bwrap runs in the verifier's namespaces (its own init as pid 1 above it): a process
 that stops itself, so the namespaces stay until the runtime ends them. The verifier's
 command is entered into them (``helper.py enter``), not run by bwrap, whose
@@ -329,12 +341,16 @@ def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, in
 
 
 def enter_argv(*, init_pid: int, cgroup_procs: Sequence[str], cpus: Sequence[int] | None,
-               cwd: str, env: dict[str, str], argv: Sequence[str], user: str = "") -> list[str]:
+               cwd: str, env: dict[str, str], argv: Sequence[str], user: str = "",
+               oom_score_adj: int = OOM_SCORE_ADJ) -> list[str]:
     """The host command that runs ``argv`` inside the sandbox whose pid 1 is ``init_pid``
-    (as ``user``, Docker's USER syntax; root for "")."""
+    (as ``user``, Docker's USER syntax; root for ""), with ``oom_score_adj`` (the agent's
+    commands: the OOM killer's first choice; a verifier's: 0, so what the agent left
+    running goes first)."""
     return helper_argv("enter", str(init_pid), ",".join(map(str, cpus)) if cpus else "-",
-                       cwd, user or "-", str(len(cgroup_procs)), *cgroup_procs, str(len(env)),
-                       *(f"{k}={v}" for k, v in env.items()), *argv)
+                       cwd, user or "-", str(oom_score_adj), str(len(cgroup_procs)),
+                       *cgroup_procs, str(len(env)), *(f"{k}={v}" for k, v in env.items()),
+                       *argv)
 
 
 def pick_cpus(allowed: Iterable[int], n: int, load: Counter) -> list[int]:
@@ -931,11 +947,15 @@ class LocalRuntime(CommandRuntime):
             if uid and not agent_system:  # the image's set-user-ID programs work, as in Docker
                 self._allow_setuid(child, [dest for src, dest in spec.ro_binds
                                            if dest.lstrip("/") in PRISTINE])
+            # the OOM killer's choice is what the agent left running (its oom_score_adj),
+            # and at the deadline all of the verifier ends, what left its group too
             output, code, timed_out, seconds = run_capture(
                 enter_argv(init_pid=child, cgroup_procs=self._procs_files(record, freezer=False),
-                           cpus=self._cpus(record), cwd=cwd or record.spec["workdir"], env=env,
-                           argv=list(command), user=who),
-                timeout=timeout, env=self._host_env(), limit=self.max_output_bytes)
+                           cpus=self._cpus(record), cwd="/", env=env, user=who,
+                           argv=[*VERIFIER_START, cwd or record.spec["workdir"], *command],
+                           oom_score_adj=0),
+                timeout=timeout, env=self._host_env(), limit=self.max_output_bytes,
+                on_timeout=lambda: _pidfd_kill(hold))
             _pidfd_kill(hold)  # the verifier's processes end with its pid 1
             try:
                 copied = host.wait(timeout=self.copy_timeout_s)  # its logs copied out
@@ -1046,10 +1066,6 @@ class LocalRuntime(CommandRuntime):
                     roots += 1
         for sub in ("dev", "proc", "tests", "logs", "logs/verifier"):  # the verifier's
             fix.real_dir(f"{root}/{sub}")                             # mounts cover them
-        start = (cwd or record.spec["workdir"]).rstrip("/")
-        for step in _prefixes(start) if start else ():  # where test.sh starts, made again
-            if not fix.kind(f"{root}{step}"):  # if the agent removed it: what it left is
-                fix.real_dir(f"{root}{step}")  # graded (never an error it could choose)
         top = self.mnt / "verifier" / "top"
         names = fix.names(root)
         if len(names) <= TOP_LEVEL_MAX:  # its own /, the agent's entries in it

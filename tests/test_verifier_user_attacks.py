@@ -38,14 +38,13 @@ import shlex
 import signal
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
 from sandfleet.runtime.base import SandboxSpec
 from tests.test_runtime import dirs, make, run, runtime, user_sif  # noqa: F401  (fixtures)
+from tests.test_seal import verify  # (test.sh as the verifier; result, reward)
 
-HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ids = itertools.count()
 
 
@@ -65,20 +64,6 @@ def make_user(runtime, user_sif):
     yield make_user
     for sandbox_id in started:
         runtime.stop(sandbox_id)
-
-
-def verify(runtime, sandbox_id, tmp_path: Path, test_sh: str, **kwargs):
-    """``test_sh`` as the task's verifier; (result, reward.txt's text or None)."""
-    root = Path(tmp_path) / f"verify{next(_ids)}"
-    tests, logs = root / "tests", root / "logs"
-    tests.mkdir(parents=True)
-    (tests / "test.sh").write_text(test_sh)
-    kwargs.setdefault("timeout", 60)
-    kwargs.setdefault("env", {"PATH": HOST_PATH})
-    result = runtime.verify(sandbox_id, ["/bin/bash", "/tests/test.sh"], tests=tests,
-                            logs=logs, **kwargs)
-    reward = logs / "reward.txt"
-    return result, (reward.read_text().strip() if reward.is_file() else None)
 
 
 def as_root(runtime, sandbox_id, command: str, timeout: float = 60):

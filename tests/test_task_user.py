@@ -18,7 +18,7 @@ import pytest
 from sandfleet.client import AsyncFleetClient
 from tests.conftest import checked_build, passing_checks_log
 from tests.test_tasks import make_task
-from tmax.tasks import load_task
+from tmax.tasks import TaskError, load_task
 
 DOCKERFILE = """\
 FROM python:3.11-slim
@@ -93,6 +93,11 @@ def test_the_verifier_runs_as_the_final_user_unless_the_verifier_section_names_o
         assert (builds.plan(named).verifier_user(), builds.plan(named).user) == (user, "")
         assert "verifier.user" not in {w.field for w in named.warnings}
     assert builds.plan(load_task(make_task(tmp_path, "plain"))).verifier_user() == ""
+    for section in ("agent", "verifier"):
+        bad = user_task(tmp_path, f"bad-{section}", **{"task.toml": (
+            f'[metadata]\ndifficulty = "easy"\n[{section}]\nuser = "the grader"\n')})
+        with pytest.raises(TaskError, match=f"{section}.user.*Docker's USER"):
+            load_task(bad)
     assert checks_inputs(task, "agent") != checks_inputs(task) == checks_inputs(task, "")
 
 

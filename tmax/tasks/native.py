@@ -291,6 +291,10 @@ _NOT_APPLIED = {
 """Harbor keys TMax reads and keeps but does not act on yet, and what happens instead."""
 
 
+USER_FORM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
+"""[agent] and [verifier] user: Docker's USER, ``name|uid[:group|gid]``."""
+
+
 def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
     """What a valid task.toml asks for that TMax does not do (warnings), or cannot run at all
     (errors)."""
@@ -328,6 +332,12 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
             note(f"steps[{i}].verifier.environment_mode", "a separate verifier per step is "
                  "not supported: the step's verifier runs in the sandbox",
                  "nothing to do unless the task depends on it")
+    for section in ("agent", "verifier"):
+        who = getattr(config, section).user
+        if who is not None and not USER_FORM.fullmatch(str(who)):
+            note(f"{section}.user", f"user {who!r} is not a user name or uid, optionally "
+                 "with :group (Docker's USER)", 'write it as "name", "1000" or "name:group"',
+                 "error")
     if config.environment.os.lower() != "linux":
         note("environment.os", f"os {config.environment.os!r}: TMax runs Linux sandboxes only",
              "use a Linux image", "error")

@@ -168,12 +168,13 @@ _ids = itertools.count()
 
 @pytest.fixture
 def make(runtime, base_sif):
-    """Start sandboxes from the base image (spec fields as keywords); all stopped after."""
+    """Start sandboxes from the base image (or ``image``; spec fields as keywords); all
+    stopped after."""
     started = []
 
     def make(**spec) -> str:
         sandbox_id = f"s{next(_ids)}"
-        runtime.start(sandbox_id, SandboxSpec(image=base_sif, **spec))
+        runtime.start(sandbox_id, SandboxSpec(**{"image": base_sif, **spec}))
         started.append(sandbox_id)
         return sandbox_id
 

@@ -41,7 +41,6 @@ import threading
 
 import pytest
 
-from sandfleet.runtime.base import SandboxSpec
 from tests.test_runtime import dirs, make, run, runtime, user_sif  # noqa: F401  (fixtures)
 from tests.test_seal import verify  # (test.sh as the verifier; result, reward)
 
@@ -49,21 +48,11 @@ _ids = itertools.count()
 
 
 @pytest.fixture
-def make_user(runtime, user_sif):
+def make_user(make, user_sif):
     """Sandboxes from ``user_sif`` (its user ``grader``: uid 1000, groups 1000 and 1001; a
     root-only /var/lib/secret/rate; a set-user-ID-root ``peek``); the agent is root unless
     ``user`` is given. All stopped after."""
-    started = []
-
-    def make_user(**spec) -> str:
-        sandbox_id = f"ua{next(_ids)}"
-        runtime.start(sandbox_id, SandboxSpec(image=user_sif, **spec))
-        started.append(sandbox_id)
-        return sandbox_id
-
-    yield make_user
-    for sandbox_id in started:
-        runtime.stop(sandbox_id)
+    return lambda **spec: make(image=user_sif, **spec)
 
 
 def as_root(runtime, sandbox_id, command: str, timeout: float = 60):

@@ -294,14 +294,9 @@ def kill_process_group(proc: subprocess.Popen, *, grace_s: float = 2.0) -> int:
 
 def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
                 env: dict[str, str] | None = None, limit: int = MAX_OUTPUT_BYTES,
-                pass_fds: Sequence[int] = (),
-                on_start: Callable[[subprocess.Popen], None] | None = None,
                 on_timeout: Callable[[], None] | None = None,
                 ) -> tuple[str, int, bool, float]:
     """Run ``argv`` in its own process group: (output, exit code, timed out, seconds).
-
-    ``pass_fds`` stay open in the child; ``on_start(proc)`` runs once it is started, before
-    its output is read (the timeout counts from the start).
 
     On timeout the whole group gets SIGKILL, then ``on_timeout()`` runs (to end what left
     the group: a verifier's whole pid namespace). Output is read until the command exits and
@@ -312,14 +307,7 @@ def run_capture(argv: list[str], *, timeout: float, stdin: bytes | None = None,
     deadline = started + timeout
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else
                             subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            pass_fds=tuple(pass_fds))
-    if on_start is not None:
-        try:
-            on_start(proc)
-        except BaseException:
-            kill_process_group(proc)
-            raise
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
     buf, timed_out, exited_at = OutputBuffer(limit), False, None
     pending = memoryview(stdin or b"")
     with selectors.DefaultSelector() as sel:

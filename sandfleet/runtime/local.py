@@ -936,9 +936,10 @@ class LocalRuntime(CommandRuntime):
             while child and not _command_started(child) \
                     and host.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.002)  # its mounts are in place once the hold runs
-            if not frozen or not child or not _command_started(child):
+            started = child is not None and _command_started(child)
+            if not frozen or not started:
                 Cgroups.freeze(freezer, False)
-            if not child or not _command_started(child):
+            if child is None or not started:
                 kill_group(host.pid)  # its host side may still be making mounts
                 host.wait()
                 tail = setup_log.read_text(errors="replace")[-1500:]

@@ -803,7 +803,8 @@ def test_a_sandbox_whose_owner_is_sigkilled_dies_at_max_lifetime_and_reap_clears
         assert "orphan" in rt.list_running()
         assert run(rt, "orphan", "echo alive").output == "alive\n"
         wait_until(lambda: proc_start_time(pid) != start, 15, "max lifetime")
-        assert time.monotonic() - started > 2.5
+        # pid 1 counts in bash's whole SECONDS: a 3 s lifetime lasts more than 2 s
+        assert time.monotonic() - started > 2.0
         # the tree is gone: its mounts and loop devices went with its mount namespace and
         # its uid range is free; only the state dir and cgroups wait for the reap
         wait_until(lambda: not loop_lines(str(rt._dir("orphan")), str(private_sif)), 10,

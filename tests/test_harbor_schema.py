@@ -385,6 +385,18 @@ def test_docker_image_is_noted_or_an_error_without_a_definition(tmp_path):
     assert e.file == "environment" and "docker_image" in e.message and "Dockerfile" in e.fix
 
 
+def test_a_bare_task_name_runs_with_a_warning(tmp_path):
+    """Harbor runs a task folder whose [task] name has no org (org/name is the registry's
+    form for publishing): a warning that says how to publish, not a refusal."""
+    path = make_task(tmp_path, 'schema_version = "1.1"\n[task]\nname = "my-task"\n')
+    assert errors(path) == []
+    (w,) = [w for w in warnings(path) if w.field == "task.name"]
+    assert "'my-task'" in w.message and "<org>/my-task" in w.fix
+    assert load_task(path).config.task.name == "my-task"
+    path = make_task(tmp_path / "b", 'schema_version = "1.1"\n[task]\nname = "org/my-task"\n')
+    assert "task.name" not in {w.field for w in warnings(path)}
+
+
 def test_unpublished_schema_version_is_read_with_a_warning(tmp_path):
     path = make_task(tmp_path, WILD_V2)
     assert errors(path) == []
@@ -490,7 +502,8 @@ def test_a_misspelt_key_is_an_error_naming_the_key_meant(tmp_path, toml, field, 
     ("[environment]\nnetwork = false\nallow_internet = true\n", "environment.network"),
     ("[environment]\nnetwork_mode = 'open'\n", "environment.network_mode"),
     ("[environment]\nallow_internet = 'yes'\n", "environment.allow_internet"),
-    ("[task]\nname = 'no-org'\n", "task.name"),
+    ("[task]\nname = 'two/../up'\n", "task.name"),
+    ("[task]\nname = 'has space'\n", "task.name"),
 ])
 def test_a_bad_value_is_an_error_naming_the_field(tmp_path, toml, field):
     (p,) = errors(make_task(tmp_path, toml))

@@ -93,6 +93,7 @@ STASH = "tmax"
 """The [metadata] table of a Harbor export that holds TMax's own keys."""
 
 _ORG_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
+_BARE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _HOST_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
@@ -170,7 +171,8 @@ class PackageInfo(_Harbor):
     """[task] (Harbor 1.1+): the task's registry identity."""
 
     name: str
-    """``org/name`` (e.g. ``terminal-bench/regex-log``)."""
+    """``org/name`` (e.g. ``terminal-bench/regex-log``), the registry's form for publishing;
+    a bare ``name`` runs as it does in Harbor, and validation warns."""
     version: str | None = Field(None, min_length=1)
     description: str = ""
     authors: tuple[Author, ...] = ()
@@ -179,8 +181,9 @@ class PackageInfo(_Harbor):
     @field_validator("name")
     @classmethod
     def _org_name(cls, v: str) -> str:
-        if not _ORG_NAME.match(v) or ".." in v:
-            raise ValueError(f"task name must be 'org/name' (letters, digits, . _ -), got {v!r}")
+        if not (_ORG_NAME.match(v) or _BARE_NAME.match(v)) or ".." in v:
+            raise ValueError("task name must be 'org/name' or 'name' (letters, digits, . _ -), "
+                             f"got {v!r}")
         return v
 
 

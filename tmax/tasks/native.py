@@ -318,6 +318,10 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
         note("verifier.environment.docker_image", "TMax builds the separate verifier's image "
              "from tests/Dockerfile (else uses the task's own), it pulls no image",
              "add a tests/Dockerfile FROM that image", "warning")
+    if config.task is not None and "/" not in config.task.name:
+        note("task.name", f"task name {config.task.name!r} is not 'org/name': it runs, but "
+             "Harbor's registry publishes only org/name", f'write it as "<org>/{config.task.name}" '
+             "before publishing")
     for i, item in enumerate(config.artifacts):
         path = item.get("source") if isinstance(item, dict) else item
         if not (isinstance(path, str) and path.startswith("/")):

@@ -14,7 +14,10 @@ ZeRO across ranks.
 
 The LM head runs in float32 (``fp32_lm_head``): the last hidden states and the head's
 weights are upcast before the projection, so log-probs near 0 or 1 keep their precision
-(matters with bf16 weights; a no-op for the float32 tiny model).
+(matters with bf16 weights; a no-op for the float32 tiny model). It computes the log-probs
+and entropies chunk by chunk and recomputes them in the backward (``tmax.train.head``): no
+[T, V] tensor is held whole. ``logits_of`` / ``sequence_logprobs`` are the plain
+(materialising) path, kept as the reference the chunked one is tested against.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ import torch.nn.functional as F
 from tmax.rl import dppo_loss, entropy_from_logits, grpo_clip_loss, logprob_gap, token_logprobs
 from tmax.train.backends.base import write_weights_folder
 from tmax.train.config import AlgoSection, OptimSection
+from tmax.train.head import (
+    DEFAULT_CHUNK,
+    enable_activation_checkpointing,
+    install_scoring_head,
+    score_tokens,
+)
 
 
 @dataclass
@@ -153,13 +162,12 @@ def n_micro_batches(samples: list[Sample], size: int) -> int:
     return -(-len(samples) // size)
 
 
-def policy_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], *, algo: AlgoSection,
-                temperature: float, n_tokens: float
+def policy_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: dict[str, torch.Tensor], *,
+                algo: AlgoSection, n_tokens: float
                 ) -> tuple[torch.Tensor, dict[str, float], float]:
-    """``(loss, stats, response tokens)`` of one micro-batch; the loss is its share of the
-    step's token-level loss (``n_tokens``: response tokens of the whole step)."""
-    logp, entropy = logprobs_of_logits(logits, batch["input_ids"],
-                                       temperature=temperature)      # [B,T-1]
+    """``(loss, stats, response tokens)`` of one micro-batch from the trainer's log-probs
+    and entropies [B, T-1] of tokens 1..T-1 (``score_tokens``); the loss is its share of
+    the step's token-level loss (``n_tokens``: response tokens of the whole step)."""
     old, mask = batch["old_logp"][:, 1:], batch["mask"][:, 1:]       # [B,T-1]
     if algo.loss == "dppo":
         loss, stats = dppo_loss(logp, old, batch["adv"], mask, delta=algo.delta,
@@ -204,7 +212,11 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, *, algo: AlgoSection, optim: OptimSection,
                  total_steps: int, temperature: float, fp32_head: bool, pad_id: int,
-                 max_len: int):
+                 max_len: int, head_chunk: int = DEFAULT_CHUNK,
+                 activation_checkpointing: bool = False):
+        install_scoring_head(model, fp32=fp32_head, chunk=head_chunk)
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.model, self.algo, self.optim_cfg = model, algo, optim
         self.temperature, self.fp32_head = temperature, fp32_head
         self.pad_id, self.max_len = pad_id, max_len
@@ -219,10 +231,9 @@ class Trainer:
         return pad_batch(samples, self.pad_id)
 
     def loss(self, batch: dict[str, torch.Tensor], n_tokens: float):
-        logits = logits_of(self.model, batch["input_ids"], batch["attention_mask"],
-                           fp32_head=self.fp32_head)
-        return policy_loss(logits, batch, algo=self.algo, temperature=self.temperature,
-                           n_tokens=n_tokens)
+        logp, entropy = score_tokens(self.model, batch["input_ids"], batch["attention_mask"],
+                                     temperature=self.temperature)       # [B,T-1]
+        return policy_loss(logp, entropy, batch, algo=self.algo, n_tokens=n_tokens)
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step over ``samples`` (gradient accumulation over micro-batches)."""

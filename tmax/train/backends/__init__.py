@@ -22,7 +22,8 @@ def make_trainer(config: TrainConfig, model: Any, *, pad_id: int,
     common: dict[str, Any] = {
         "algo": config.algo, "optim": config.optim, "total_steps": config.steps,
         "temperature": config.rollout.temperature, "fp32_head": config.model.fp32_lm_head,
-        "pad_id": pad_id, "max_len": max_len}
+        "pad_id": pad_id, "max_len": max_len, "head_chunk": config.trainer.head_chunk,
+        "activation_checkpointing": config.trainer.activation_checkpointing}
     if config.trainer.backend == "deepspeed":
         from tmax.train.backends.deepspeed import DeepSpeedTrainer
 

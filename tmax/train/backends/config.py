@@ -36,6 +36,18 @@ class TrainerSection(BaseModel):
     dist_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="deepspeed only: torch.distributed backend; auto = nccl on "
         "GPU, gloo on CPU.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="deepspeed only: where the ranks train. cuda: each rank on GPU "
+        "LOCAL_RANK, and a missing GPU (or more ranks on a node than it has GPUs) stops the "
+        "trainer at start with an error, never a silent CPU/gloo fallback; auto: cuda when "
+        "torch sees a GPU, else cpu (gloo).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each transformer layer's activations in the "
+        "backward (less memory for long sequences, ~1/3 more compute).")
+    head_chunk: int = Field(
+        1024, ge=1, description="Positions whose full-vocabulary logits the LM head holds "
+        "at once (log-probs and entropy are computed, and recomputed in the backward, "
+        "chunk by chunk): at a 248k vocabulary, 1024 is 1 GiB of float32.")
     param_persistence_threshold: int = Field(
         100_000, ge=0, description="deepspeed ZeRO-3: parameters with fewer elements stay "
         "whole on every rank (stage3_param_persistence_threshold); 0 partitions all.")

@@ -1,6 +1,7 @@
 """Evaluation that degrades gracefully: tasks that cannot run are skipped with their reasons
-(``--strict`` refuses instead), and a verifier that could not grade is a ``verifier_error``
-(a task problem: not scored in evaluation, masked in training), never a reward of 0.
+(``--strict`` refuses instead), and a verifier that could not grade (it wrote no reward)
+is a ``verifier_error`` (a task problem: not scored in evaluation, masked in training),
+never a reward of 0; a reward it wrote stands (``tmax.tasks.grading``).
 
 The task folders are copies of example tasks under their own names, so they use the example
 store's images (a task image does not depend on tests/ or task.toml); a store of this test's
@@ -264,21 +265,23 @@ def test_a_verifier_that_could_not_grade_is_a_verifier_error_not_a_failure(
         assert r.reward is None and r.verifier_error == (
             f"{NEEDS_NETWORK}: curl: (6) Could not resolve host: astral.sh; wrote no "
             "reward.txt or reward.json (test.sh exited 127)")
-    for r in by_task["count-log-lines"]:  # it wrote 0: the 0 is dropped
-        assert r.reward is None, (r.reward, r.verifier_output)
-        assert r.verifier_error.startswith(f"{NEEDS_NETWORK}: "), r.verifier_error
+    for r in by_task["count-log-lines"]:  # it wrote 0, no runner failed to start: it stands
+        assert (r.reward, r.verifier_error) == (0.0, None), r.verifier_output
+        assert r.grading_note.startswith(f"the output shows: {NEEDS_NETWORK}: "), \
+            r.grading_note
     for r in by_task["sha256-digest"]:
         assert r.reward is None
         assert r.verifier_error == "wrote no reward.txt or reward.json"
     assert [r.reward for r in by_task["sqlite-count-rows"]] == [1.0, 1.0]
 
     s = summarize(records)
-    assert s["pass_at_k"] == {1: 1.0, 2: 1.0} and s["mean_reward"] == 1.0
-    assert s["n_tasks"] == 1 and s["episodes"] == 8 and s["scored_episodes"] == 2
-    assert s["verifier_errors"] == 6 and s["verifier_error_causes"] == {
-        NEEDS_NETWORK: 4, "wrote no reward.txt or reward.json": 2}
+    assert s["pass_at_k"] == {1: 0.5, 2: 0.5} and s["mean_reward"] == 0.5
+    assert s["n_tasks"] == 2 and s["episodes"] == 8 and s["scored_episodes"] == 4
+    assert s["verifier_errors"] == 4 and s["verifier_error_causes"] == {
+        NEEDS_NETWORK: 2, "wrote no reward.txt or reward.json": 2}
     assert s["unscored"] == [] and s["infra_failures"] == 0
-    assert f"verifier errors 6/8 episodes (task problems, not scored): {NEEDS_NETWORK} 4" \
+    assert s["outcomes"] == {"scored": 4, "verifier_error": 4} and s["graded_with_notes"] == 2
+    assert f"verifier errors 4/8 episodes (task problems, not scored): {NEEDS_NETWORK} 2" \
         in format_tables(s)
 
 
@@ -306,10 +309,10 @@ def with_verifier_timeout(task_dir: Path, seconds: int) -> Path:
 
 
 @pytest.mark.sandbox
-def test_a_verifier_timeout_scores_0_unless_it_needed_the_network(
+def test_a_verifier_timeout_scores_0_even_where_the_output_shows_no_network(
         example_store, example_fleet, tmp_path):
     """An agent can make the tests hang on purpose: a timeout is its 0 (never a masked
-    error), unless the output shows the verifier itself was stuck without the network."""
+    error); a lookup that failed offline goes into the grading note."""
     root = tmp_path / "tasks"
     tasks = [load_task(with_verifier_timeout(copy_task("hello-world-file",
                                                        root / "hello-world-file",
@@ -322,12 +325,13 @@ def test_a_verifier_timeout_scores_0_unless_it_needed_the_network(
     hung, offline = by_task["hello-world-file"], by_task["count-log-lines"]
     assert (hung.reward, hung.policy_failure, hung.verifier_error, hung.scored) == \
         (0.0, VERIFIER_TIMEOUT, None, True)
-    assert offline.reward is None and offline.policy_failure is None
-    assert offline.verifier_error == (f"{NEEDS_NETWORK}: curl: (6) Could not resolve host: "
-                                      "astral.sh; test.sh timed out after 2 s")
+    assert (offline.reward, offline.policy_failure, offline.verifier_error) == \
+        (0.0, VERIFIER_TIMEOUT, None)
+    assert offline.grading_note == (f"the output shows: {NEEDS_NETWORK}: curl: (6) Could not "
+                                    "resolve host: astral.sh; a timeout scores 0")
     s = summarize(list(by_task.values()))
-    assert s["scored_episodes"] == 1 and s["mean_reward"] == 0.0
-    assert s["policy_failures"] == {VERIFIER_TIMEOUT: 1} and s["verifier_errors"] == 1
+    assert s["scored_episodes"] == 2 and s["mean_reward"] == 0.0
+    assert s["policy_failures"] == {VERIFIER_TIMEOUT: 2} and s["verifier_errors"] == 0
 
 
 # ---- training: a verifier error carries no advantage

@@ -6,8 +6,9 @@ tool schema; it returns a ``Completion``. Policies that can (local transformers,
 also return the exact token ids of the prompt and of the completion with the per-token
 log-probs of the sampled tokens, so a trainer can learn from the same rollout.
 
-``start_episode`` is an optional hook called once the sandbox is ready (the oracle copies
-the reference solution in there).
+``start_episode`` is an optional hook called once the sandbox is ready (the oracle runs
+the reference solution there); ``start_step`` one called before each step of a multi-step
+task, after its setup (the oracle runs that step's solution).
 """
 
 from __future__ import annotations
@@ -114,3 +115,10 @@ async def start_episode(policy: Policy, episode: Any) -> None:
     hook = getattr(policy, "start_episode", None)
     if hook is not None:
         await hook(episode)
+
+
+async def start_step(policy: Policy, episode: Any, step: Any) -> None:
+    """Call the policy's optional ``start_step(episode, step)`` hook."""
+    hook = getattr(policy, "start_step", None)
+    if hook is not None:
+        await hook(episode, step)

@@ -563,7 +563,7 @@ def _utf8(path: str) -> bool:
 
 def _grade_dict(g: Grade) -> dict[str, Any]:
     return {"reward": g.reward, "error": g.error, "metrics": g.metrics,
-            "output_tail": g.output[-600:]}
+            "output_tail": g.output[-600:]} | ({"note": g.note} if g.note else {})
 
 
 __all__ = ["Box", "Finding", "ProbeError", "ProbeReport", "Prober", "scan_list"]

@@ -10,8 +10,11 @@ in rollouts: its artifacts are copied out of the sandbox, which then stops, into
 sandbox of the verifier's image (or of the task's own, when tests/ has no Dockerfile), where
 test.sh runs.
 
-Each check runs in a fresh sandbox with the task's own limits. A verifier that runs past
-its timeout scores 0, as in rollouts: the nop check passes on it, the oracle check fails.
+Each check runs in a fresh sandbox with the task's own limits. Its verifier's run is graded
+by ``tmax.tasks.grading.decide``, the one decision rollouts, evaluation and the audit use:
+a reward the tests wrote stands, a verifier that wrote none (or whose test runner never
+started) is a verifier error, and one that runs past its timeout scores 0: the nop check
+passes on it, the oracle check fails.
 The result, with the reason of a failure, goes into the image's manifest entry; the log
 next to the build log.
 """
@@ -35,7 +38,8 @@ from tmax.tasks.check import MissingSolution, run_solution
 from tmax.tasks.environment import PROBE as ENV_PROBE
 from tmax.tasks.environment import parse_probe, verifier_env
 from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
-from tmax.tasks.reward import VerifierError, read_metrics, read_reward
+from tmax.tasks.grading import Grade, decide
+from tmax.tasks.reward import VerifierError
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
 TIMED_OUT = "verifier timed out"
@@ -106,10 +110,12 @@ class RuntimeBox:
         return artifacts.unpack(dest / "collected", task.artifacts, dest / "unpacked")
 
     def verify(self, task: Task, scratch: Path, tests: Path | None = None,
-               step: TaskStep | None = None) -> float:
+               step: TaskStep | None = None) -> Grade:
         """test.sh through the runtime's ``verify``, as rollouts run it: /tests
         (``tests``, else the task's tests/) and /logs/verifier of its own, the image's
-        system tools (unless the task opts out); a ``step``'s timeout and env."""
+        system tools (unless the task opts out); a ``step``'s timeout and env. Graded by
+        ``tmax.tasks.grading.decide``, as rollouts grade; ``VerifierError`` when that
+        gives no reward."""
         logs = scratch / "verifier"
         verifier = task.config.verifier
         timeout = step.verifier_timeout_sec if step else verifier.timeout_sec
@@ -126,11 +132,17 @@ class RuntimeBox:
         who = f" (as {self.verifier_user})" if self.verifier_user else ""
         self.log += [f"$ verify{who}: /bin/bash /tests/test.sh", result.output.rstrip(),
                      status]
-        if result.timed_out:  # scores 0, as in rollouts (``tmax.rollout.run.grade``)
+        g = decide(task.task_id, output=result.output, exit_code=result.exit_code,
+                   timed_out=result.timed_out, timeout_s=timeout, logs=logs,
+                   network=task.config.environment.network)
+        if g.timed_out:  # scores 0, as in rollouts
             self.log.append(f"{TIMED_OUT} after {timeout:g} s ([verifier] timeout_sec): "
                             "scores 0")
-            return 0.0
-        return read_reward(logs, task.task_id)
+        if g.note:
+            self.log.append(f"grading note: {g.note}")
+        if g.reward is None:
+            raise VerifierError(task.task_id, g.error)
+        return g
 
     def begin_step(self, step: TaskStep) -> str:
         """Before a step's agent: its workdir/ into the working directory, its setup.sh
@@ -180,9 +192,10 @@ def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
             box.copy_in(step.solve_script.parent, "/solution")
             box.run("bash /solution/solve.sh", step.agent_timeout_sec)
         here = scratch / f"step-{step.index}"
-        reward = box.verify(task, here, merged_tests(task, step, here / "tests"), step)
+        g = box.verify(task, here, merged_tests(task, step, here / "tests"), step)
+        reward = g.reward or 0.0
         rewards.append(reward)
-        if not step.passes(reward, read_metrics(here / "verifier")):
+        if not step.passes(reward, g.metrics):
             box.log.append(f"step {step.name}: {reward} is below min_reward; no more steps")
             break
     return multi_step_reward(rewards, len(task.steps), task.config.multi_step_reward_strategy)
@@ -217,7 +230,7 @@ def run_mode(runtime: Runtime, task: Task, image: SandboxImage, mode: str, log: 
             if mode == "oracle":
                 run_solution(box, task)
             if not task.separate_verifier:
-                return box.verify(task, scratch)
+                return box.verify(task, scratch).reward or 0.0
             handed = box.collect_artifacts(task, scratch / "artifacts")
             log.append(f"artifacts for the verifier: {[p for _, p in handed] or 'none'}")
         # the agent's sandbox is gone: the verifier gets the artifacts, nothing else
@@ -238,7 +251,7 @@ def verify_separately(runtime: Runtime, task: Task, image: SandboxImage,
                 raise VerifierError(task.task_id, NO_BAKED_TESTS) from None
         for local, path in artifacts:
             box.copy_in(local, path)
-        return box.verify(task, scratch, tests)
+        return box.verify(task, scratch, tests).reward or 0.0
 
 
 def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxImage,

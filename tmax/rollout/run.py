@@ -7,11 +7,13 @@ starts at the grant), ``verifier`` (test.sh through the fleet's ``verify``, the 
 Infrastructure failures (the fleet's ``InfraError`` family, an unreachable policy endpoint)
 are caught here, at the boundary, and recorded as ``infra_failure`` with their cause; the
 trajectory keeps whatever the episode had done. Everything else the policy did is a result.
-An unexpected exception (a bug) is logged with its traceback and recorded as
-``infra_failure`` with cause ``internal_error``: masked in training, re-run in evaluation,
-counted in the infra-failure rate, so one bad episode never ends a long run.
-A verifier that cannot grade (no reward, or a 0 with the network it needed missing) is a
-``verifier_error``: a task problem, neither infra nor the agent's failure.
+An unexpected exception (TMax's own error, a bug) is logged and recorded as
+``internal_error`` with its traceback: neither the policy's failure nor the fleet's, never
+re-run as if a node had failed; evaluation and training count them and stop after a few
+(``tmax.rollout.trajectory``).
+A verifier that cannot grade (no reward, or a 0 from a test runner that never started:
+``tmax.tasks.grading``) is a ``verifier_error``: a task problem, neither infra nor the
+agent's failure.
 
 A task with a separate verifier (Harbor's ``[verifier] environment_mode = "separate"``) hands
 its artifacts (/logs/artifacts and the task's ``artifacts`` paths) from the agent's sandbox,
@@ -23,24 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shlex
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sandfleet import ImageMissing, InfraError
 from tmax.agent.config import AgentConfig
 from tmax.agent.harness import Agent, Episode
-from tmax.agent.policy import Policy, PolicyUnavailable, start_episode
-from tmax.rollout.trajectory import Trajectory, Turn
+from tmax.agent.policy import Policy, PolicyUnavailable, start_episode, start_step
+from tmax.rollout.trajectory import Trajectory, Turn, internal_error
 from tmax.tasks import artifacts
 from tmax.tasks.environment import PROBE as ENV_PROBE
 from tmax.tasks.environment import parse_probe, verifier_env
 from tmax.tasks.model import NO_BAKED_TESTS, Task
-from tmax.tasks.reward import VerifierError, read_metrics, read_reward
+from tmax.tasks.grading import NEEDS_NETWORK, VERIFIER_TIMEOUT, Grade, decide, grade_problem
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class EpisodeContext:
     task: Task
     sandbox: LeaseShell
     trial: int
+    workdir: str = ""
+    """Where the task's commands start (the image's WORKDIR)."""
 
 
 def plan_errors() -> tuple[type[Exception], ...]:
@@ -199,10 +202,11 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
             deadline = lease.grant.granted_at + budget
             agent = Agent(policy, shell, config)
             episode = agent.episode
-            await start_episode(policy, EpisodeContext(task, shell, trial))
+            context = EpisodeContext(task, shell, trial, workdir)
+            await start_episode(policy, context)
             if task.steps:  # agent and verifier, step by step, in this one sandbox
                 await _run_steps(traj, task, agent, shell, config, workdir, base_path,
-                                 image_env)
+                                 image_env, context)
                 traj.timings["agent"] = round(time.monotonic() - granted, 4)
                 return traj
             await agent.run(task.instruction, deadline)
@@ -233,10 +237,9 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         traj.infra_failure = e.to_dict()
         traj.reward = None
         log.info("%s trial %d: infra failure %s", task.task_id, trial, e)
-    except Exception as e:  # the rollout boundary: one bad episode must not end a run
-        log.exception("%s trial %d: unexpected error in the rollout", task.task_id, trial)
-        traj.infra_failure = {"error": type(e).__name__, "cause": "internal_error",
-                              "message": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # the rollout boundary: TMax's own error, kept apart
+        log.exception("%s trial %d: internal error in the rollout", task.task_id, trial)
+        traj.internal_error = internal_error(e)
         traj.reward = None
     finally:
         if episode is not None:
@@ -301,6 +304,7 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
     """``grade`` the episode and record the reward, or why there is none, in ``traj``."""
     g = await grade(task, shell, workdir, base_path, tests, image_env)
     traj.verifier_output = g.output
+    traj.grading_note = g.note or None
     if g.reward is None:
         traj.verifier_error = g.error
         return
@@ -310,23 +314,9 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
     traj.reward_metrics = g.metrics
 
 
-@dataclass
-class Grade:
-    """What a verifier run gave: a reward, or why there is none (``error``)."""
-
-    reward: float | None
-    error: str = ""
-    output: str = ""
-    """The last 4,000 characters of test.sh's output."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """reward.json's numbers, when it wrote one."""
-    timed_out: bool = False
-    """test.sh ran past its timeout: the reward is 0 (``VERIFIER_TIMEOUT``)."""
-
-
 async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShell,
                      config: AgentConfig, workdir: str, base_path: str,
-                     image_env: dict[str, str]) -> None:
+                     image_env: dict[str, str], context: EpisodeContext) -> None:
     """A multi-step task (``tmax.tasks.steps``): for each step, its workdir/ and setup.sh,
     its healthcheck, the agent on its instruction (the conversation goes on from the last
     step's), its verifier over the merged tests. A step the agent does not finish scores 0;
@@ -343,6 +333,7 @@ async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShe
             # masked error it could cause on purpose): no more steps, they score 0
             log.info("%s: step %s: %s", task.task_id, step.name, problem)
             break
+        await start_step(agent.policy, context, step)
         deadline = time.time() + (config.episode_budget_s or step.agent_timeout_sec)
         await (agent.resume if rewards else agent.run)(step.instruction, deadline)
         if not (agent.episode.end_reason in VERIFY_ENDS or config.verify_unfinished):
@@ -354,6 +345,9 @@ async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShe
             tests = merged_tests(task, step, Path(tmp) / "tests")
             g = await grade(task, shell, workdir, base_path, tests, image_env, step)
         traj.verifier_output = g.output
+        if g.note:
+            traj.grading_note = "; ".join(filter(None, [traj.grading_note,
+                                                        f"step {step.name}: {g.note}"]))
         if g.reward is None:
             traj.verifier_error = f"step {step.name}: {g.error}"
             return
@@ -403,15 +397,10 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
     (``image_env``: what the sandbox had before the agent started, ``tmax.tasks.environment``,
     its PATH among it) and the task's verifier env.
 
-    No reward or a malformed one is an ``error``. So is a reward of 0 when the output
-    shows the verifier could not grade (``grade_problem``: it needed the network, or found
-    no test runner): the 0 is dropped, since the agent did not earn it.
-
-    A timeout scores 0 (``timed_out``; the rollout's ``policy_failure`` is
-    ``VERIFIER_TIMEOUT``), unless the output shows such a problem: what the agent left
-    (a program that never returns, a server that never answers) can hang the tests on
-    purpose, and an error would be masked in training where a 0 is not. A task whose
-    verifier times out on its reference solution fails its build-time checks instead.
+    What came back is graded by ``tmax.tasks.grading.decide``, as the build-time checks
+    grade: a reward the verifier wrote stands (a 0 is an error only where the test runner
+    never started), no reward is an error, a timeout scores 0 (``timed_out``; the rollout's
+    ``policy_failure`` is ``VERIFIER_TIMEOUT``).
     """
     verifier = task.config.verifier
     env = verifier_env(image_env or {}, base_path,
@@ -424,79 +413,9 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
                                          dest=Path(tmp) / "verifier", cwd=workdir, env=env,
                                          agent_system=verifier.agent_system,
                                          user=shell.verifier_user)
-        output = result.output[-4000:]
-        reward, error = None, ""
-        if result.timed_out:
-            error = f"test.sh timed out after {timeout:g} s"
-            if grade_problem(result.output, network=task.config.environment.network) is None:
-                return Grade(0.0, error, output, timed_out=True)
-        else:
-            try:
-                reward = read_reward(got, task.task_id)
-            except VerifierError as e:
-                error = e.reason + (f" (test.sh exited {result.exit_code})"
-                                    if result.exit_code else "")
-        problem = None if reward else grade_problem(result.output,
-                                                    network=task.config.environment.network)
-        if problem is not None:  # a 0 it wrote is not the agent's
-            return Grade(None, problem + (f"; {error}" if error else ""), output)
-        if reward is None:
-            return Grade(None, error, output)
-        return Grade(reward, "", output, read_metrics(got, task.task_id))
-
-
-NEEDS_NETWORK = "needs network at grade time"
-VERIFIER_TIMEOUT = "verifier_timeout"
-"""``policy_failure`` of a rollout whose test.sh ran past its timeout (reward 0)."""
-_OFFLINE_SIGNS = re.compile(
-    r"Could not resolve host:? '?(?P<curl>[^\s',]+)"     # curl, git
-    r"|Temporary failure resolving '(?P<apt>[^']+)'"     # apt
-    r"|Could not resolve '(?P<apt_old>[^']+)'"           # older apt
-    r"|unable to resolve host address '(?P<wget>[^']+)'"  # wget
-    r"|getaddrinfo (?:EAI_AGAIN|ENOTFOUND) (?P<node>[^\s:]+)"  # npm, node
-    r"|Temporary failure in name resolution"             # glibc: python, pip, uv, wget
-    r"|dns error"                                        # uv
-    r"|java\.net\.UnknownHostException: (?P<java>[^\s:]+)"  # Java: gradle, maven
-    r"|Network is unreachable",                          # any client, no route out
-    re.IGNORECASE)
-_RUNNER_MISSING = re.compile(r"\b(?:uvx|uv|pytest|pip3?|python3?): (?:command )?not found\b")
-
-
-def grade_problem(output: str, *, network: bool) -> str | None:
-    """Why a verifier that wrote no reward (or 0) could not grade, from its output; None
-    when nothing in it says so (the reward stands).
-
-    - ``needs network at grade time: <line>`` when the task has no network and a line shows
-      a name lookup of a non-local host failing, or no route out (the usual verifier
-      boilerplate fetches curl, uv and pytest first). A host without a dot, or localhost,
-      does not count: it may be a name the agent was meant to set up.
-    - ``verifier could not run: <line>`` when the shell found no uv, uvx, pytest, pip or
-      python to run the tests with.
-    """
-    runner = None
-    for line in output.splitlines():
-        if not network:
-            for sign in _OFFLINE_SIGNS.finditer(line):
-                host = next((h for h in sign.groups() if h), None)
-                if host is None or _remote(host):
-                    return f"{NEEDS_NETWORK}: {_evidence(line, sign)}"
-        if runner is None and (missing := _RUNNER_MISSING.search(line)):
-            runner = f"verifier could not run: {_evidence(line, missing)}"
-    return runner
-
-
-def _remote(host: str) -> bool:
-    host = host.strip("'\".,;:[]()").lower()
-    return "." in host and host != "localhost" and not host.endswith(".localhost")
-
-
-def _evidence(line: str, match: re.Match) -> str:
-    """The line, or ~160 characters of it around ``match`` when it is long."""
-    if len(line.strip()) <= 160:
-        return " ".join(line.split())
-    start, end = max(0, match.start() - 80), match.end() + 40
-    return ("..." if start else "") + " ".join(line[start:end].split()) + \
-        ("..." if end < len(line) else "")
+        return decide(task.task_id, output=result.output, exit_code=result.exit_code,
+                      timed_out=result.timed_out, timeout_s=timeout,
+                      logs=got, network=task.config.environment.network)
 
 
 __all__ = ["NEEDS_NETWORK", "EpisodeContext", "Grade", "ImageMissing", "LeaseShell",

@@ -22,6 +22,12 @@ Outcome fields:
   problem, not the agent's failure: ``scored`` is False, so evaluation leaves the episode
   out of its scores (and counts it) and training gives it no advantage (masked like an
   infra failure); it is not re-run.
+- ``internal_error``: ``{"error", "message", "traceback"}`` when TMax's own code raised
+  (a bug), neither the policy's failure nor the infrastructure's. Not scored, not re-run
+  as a node failure; evaluation (``max_internal_errors``) and training stop once a few
+  have happened, naming the first. The traceback is kept in the record, in the run folder.
+- ``grading_note``: evidence the grade did not follow (``tmax.tasks.grading``: a 0 whose
+  output also showed the network missing), so a reader can judge it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import os
 import re
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -67,6 +74,8 @@ class Trajectory:
     verifier_error: str | None = None
     verifier_output: str = ""
     """The tail of test.sh's output."""
+    grading_note: str | None = None
+    internal_error: dict[str, Any] | None = None
     steps: int = 0
     format_errors: int = 0
     prompt_tokens: int = 0
@@ -79,21 +88,34 @@ class Trajectory:
 
     @property
     def valid(self) -> bool:
-        """Usable for training and scoring: no infrastructure failure."""
+        """Not an infrastructure failure: the attempt ran on a working fleet (an internal
+        or verifier error is valid, but not ``scored``)."""
         return self.infra_failure is None
 
     @property
     def scored(self) -> bool:
-        """The reward measures the agent: no infrastructure failure and no verifier error.
-        Evaluation scores and training advantages use only these."""
-        return self.infra_failure is None and self.verifier_error is None
+        """The reward measures the agent: no infrastructure failure, no internal error and
+        no verifier error. Evaluation scores and training advantages use only these."""
+        return (self.infra_failure is None and self.internal_error is None
+                and self.verifier_error is None)
+
+    @property
+    def outcome(self) -> str:
+        """The outcome class: ``infra_failure``, ``internal_error``, ``verifier_error``,
+        ``policy_failure`` (a scored 0 the policy's own limits ended) or ``scored``."""
+        for name in ("infra_failure", "internal_error", "verifier_error", "policy_failure"):
+            if getattr(self, name) is not None:
+                return name
+        return "scored"
 
     @property
     def score(self) -> float:
-        """Reward for averaging: infra failures have none (callers drop them); a verifier
-        error gives 0 here, but evaluation and training leave it out (see ``scored``)."""
-        if self.infra_failure is not None:
-            raise ValueError(f"trajectory {self.id} ({self.task}) is an infra failure")
+        """Reward for averaging: infra failures and internal errors have none (callers drop
+        them); a verifier error gives 0 here, but evaluation and training leave it out (see
+        ``scored``)."""
+        if self.infra_failure is not None or self.internal_error is not None:
+            what = "an infra failure" if self.infra_failure is not None else "an internal error"
+            raise ValueError(f"trajectory {self.id} ({self.task}) is {what}")
         return 0.0 if self.reward is None else self.reward
 
     @property
@@ -138,6 +160,17 @@ class Trajectory:
         if tokens:
             out.append((tokens, logps, mask))
         return out
+
+
+MAX_TRACEBACK = 20000
+
+
+def internal_error(e: BaseException) -> dict[str, str]:
+    """The ``internal_error`` record of ``e``: its type, message and traceback (the last
+    ``MAX_TRACEBACK`` characters)."""
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return {"error": type(e).__name__, "message": f"{type(e).__name__}: {e}",
+            "traceback": text[-MAX_TRACEBACK:]}
 
 
 def verifier_error_cause(text: str) -> str:

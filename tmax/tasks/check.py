@@ -35,7 +35,8 @@ from tmax.tasks.dockerfile import Copy, Run, Workdir
 from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.model import MissingSolution, Problem, Task, TaskError
 from tmax.tasks.native import validate_task
-from tmax.tasks.reward import VerifierError, read_reward
+from tmax.tasks.grading import decide
+from tmax.tasks.reward import VerifierError
 
 WRITABLE = ("/app", "/tmp", "/logs", "/tests", "/solution", "/root", "/home", "/opt", "/srv")
 Mode = Literal["oracle", "nop"]
@@ -106,6 +107,8 @@ class HostSandbox:
         self._give(workdir)
         self.spec.cwd = "/"
         self.log: list[str] = []
+        self.last: tuple[str, int, bool] = ("", 0, False)
+        """The last command's output, exit status and whether it timed out."""
 
     def _give(self, path: Path) -> None:
         """Hand ``path`` (a tree only the host wrote) to the sandbox's user."""
@@ -141,10 +144,13 @@ class HostSandbox:
                                   timeout=timeout, start_new_session=True, check=False,
                                   **self.as_user)
         except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") \
+                if isinstance(e.stdout, bytes) else (e.stdout or "")
             self.log.append(f"[timed out after {timeout:g}s]")
-            self.log.append((e.stdout or b"").decode(errors="replace")[-2000:]
-                            if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:])
+            self.log.append(out[-2000:])
+            self.last = (out, 124, True)
             return 124
+        self.last = (proc.stdout + proc.stderr, proc.returncode, False)
         if not quiet or proc.returncode:
             self.log.append((proc.stdout + proc.stderr)[-4000:].rstrip())
             self.log.append(f"[exit {proc.returncode}]")
@@ -271,12 +277,20 @@ def run_solution(box: CheckSandbox, task: Task, cwd: str | None = None) -> int:
 def run_verifier(box: CheckSandbox, task: Task, scratch: Path, cwd: str | None = None) -> float:
     """Remove stale rewards, copy tests/ to /tests, run test.sh, read the reward.
 
-    Raises ``VerifierError`` when the verifier leaves no usable reward.
+    Graded by ``tmax.tasks.grading.decide``, as image checks and rollouts grade; raises
+    ``VerifierError`` when that gives no reward.
     """
     box.run("rm -rf /logs/verifier && mkdir -p /logs/verifier", 60, "/")
     box.copy_in(task.tests_dir, "/tests")
-    box.run("bash /tests/test.sh", task.config.verifier.timeout_sec, cwd)
-    return read_reward(box.fetch("/logs/verifier", scratch / "verifier"), task.task_id)
+    timeout = task.config.verifier.timeout_sec
+    box.run("bash /tests/test.sh", timeout, cwd)
+    output, code, timed_out = getattr(box, "last", ("", 0, False))
+    g = decide(task.task_id, output=output, exit_code=code, timed_out=timed_out,
+               timeout_s=timeout, logs=box.fetch("/logs/verifier", scratch / "verifier"),
+               network=task.config.environment.network)
+    if g.reward is None:
+        raise VerifierError(task.task_id, g.error)
+    return g.reward
 
 
 def check_task(task: Task, mode: Mode = "oracle") -> CheckResult:

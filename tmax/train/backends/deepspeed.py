@@ -14,14 +14,17 @@ passes its own share of the step's samples to ``step``. What differs from one pr
 - **Accumulation is ours** (``managed_gradient_accumulation: false``): any number of
   backwards, then one ``engine.step()`` (clipping, AdamW, the LR schedule).
 - **FP32 LM head.** Under ZeRO-3 the head weight is a partition outside its module's
-  forward, so the upcast projection is installed as the head module's own forward
-  (``install_fp32_head``): DeepSpeed gathers the weight around it, forward and backward.
+  forward, so the chunked float32 log-prob head (``tmax.train.head``) is installed as the
+  head module's own forward: DeepSpeed gathers the weight around it, forward and backward.
+- **Devices.** ``trainer.device`` (``resolve_device``): cuda with no GPU, or a local rank
+  past the node's GPUs, stops the rank at start with a ``DeviceError``; only ``auto`` on a
+  machine without GPUs trains on CPU with gloo.
 - **Weights out.** ``export_weights`` gathers parameters (``GatheredParameters``, a chunk
   at a time) into full CPU tensors on rank 0.
 - **Checkpoints**: DeepSpeed's own (``save_checkpoint``: each rank its partitions), plus the
   step, ``extra`` and each rank's RNG state, written into a temporary folder and renamed.
 
-deepspeed is imported when a backend is built, never at module import. With no CUDA,
+deepspeed is imported when a backend is built, never at module import. On CPU,
 ``DS_ACCELERATOR=cpu`` is set first and torch.distributed uses gloo. A process started
 without ``RANK``/``WORLD_SIZE`` runs as a world of one on a free loopback port.
 """
@@ -37,11 +40,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tmax.train.backends.base import weights_dir, write_weights_folder
 from tmax.train.backends.config import TrainerSection, build_deepspeed_config, uses_bf16
 from tmax.train.config import AlgoSection, OptimSection
+from tmax.train.head import (
+    DEFAULT_CHUNK,
+    enable_activation_checkpointing,
+    install_scoring_head,
+    score_tokens,
+)
 from tmax.train.trainer import (
     Sample,
     StepSums,
@@ -96,18 +104,56 @@ def ensure_dist_env() -> None:
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
 
 
-def install_fp32_head(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the LM head module project in float32 (hidden states and weight upcast) in
-    its own forward, where ZeRO-3 has its weight gathered; returns the head."""
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    if head is None:
-        raise ValueError("fp32_lm_head: the model has no output embeddings")
+class DeviceError(RuntimeError):
+    """The trainer was asked for a device this process cannot have."""
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        bias = head.bias.float() if getattr(head, "bias", None) is not None else None
-        return F.linear(hidden.float(), head.weight.float(), bias)  # [B,T,V] float32
-    head.forward = forward
-    return head
+
+def resolve_device(trainer: TrainerSection, *, local_rank: int, cuda_available: bool,
+                   device_count: int) -> tuple[str, str]:
+    """``(device, dist_backend)`` of a rank (pure). ``trainer.device`` cuda (or
+    ``dist_backend`` nccl) with no GPU, or a ``local_rank`` past the node's GPUs, is a
+    ``DeviceError``: a GPU run must never fall back to CPU and gloo without a word."""
+    want = trainer.device
+    if want == "auto":
+        want = "cuda" if cuda_available else "cpu"
+    if trainer.dist_backend == "nccl" and want == "cpu":
+        raise DeviceError("trainer.dist_backend=nccl needs CUDA, but "
+                          + ("trainer.device=cpu" if trainer.device == "cpu" else
+                             "torch sees no GPU here") + "; use gloo or a GPU node")
+    if want == "cuda":
+        if not cuda_available:
+            raise DeviceError(
+                "trainer.device=cuda, but torch sees no GPU on this node (is a GPU "
+                "allocated? slurm.trainer.gpus_per_node; CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; a CUDA build of "
+                f"torch? torch {torch.__version__})")
+        if local_rank >= device_count:
+            raise DeviceError(
+                f"trainer rank with LOCAL_RANK={local_rank} has no GPU: this node shows "
+                f"{device_count} (ranks per node must be <= GPUs per node: "
+                "distributed.trainer_ranks / slurm.trainer_nodes vs "
+                "slurm.trainer.gpus_per_node)")
+    backend = trainer.dist_backend if trainer.dist_backend != "auto" else \
+        ("nccl" if want == "cuda" else "gloo")
+    return want, backend
+
+
+def init_distributed(trainer: TrainerSection) -> str:
+    """torch.distributed up for this rank (once), its GPU selected; returns the device
+    kind (``cuda`` | ``cpu``). Raises ``DeviceError`` before any collective."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device, backend = resolve_device(trainer, local_rank=local_rank, cuda_available=cuda,
+                                     device_count=torch.cuda.device_count() if cuda else 0)
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ds = import_deepspeed()
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    ensure_dist_env()
+    if not dist.is_initialized():
+        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return device
 
 
 class DeepSpeedTrainer:
@@ -115,26 +161,19 @@ class DeepSpeedTrainer:
 
     def __init__(self, model: torch.nn.Module, *, algo: AlgoSection, optim: OptimSection,
                  trainer: TrainerSection, total_steps: int, temperature: float,
-                 fp32_head: bool, pad_id: int, max_len: int):
-        ds = import_deepspeed()
-        self._ds = ds
+                 fp32_head: bool, pad_id: int, max_len: int, head_chunk: int = DEFAULT_CHUNK,
+                 activation_checkpointing: bool = False):
+        cuda = init_distributed(trainer) == "cuda"
+        ds = self._ds = import_deepspeed()
         self.algo, self.optim_cfg, self.trainer_cfg = algo, optim, trainer
         self.temperature, self.fp32_head = temperature, fp32_head
         self.pad_id, self.max_len = pad_id, max_len
-        cuda = torch.cuda.is_available()
-        backend = trainer.dist_backend if trainer.dist_backend != "auto" else \
-            ("nccl" if cuda else "gloo")
-        ensure_dist_env()
-        if not dist.is_initialized():
-            ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                                verbose=False)
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.ds_config = build_deepspeed_config(trainer, optim,
                                                 bf16=uses_bf16(trainer, cuda=cuda))
-        if fp32_head:
-            install_fp32_head(model)
+        install_scoring_head(model, fp32=fp32_head, chunk=head_chunk)
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, total_steps)
         self.engine, self.optimizer, _, self.scheduler = ds.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -174,10 +213,10 @@ class DeepSpeedTrainer:
         sums = StepSums()
         for i, batch in enumerate(micro_batches(samples, mb, self.pad_id, int(count))):
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            logits = self.engine(input_ids=batch["input_ids"],
-                                 attention_mask=batch["attention_mask"]).logits
-            loss, stats, n = policy_loss(logits, batch, algo=self.algo,
-                                         temperature=self.temperature,
+            logp, entropy = score_tokens(self.engine, batch["input_ids"],
+                                         batch["attention_mask"],
+                                         temperature=self.temperature)   # [B,T-1]
+            loss, stats, n = policy_loss(logp, entropy, batch, algo=self.algo,
                                          n_tokens=max(n_tokens, 1.0))
             # DeepSpeed averages gradients over ranks: scale up so the sum is applied.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)

@@ -141,7 +141,7 @@ def main(config_path: str | None, dry_run: bool, launcher: str, detach: bool, ou
     from tmax.train.handover import HandoverError
     from tmax.train.loop import TrainError, read_metrics, train
     from tmax.train.processes import TrainProcessError, run_processes
-    from tmax.train.rollouts import NoUsableGroups, RolloutsFailing
+    from tmax.train.rollouts import InternalErrors, NoUsableGroups, RolloutsFailing
     from tmax.train.slurm import SlurmError
 
     try:
@@ -149,8 +149,8 @@ def main(config_path: str | None, dry_run: bool, launcher: str, detach: bool, ou
             run_dir = run_processes(config, progress=not quiet, launcher=launcher)
         else:
             run_dir = train(config, progress=not quiet)
-    except (TrainError, RolloutsFailing, NoUsableGroups, TrainProcessError, HandoverError,
-            EngineError, SlurmError) as e:
+    except (TrainError, RolloutsFailing, NoUsableGroups, InternalErrors, TrainProcessError,
+            HandoverError, EngineError, SlurmError) as e:
         raise click.ClickException(str(e)) from None
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise click.ClickException(f"stopped; the run's jobs and processes are stopped too. "

@@ -115,6 +115,9 @@ class FleetSection(_Strict):
     concurrency: int = Field(8, ge=1, description="Rollouts running at once.")
     abort_after_infra: int = Field(16, ge=1, description="Stop the run with an error when "
                                    "this many rollouts in a row fail on infrastructure.")
+    max_internal_errors: int = Field(3, ge=1, description="Stop the run with the first "
+                                     "traceback when this many rollouts end in TMax's own "
+                                     "error (internal_error, a bug; never retried).")
 
 
 class AgentSection(_Strict):

@@ -31,6 +31,7 @@ from sandfleet import run_event_loop
 from tmax.agent.config import load_agent_config
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.config import TrainConfig, save_config
+from tmax.train.model_load import context_length
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
     from tmax.train.trainer import samples_of
 
     trainer = make_trainer(config, model, pad_id=tokenizer.pad_token_id or 0,
-                           max_len=model.config.max_position_embeddings)
+                           max_len=context_length(model.config))
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         trainer.load(ckpt)
@@ -261,7 +262,10 @@ def step_metrics(stats, groups, step: int) -> dict[str, float]:
     out = {"rollouts": len(rollouts),
            "reward_mean": (sum(t.score for t in scored) / len(scored)) if scored else float("nan"),
            "infra_failure_rate": (1 - len(valid) / len(rollouts)) if rollouts else 0.0,
-           "verifier_error_rate": (1 - len(scored) / len(valid)) if valid else 0.0,
+           "verifier_error_rate": (sum(t.verifier_error is not None for t in valid)
+                                   / len(valid)) if valid else 0.0,
+           "internal_error_rate": (sum(t.internal_error is not None for t in rollouts)
+                                   / len(rollouts)) if rollouts else 0.0,
            "groups_done": stats.groups_done,
            "groups_filtered": sum(stats.groups_filtered.values()),
            "groups_stale": stats.groups_stale,

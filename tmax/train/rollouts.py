@@ -16,7 +16,10 @@ while the trainer steps; each rollout is stamped with the policy version that sa
 If ``abort_after_infra`` rollouts in a row fail on infrastructure, ``next_batch`` raises
 ``RolloutsFailing`` with the causes instead of letting the run train on nothing. A verifier
 error is not an infrastructure failure (the fleet worked); it is logged once per task and
-cause.
+cause. A rollout that ended in TMax's own error (``internal_error``) is neither: it is
+masked like a verifier error, and once ``max_internal_errors`` of them have happened
+``next_batch`` raises ``InternalErrors`` naming the first (its traceback is in its record,
+in the run folder's rollouts file).
 """
 
 from __future__ import annotations
@@ -47,6 +50,20 @@ class RolloutsFailing(Exception):
         super().__init__(f"{count} rollouts in a row failed on infrastructure ({what}); "
                          "check the fleet (`sandfleet status`, its logs) and the images "
                          "(`tmax images ls`)")
+
+
+class InternalErrors(Exception):
+    """``count`` rollouts ended in TMax's own error; ``first`` is the first of them."""
+
+    def __init__(self, count: int, first: Trajectory):
+        self.count, self.first = count, first
+        err = first.internal_error or {}
+        tail = "\n".join(str(err.get("traceback", "")).rstrip().splitlines()[-6:])
+        super().__init__(f"{count} rollouts ended in an internal error (TMax's own, not the "
+                         f"policy's or the fleet's; max_internal_errors); the first, "
+                         f"{first.task}: {err.get('message', '?')}\n{tail}\n(every traceback "
+                         "is in the run folder's rollout records, field internal_error; please "
+                         "report it)")
 
 
 class NoUsableGroups(Exception):
@@ -90,7 +107,7 @@ class GroupSampler:
                  agent_config: AgentConfig, *, group_size: int, groups_per_step: int,
                  concurrency: int, async_steps: int, abort_after_infra: int,
                  normalize_std: bool = False, seed: int = 0, on_rollout=None,
-                 give_up_after_groups: int = 200):
+                 give_up_after_groups: int = 200, max_internal_errors: int = 3):
         self.tasks, self.policy, self.fleet, self.images = tasks, policy, fleet, images
         self.agent_config = agent_config
         self.group_size, self.groups_per_step = group_size, groups_per_step
@@ -109,6 +126,8 @@ class GroupSampler:
         self.filtered_streak, self.filtered_reasons = 0, Counter[str]()
         self.stats = SamplerStats()
         self._verifier_errors_seen: set[tuple[str, str]] = set()
+        self.max_internal_errors = max_internal_errors
+        self.internal_errors: list[Trajectory] = []
         self.error: BaseException | None = None
         self._producer: asyncio.Task | None = None
         self._groups: set[asyncio.Task] = set()
@@ -123,7 +142,8 @@ class GroupSampler:
                    concurrency=config.fleet.concurrency,
                    async_steps=config.rollout.async_steps,
                    abort_after_infra=config.fleet.abort_after_infra,
-                   normalize_std=config.algo.normalize_std, seed=seed, on_rollout=on_rollout)
+                   normalize_std=config.algo.normalize_std, seed=seed, on_rollout=on_rollout,
+                   max_internal_errors=config.fleet.max_internal_errors)
 
     # ---- lifecycle
 
@@ -185,6 +205,8 @@ class GroupSampler:
                     self.infra_causes[(t.infra_failure or {}).get("cause", "infra")] += 1
                 if t.valid and t.verifier_error is not None:
                     self._note_verifier_error(t)
+                if t.internal_error is not None:
+                    self.internal_errors.append(t)
             group = Group(task.task_id, trajs, adv, version, time.monotonic() - t0)
             self.stats.groups_done += 1
             if adv.kept:
@@ -217,6 +239,8 @@ class GroupSampler:
             while True:
                 if self.error is not None:
                     raise self.error
+                if len(self.internal_errors) >= self.max_internal_errors:
+                    raise InternalErrors(len(self.internal_errors), self.internal_errors[0])
                 if self.infra_streak >= self.abort_after_infra:
                     raise RolloutsFailing(self.infra_streak, self.infra_causes)
                 if self.filtered_streak >= self.give_up_after_groups:

@@ -88,6 +88,10 @@ def _write_json(path: Path, data) -> None:
               help="Run folder (default runs/eval-<time>); an existing one resumes.")
 @click.option("--max-infra-retries", default=3, show_default=True,
               type=click.IntRange(min=0), help="Re-runs of an infra-failed episode.")
+@click.option("--max-internal-errors", default=3, show_default=True,
+              type=click.IntRange(min=1),
+              help="Stop after this many episodes end in TMax's own error (a bug; never "
+                   "re-run; the tracebacks are in OUT/results.jsonl).")
 @click.option("--step-limit", type=click.IntRange(min=1), default=None,
               help="Override the agent config's step_limit.")
 @click.option("--command-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -100,8 +104,8 @@ def _write_json(path: Path, data) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @base_map_option
 def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, agent_config,
-             out_dir, max_infra_retries, step_limit, command_timeout, threshold, strict,
-             no_progress, base_map) -> None:
+             out_dir, max_infra_retries, max_internal_errors, step_limit, command_timeout,
+             threshold, strict, no_progress, base_map) -> None:
     """Run a policy on tasks through a sandbox fleet; write every episode to
     OUT/results.jsonl, the statistics to OUT/summary.json, and print them. Infra-failed
     episodes are re-run; running again with the same --out resumes. Tasks that are invalid,
@@ -140,7 +144,7 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
         raise click.ClickException(str(e)) from None
     except (OSError, ValueError) as e:  # the store's folder
         raise click.ClickException(f"image store {store}: {e}") from None
-    runnable, unusable = preflight(tasks, images)
+    runnable, unusable = preflight(tasks, images, policy)
     skipped = [*invalid, *unusable]
     listing = skipped_text(skipped, store)
     if skipped and strict:
@@ -166,6 +170,7 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
             return await run_eval(tasks, policy, fleet, images, config, trials=trials,
                                   concurrency=concurrency, results_path=results,
                                   max_infra_retries=max_infra_retries,
+                                  max_internal_errors=max_internal_errors,
                                   progress=not no_progress, skipped=invalid, strict=strict)
 
     from sandfleet import run_event_loop

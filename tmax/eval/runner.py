@@ -18,8 +18,15 @@
   planned (``unmapped_base``, ``image_definition``), is not built (``image_missing``) or
   failed its build-time checks (``checks_failed``); the caller adds tasks that did not load
   (``invalid_task``). They go to the sidecar ``<results>.skipped.json`` (rewritten by each
-  run) with their reasons; ``strict=True`` refuses the evaluation instead. A verifier that
-  cannot grade is a ``verifier_error`` (a task problem), recorded and never re-run.
+  run) with their reasons; ``strict=True`` refuses the evaluation instead. A policy that
+  needs a reference solution (the oracle) skips tasks without one (``no_solution``). A
+  verifier that cannot grade is a ``verifier_error`` (a task problem), recorded and never
+  re-run.
+- TMax's own errors (``internal_error``: a bug, not the policy's or the fleet's failure)
+  are recorded with their traceback and never re-run; once ``max_internal_errors`` of them
+  have happened in this invocation, the evaluation stops with ``InternalErrors`` naming
+  the first (the finished episodes stay in the results file). A resume runs such episodes
+  again (after a fix, they may pass).
 """
 
 from __future__ import annotations
@@ -51,8 +58,23 @@ class EvalError(Exception):
     run, skipped tasks under ``strict``)."""
 
 
+class InternalErrors(EvalError):
+    """``count`` episodes ended in TMax's own error (``internal_error``); ``first`` is the
+    first of them (its record, traceback included, is in the results file)."""
+
+    def __init__(self, count: int, first: Trajectory, results: Path):
+        self.count, self.first = count, first
+        err = first.internal_error or {}
+        tail = "\n".join(str(err.get("traceback", "")).rstrip().splitlines()[-6:])
+        super().__init__(
+            f"stopped after {count} internal errors (TMax's own, not the policy's or the "
+            f"fleet's; --max-internal-errors); the first, {first.task} trial {first.trial}: "
+            f"{err.get('message', '?')}\n{tail}\n(every traceback is in {results}, field "
+            "internal_error; please report it)")
+
+
 SKIP_KINDS = ("invalid_task", "unmapped_base", "image_definition", "image_missing",
-              "checks_failed")
+              "checks_failed", "no_solution")
 
 
 @dataclass(frozen=True)
@@ -166,15 +188,22 @@ def _cut_torn_tail(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def preflight(tasks: Sequence[Task], images: TaskImages) -> tuple[list[Task], list[Skipped]]:
+def preflight(tasks: Sequence[Task], images: TaskImages, policy: Policy | None = None
+              ) -> tuple[list[Task], list[Skipped]]:
     """The tasks whose images can run, and the others with their reasons: an image that
     cannot be planned, is not built (or is out of date, or corrupt), or failed its
-    build-time checks. Never raises for one task's problem."""
+    build-time checks; for a ``policy`` that ``needs_solution`` (the oracle), a task (or a
+    step) without a reference solution. Never raises for one task's problem."""
     from tmax.images.bases import BaseMappingError
 
     runnable, skipped = [], []
     for task in tasks:
         where = str(task.root)
+        if getattr(policy, "needs_solution", False) and not _has_solution(task):
+            skipped.append(Skipped(task.task_id, "no_solution",
+                                   f"{policy.name}: the task has no reference solution "
+                                   "(solution/solve.sh, or one per step)", where))
+            continue
         try:
             entry = images.entry(task)
         except ImageMissing as e:
@@ -197,6 +226,11 @@ def preflight(tasks: Sequence[Task], images: TaskImages) -> tuple[list[Task], li
             continue
         runnable.append(task)
     return runnable, skipped
+
+
+def _has_solution(task: Task) -> bool:
+    return all(s.solve_script.is_file() for s in task.steps) if task.steps \
+        else task.has_solution
 
 
 def skipped_text(skipped: Sequence[Skipped], store: str | Path | None = None) -> str:
@@ -225,25 +259,30 @@ class _Progress:
     scored: int = 0
     infra: int = 0
     verifier_errors: int = 0
+    internal: int = 0
 
     def add(self, t: Trajectory, *, done: bool) -> None:
         if t.scored:
             self.reward_sum += t.score
             self.scored += 1
-        elif t.valid:
-            self.verifier_errors += 1
-        else:
+        elif not t.valid:
             self.infra += 1
+        elif t.internal_error is not None:
+            self.internal += 1
+        else:
+            self.verifier_errors += 1
         if self.bar is not None:
             mean = self.reward_sum / self.scored if self.scored else float("nan")
             self.bar.set_postfix(reward=f"{mean:.3f}", infra=self.infra,
-                                 verifier_err=self.verifier_errors, refresh=False)
+                                 verifier_err=self.verifier_errors, internal=self.internal,
+                                 refresh=False)
             self.bar.update(1 if done else 0)
 
 
 async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: TaskImages,
                    agent_config: AgentConfig, *, trials: int, concurrency: int,
                    results_path: str | Path, max_infra_retries: int = 3,
+                   max_internal_errors: int = 3,
                    progress: bool = True, skipped: Sequence[Skipped] = (),
                    strict: bool = False) -> list[Trajectory]:
     """Run ``trials`` episodes of every task with ``policy`` on ``fleet`` (an
@@ -251,16 +290,19 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
     Tasks that cannot run (``preflight``) are skipped and, with ``skipped`` (tasks the
     caller could not load), written to ``<results>.skipped.json``; with ``strict`` any of
     them is an ``EvalError`` before anything runs, and so is having no task that can run.
+    Once ``max_internal_errors`` episodes of this invocation ended in TMax's own error, the
+    others are cancelled and ``InternalErrors`` is raised.
     Returns every record of the results file (earlier runs' included), in file order."""
-    if trials < 1 or concurrency < 1 or max_infra_retries < 0:
-        raise ValueError("trials and concurrency must be >= 1, max_infra_retries >= 0")
+    if trials < 1 or concurrency < 1 or max_infra_retries < 0 or max_internal_errors < 1:
+        raise ValueError("trials and concurrency must be >= 1, max_infra_retries >= 0, "
+                         "max_internal_errors >= 1")
     ids = [t.task_id for t in tasks]
     if len(set(ids)) != len(ids):
         raise EvalError(f"duplicate task ids: {sorted({i for i in ids if ids.count(i) > 1})}")
     results_path = Path(results_path)
     meta = eval_meta(tasks, policy, agent_config, trials, skipped)
     asked = len(tasks) + len(skipped)
-    runnable, unusable = await asyncio.to_thread(preflight, tasks, images)
+    runnable, unusable = await asyncio.to_thread(preflight, tasks, images, policy)
     skipped = [*skipped, *unusable]
     store = images.builds.store.root
     if skipped and strict:
@@ -274,7 +316,7 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
         log.info("skipping %s [%s]: %s", s.task, s.kind, s.reason)
     tasks = runnable
 
-    done = {(r.task, r.trial) for r in earlier if r.valid}
+    done = {(r.task, r.trial) for r in earlier if r.valid and r.internal_error is None}
     next_attempt: dict[tuple[str, int], int] = {}
     for r in earlier:
         key = (r.task, r.trial)
@@ -294,6 +336,8 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
     for r in earlier:
         totals.add(r, done=False)
     slots = asyncio.Semaphore(concurrency)
+    internal: list[Trajectory] = []
+    stop = asyncio.Event()
 
     async def one(task: Task, trial: int) -> None:
         first = next_attempt.get((task.task_id, trial), 0)
@@ -306,6 +350,13 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
             await asyncio.to_thread(append_jsonl, results_path, t.to_dict())
             last = t.valid or n == max_infra_retries
             totals.add(t, done=last)
+            if t.internal_error is not None:  # TMax's bug: never re-run as a node failure
+                internal.append(t)
+                log.error("%s trial %d: internal error %s", task.task_id, trial,
+                          t.internal_error.get("message"))
+                if len(internal) >= max_internal_errors:
+                    stop.set()
+                return
             if t.valid:
                 return
             log.warning("%s trial %d attempt %d: infra failure (%s)%s", task.task_id, trial,
@@ -314,7 +365,14 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
 
     jobs = [asyncio.create_task(one(task, trial)) for task, trial in todo]
     try:
-        await asyncio.gather(*jobs)
+        everything = asyncio.gather(*jobs)
+        everything.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if stop.is_set():
+            raise InternalErrors(len(internal), internal[0], results_path)
+        await everything
     except BaseException:
         for job in jobs:
             job.cancel()
@@ -326,6 +384,6 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
     return [Trajectory.from_dict(r) for r in read_jsonl(results_path)]
 
 
-__all__ = ["SKIP_KINDS", "EvalError", "Skipped", "config_hash", "eval_meta", "meta_path",
+__all__ = ["SKIP_KINDS", "EvalError", "InternalErrors", "Skipped", "config_hash", "eval_meta", "meta_path",
            "open_results", "preflight", "read_skipped", "run_eval", "skipped_path",
            "skipped_text", "write_skipped"]

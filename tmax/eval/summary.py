@@ -6,8 +6,14 @@ latest valid attempt (highest ``attempt``). An episode whose verifier could not 
 (``verifier_error``: no reward, a malformed one, a timeout, a verifier that needed the
 network) is a task problem, not the agent's failure: it is left out of every score (mean
 reward, pass rate, pass@k, the domain and difficulty rows) and counted by cause in
-``verifier_errors`` / ``verifier_error_causes``. Tasks the evaluation skipped (invalid, no
-usable image) are listed in ``skipped`` with their reasons and counted in ``skipped_kinds``.
+``verifier_errors`` / ``verifier_error_causes``. An episode that ended in TMax's own error
+(``internal_error``, a bug) is left out of every score too and counted in
+``internal_errors`` (by exception type in ``internal_error_types``). ``outcomes`` counts the
+episodes of each class (``Trajectory.outcome``: scored, policy_failure, verifier_error,
+internal_error) and the attempts that failed on infrastructure; ``graded_with_notes``
+the scored episodes whose grade came with a note (``grading_note``). Tasks the evaluation
+skipped (invalid, no usable image, no solution for the oracle) are listed in ``skipped``
+with their reasons and counted in ``skipped_kinds``.
 
 Means and standard errors. Every task weighs the same: ``mean_reward`` is the mean over
 tasks of each task's mean over its trials. Its standard error measures how much the score
@@ -114,7 +120,9 @@ def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
     attempts = [_as_trajectory(r) for r in records]
     episodes = final_records(attempts)
     final = {k: r for k, r in episodes.items() if r.scored}
-    problems = sorted((k, r) for k, r in episodes.items() if not r.scored)
+    problems = sorted((k, r) for k, r in episodes.items()
+                      if not r.scored and r.internal_error is None)
+    internal = sorted((k, r) for k, r in episodes.items() if r.internal_error is not None)
     pairs = {(r.task, r.trial) for r in attempts}
     infra = [r for r in attempts if not r.valid]
     skips = sorted((s if isinstance(s, Mapping) else s.to_dict() for s in skipped),
@@ -160,6 +168,14 @@ def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
         "verifier_error_causes": dict(Counter(verifier_error_cause(r.verifier_error or "")
                                               for _, r in problems)),
         "verifier_error_episodes": [f"{t}#{k}: {r.verifier_error}" for (t, k), r in problems],
+        "internal_errors": len(internal),
+        "internal_error_types": dict(Counter((r.internal_error or {}).get("error", "?")
+                                             for _, r in internal)),
+        "internal_error_episodes": [f"{t}#{k}: {(r.internal_error or {}).get('message')}"
+                                    for (t, k), r in internal],
+        "outcomes": dict(Counter(r.outcome for r in episodes.values()))
+        | ({"infra_failure": len(infra)} if infra else {}),
+        "graded_with_notes": sum(1 for r in final.values() if r.grading_note),
         "skipped": skips,
         "skipped_kinds": dict(Counter(s["kind"] for s in skips)),
         "policy_failures": dict(Counter(r.policy_failure for r in final.values()
@@ -210,6 +226,10 @@ def format_tables(summary: Mapping[str, Any]) -> str:
         "not scored)" + (": " + ", ".join(f"{c} {n}" for c, n in
                                           s["verifier_error_causes"].items())
                          if s["verifier_errors"] else ""),
+        f"internal errors {s['internal_errors']}/{s['episodes']} episodes (TMax's own, not "
+        "scored)" + (": " + ", ".join(f"{c} {n}" for c, n in
+                                      s["internal_error_types"].items())
+                     if s["internal_errors"] else ""),
         "policy failures " + (", ".join(f"{c} {n}" for c, n in
                                         sorted(s["policy_failures"].items())) or "none"),
         "mean seconds " + "  ".join(f"{p} {_f(v, 2)}" for p, v in s["timings"].items()),

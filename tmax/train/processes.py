@@ -4,10 +4,8 @@ orchestrator; they meet only in the run folder (``tmax.train.handover``) and ove
 - **inference servers**: ``tmax serve`` (engine=transformers) or ``vllm serve``
   (engine=vllm), each its own process group, log in ``RUN/logs/``;
 - **the trainer**: ``python -m tmax.train.processes trainer RUN`` on every rank
-  (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` from the launcher or Slurm). It
-  takes step k's batch, steps the backend, publishes weights version k+1, appends the
-  step's metrics (rank 0) and checkpoints; on restart it resumes from its last checkpoint,
-  so no step is lost or repeated;
+  (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` from the launcher or Slurm),
+  ``tmax.train.trainer_rank``;
 - **the orchestrator** (in the launching process here): the fleet client, the engine pool,
   the group sampler and the staleness bound. Before it builds step k's batch, every engine
   serves weights of version >= k - rollout.async_steps; every new version is loaded into
@@ -19,12 +17,8 @@ processes on this machine; ``"slurm"``: Slurm jobs, ``tmax.train.slurm``), super
 failures; a dead trainer is restarted from its checkpoint, ``distributed.max_restarts``
 times) and stops every process or job it started, by process group or job id, on the way
 out. Where the trainer runs is a ``TrainerRunner``, where the servers run a
-``ServerRunner``: one small class of each per launcher.
-
-Preemption: a trainer rank that gets SIGUSR2 (Slurm's ``--signal=USR2@90`` before the time
-limit) finishes the step it is on, checkpoints, and exits with ``REQUEUE_EXIT``; under
-Slurm rank 0 first requeues its job (``scontrol requeue``), which resumes from that
-checkpoint, so no step is lost or repeated.
+``ServerRunner``: one small class of each per launcher; what each runs is
+``tmax.train.commands``.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,171 +36,26 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tmax.rollout.trajectory import append_jsonl
-from tmax.train.config import TrainConfig, load_train_config, save_config
-from tmax.train.handover import Handover, Heartbeat, PeerGone, alive, is_done, mark_done
+from tmax.train.commands import launch_plan, server_command, trainer_command, vllm_config_of
+from tmax.train.config import TrainConfig, save_config
+from tmax.train.handover import Handover, Heartbeat, is_done
+from tmax.train.trainer_rank import (
+    ORCHESTRATOR,
+    REQUEUE_EXIT,
+    Preemption,
+    Requeue,
+    publish,
+    requeue,
+    trainer_main,
+    trainer_role,
+)
+
+__all__ = ["ORCHESTRATOR", "REQUEUE_EXIT", "Preemption", "Requeue", "TrainProcessError",
+           "launch_plan", "orchestrate", "publish", "requeue", "run_processes",
+           "server_command", "trainer_command", "trainer_main", "trainer_role",
+           "vllm_config_of"]
 
 log = logging.getLogger(__name__)
-
-ORCHESTRATOR = "orchestrator"
-
-
-def trainer_role(rank: int) -> str:
-    return f"trainer-{rank}"
-
-
-# --------------------------------------------------------------------------- the trainer
-
-
-def trainer_main(run_dir: Path) -> None:
-    """One trainer rank, until ``config.steps`` are done (or the orchestrator is gone)."""
-    from tmax.models.tiny import load_pretrained_dir
-    from tmax.train.backends import make_trainer
-    from tmax.train.loop import (
-        keep_metrics_until,
-        latest_checkpoint,
-        save_checkpoint,
-        seed_everything,
-    )
-    from tmax.train.tracking import TrackingSection, open_trackers
-
-    config = load_train_config(run_dir / "config.yaml")
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    seed_everything(config.seed)
-    if config.torch_threads:
-        import torch
-
-        torch.set_num_threads(config.torch_threads)
-    model, tokenizer = load_pretrained_dir(run_dir / "init")
-    backend = make_trainer(config, model, pad_id=tokenizer.pad_token_id or 0,
-                           max_len=model.config.max_position_embeddings)
-    handover = Handover(run_dir)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        backend.load(ckpt)
-        log.info("rank %d resumed from %s (step %d)", rank, ckpt, backend.step_count)
-        if rank == 0:
-            keep_metrics_until(run_dir / "metrics.jsonl", backend.step_count)
-    d = config.distributed
-    preempted = Preemption()
-    trackers = open_trackers(config.tracking if rank == 0 else TrackingSection(), run_dir,
-                             config.model_dump(mode="json"))
-    with Heartbeat(handover, trainer_role(rank)), preempted, \
-            contextlib.closing(trackers):
-        latest = handover.latest_weights()
-        if latest is None or latest[0] != backend.step_count:
-            publish(handover, backend, backend.step_count)
-        while backend.step_count < config.steps:
-            step = backend.step_count
-            path = handover.batch_path(step)
-            with contextlib.suppress(PeerGone):  # PeerGone: USR2 (or the orchestrator) ...
-                handover.get_batch(step, timeout=d.batch_timeout_s, alive=lambda: (
-                    not preempted.is_set() and alive(handover, ORCHESTRATOR, d.stale_after_s)))
-            if preempted.agreed(world):  # every rank at the same step: checkpoint, requeue
-                requeue(backend, run_dir, config, rank)
-            if not path.exists():  # ... the orchestrator is gone: its own error
-                handover.get_batch(step, timeout=0.0, alive=lambda: alive(
-                    handover, ORCHESTRATOR, d.stale_after_s))
-            batch = handover.read_batch(step)
-            t0 = time.monotonic()
-            metrics = backend.step(batch.samples[rank::world])
-            publish(handover, backend, backend.step_count)
-            if rank == 0:
-                metrics.update(batch.meta)
-                metrics.update(step=backend.step_count, policy_version_min=min(batch.versions),
-                               step_seconds=time.monotonic() - t0)
-                append_jsonl(run_dir / "metrics.jsonl", metrics)
-                trackers.log(metrics, backend.step_count)
-                handover.prune_weights(d.keep_weights)
-            if backend.step_count % config.checkpoint_every == 0 \
-                    or backend.step_count == config.steps:
-                save_checkpoint(backend, run_dir, config.keep_checkpoints)
-                if rank == 0:  # a restart redoes the steps after it from their batches
-                    handover.drop_batches_before(backend.step_count)
-        if rank == 0:
-            final = run_dir / "final"
-            tmp = final.with_name(".final.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(handover.weights_path(backend.step_count), tmp)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            mark_done(handover, "trainer")
-
-
-class Preemption:
-    """SIGUSR2 (Slurm's warning before the time limit or a preemption) sets a flag the
-    trainer reads between steps; ``with`` installs and restores the handler."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        self._old: Any = None
-
-    def __enter__(self) -> Preemption:
-        def handle(signum: int, frame: Any) -> None:
-            log.warning("rank %s: SIGUSR2: checkpoint and requeue after this step",
-                        os.environ.get("RANK", "0"))
-            self.flag = True
-
-        self._old = signal.signal(signal.SIGUSR2, handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGUSR2, self._old or signal.SIG_DFL)
-
-    def is_set(self) -> bool:
-        return self.flag
-
-    def agreed(self, world: int) -> bool:
-        """Whether any rank got the signal (an all-reduce with several ranks: every rank
-        calls this once per step, at the same point, so they decide together)."""
-        if world <= 1:
-            return self.flag
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return self.flag
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
-        flag = torch.tensor([1 if self.flag else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-REQUEUE_EXIT = 3
-"""A trainer rank's exit code after it checkpointed for a requeue."""
-
-
-class Requeue(SystemExit):
-    def __init__(self) -> None:
-        super().__init__(REQUEUE_EXIT)
-
-
-def requeue(backend: Any, run_dir: Path, config: TrainConfig, rank: int) -> None:
-    """Checkpoint now (between steps), requeue this Slurm job (rank 0), exit."""
-    from tmax.train.loop import latest_checkpoint, save_checkpoint
-
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None or int(ckpt.name.split("-")[1]) != backend.step_count:
-        save_checkpoint(backend, run_dir, config.keep_checkpoints)
-    if rank == 0:
-        Handover(run_dir).drop_batches_before(backend.step_count)
-        job = os.environ.get("SLURM_JOB_ID")
-        log.warning("checkpointed at step %d; %s", backend.step_count,
-                    f"requeueing job {job}" if job else "not a Slurm job: exiting")
-        if job:
-            subprocess.run(["scontrol", "requeue", job], timeout=60, check=False,
-                           stdin=subprocess.DEVNULL)
-    raise Requeue()
-
-
-def publish(handover: Handover, backend: Any, version: int) -> None:
-    """Every rank exports (ZeRO-3 gathers collectively); rank 0 writes the folder, then
-    LATEST names it."""
-    path = backend.export_to_path(handover.weights, version)
-    if backend.rank == 0:
-        handover.set_latest(version, path)
-
 
 # --------------------------------------------------------------------------- orchestrator
 
@@ -223,6 +71,7 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
     from tmax.train.loop import load_training_tasks, run_agent_config, run_fleet, step_metrics
+    from tmax.train.model_load import checkpoint_context_length
     from tmax.train.rollouts import GroupSampler
     from tmax.train.trainer import samples_of
 
@@ -235,8 +84,7 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
                                             timeout=d.weights_timeout_s, alive=trainer_alive)
     await pool.sync(path, version)
     start = version
-    max_len = json.loads((run_dir / "init" / "config.json").read_text())[
-        "max_position_embeddings"]
+    max_len = checkpoint_context_length(run_dir / "init")
     rollouts_path = run_dir / "rollouts.jsonl"
 
     def record(traj) -> None:
@@ -457,72 +305,6 @@ class InferenceServers:
 
     def ids(self) -> dict[str, str]:
         return {}
-
-
-def vllm_config_of(config: TrainConfig, model: str, index: int, port: int,
-                   host: str = "0.0.0.0") -> Any:
-    """The ``VLLMConfig`` of inference server ``index`` of the run."""
-    from tmax.inference.vllm import VLLMConfig
-
-    v = config.vllm
-    return VLLMConfig(model=model, served_model_name=config.name, host=host, port=port,
-                      tensor_parallel_size=v.tensor_parallel_size,
-                      data_parallel_size=v.data_parallel_size, dtype=config.model.dtype,
-                      fp32_head=config.model.fp32_lm_head, max_model_len=v.max_model_len,
-                      gpu_memory_utilization=v.gpu_memory_utilization,
-                      max_num_seqs=v.max_num_seqs, seed=config.seed + index,
-                      weight_transfer=v.weight_transfer, enforce_eager=v.enforce_eager,
-                      extra_args=tuple(v.extra_args))
-
-
-def server_command(config: TrainConfig, run_dir: Path, index: int, port: int, *,
-                   host: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """Inference server ``index``'s argv and added environment: ``vllm serve`` for
-    engine=vllm, ``tmax serve`` (hf-server) for engine=transformers. Both start from the
-    run's initial weights (``RUN/init``)."""
-    init = str(run_dir / "init")
-    env = {"OMP_NUM_THREADS": str(config.torch_threads)} if config.torch_threads else {}
-    if config.engine == "vllm":
-        from tmax.inference.vllm import vllm_env, vllm_serve_command
-
-        vc = vllm_config_of(config, init, index, port, *([host] if host else []))
-        return vllm_serve_command(vc), {**env, **vllm_env(vc)}
-    from tmax.inference.process import hf_server_command
-
-    return hf_server_command(init, host=host or "127.0.0.1", port=port,
-                             max_batch=config.distributed.max_batch,
-                             max_tokens=config.rollout.max_new_tokens,
-                             temperature=config.rollout.temperature,
-                             served_model_name=config.name, seed=config.seed + index), env
-
-
-def trainer_command(run_dir: Path) -> list[str]:
-    """One trainer rank's argv (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in its env)."""
-    return [sys.executable, "-m", "tmax.train.processes", "trainer", str(run_dir)]
-
-
-def launch_plan(config: TrainConfig) -> dict[str, Any]:
-    """What a launch runs, for ``--dry-run``: each inference server's command line and
-    environment, the trainer's command and ranks, and the DeepSpeed config."""
-    import shlex
-
-    run_dir = config.run_dir
-    plan: dict[str, Any] = {"run_dir": str(run_dir), "inference": [], "trainer": {}}
-    port = config.vllm.port
-    for i in range(config.distributed.inference_servers):
-        argv, env = server_command(config, run_dir, i, port + i)
-        plan["inference"].append({"command": shlex.join(argv), "env": env})
-    plan["trainer"] = {"command": shlex.join(trainer_command(run_dir)),
-                       "ranks": config.distributed.trainer_ranks,
-                       "backend": config.trainer.backend}
-    if config.trainer.backend == "deepspeed":
-        from tmax.train.backends.config import build_deepspeed_config, uses_bf16
-
-        bf16 = uses_bf16(config.trainer, cuda=config.engine == "vllm")  # vLLM: GPU nodes
-        plan["trainer"]["deepspeed_config"] = build_deepspeed_config(
-            config.trainer, config.optim, bf16=bf16)
-        plan["trainer"]["precision"] = "bf16" if bf16 else "fp32"
-    return plan
 
 
 def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunner) -> None:

@@ -115,7 +115,9 @@ def sft(model: Any, tokenizer: Any, conversations: list[list[dict[str, Any]]], *
     encoded = [encode_conversation(tokenizer, c) for c in conversations]
     if not encoded:
         raise ValueError("no conversations to train on")
-    limit = model.config.max_position_embeddings
+    from tmax.train.model_load import context_length
+
+    limit = context_length(model.config)
     too_long = [len(ids) for ids, _ in encoded if len(ids) > limit]
     if too_long:
         raise ValueError(f"{len(too_long)} conversations exceed the model's {limit} "

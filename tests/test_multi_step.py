@@ -210,6 +210,40 @@ def test_a_rollout_goes_through_the_steps_in_one_conversation(steps_store, examp
     assert "[not run: the episode ended first]" in [m["content"] for m in both.messages]
 
 
+@pytest.mark.sandbox
+def test_the_oracle_runs_each_steps_solution_as_the_checks_do(steps_store, example_fleet,
+                                                               tmp_path):
+    """No task-level solution/ (only one per step): the oracle's episode scores what the
+    checks' oracle scored, in evaluation too, and nop what their nop scored."""
+    from tmax.agent.config import load_agent_config
+    from tmax.agent.policies import make_policy
+    from tmax.eval.runner import run_eval
+    from tmax.eval.summary import summarize
+    from tmax.rollout.run import TaskImages
+
+    store, task, result = steps_store
+    assert not task.has_solution and result.status == "built", result.error
+    checks = store.read().tasks[task.task_id].checks
+
+    def evaluate(policy):
+        async def go():
+            async with AsyncFleetClient(example_fleet.state) as client:
+                return await run_eval([task], make_policy(policy), client,
+                                      TaskImages(store.root), load_agent_config(), trials=1,
+                                      concurrency=1, results_path=tmp_path / f"{policy}.jsonl",
+                                      progress=False)
+        return asyncio.run(go())
+
+    (oracle,) = evaluate("oracle")
+    assert (oracle.reward, oracle.outcome) == (checks.oracle_reward, "scored") == (1.0, "scored"), \
+        (oracle.internal_error, oracle.verifier_output)
+    assert oracle.reward_metrics == {"step:create": 1.0, "step:count": 1.0}
+    (nop,) = evaluate("nop")
+    assert (nop.reward, nop.reward_metrics) == (checks.nop_reward, {"step:create": 0.0}) == \
+        (0.0, {"step:create": 0.0})
+    assert summarize([nop])["outcomes"] == summarize([oracle])["outcomes"] == {"scored": 1}
+
+
 def test_a_multi_step_task_round_trips_through_harbors_layout(tmp_path):
     """No top-level instruction.md appears (the steps hold the instructions), and one the
     task has is kept as one of its files."""

@@ -8,11 +8,16 @@ text protocol, or with native tool calls when the harness offers tools.
 from __future__ import annotations
 
 import json
+import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
 from tmax.agent.config import SUBMIT_MARKER
 from tmax.agent.policy import Completion, ToolCall
+from tmax.tasks.model import MissingSolution
+
+log = logging.getLogger(__name__)
 
 
 def _turn(messages: list[dict[str, Any]]) -> int:
@@ -71,11 +76,41 @@ class NopPolicy(ScriptedPolicy):
 
 
 class OraclePolicy(ScriptedPolicy):
-    """Copies the task's solution/ to /solution, runs solve.sh, then submits."""
+    """The task's reference solution, run as the build-time checks run it
+    (``tmax.images.checks``), then a submit: before the first turn, solution/ is copied to
+    /solution and ``bash /solution/solve.sh`` runs in the task's working directory (a
+    subshell: the agent's shell stays where it was) under the task's agent timeout, not the
+    harness's per-command one. On a multi-step task, each step's ``solution/`` the same way
+    before that step's turns, under the step's timeout (``start_step``).
+
+    ``MissingSolution`` for a task (or step) without one: there is nothing to run."""
+
+    needs_solution = True
+    """Evaluation skips tasks without a reference solution (``tmax.eval.runner.preflight``)."""
 
     def __init__(self, *, submit_marker: str = SUBMIT_MARKER):
-        super().__init__(["bash /solution/solve.sh"], name="oracle",
-                         submit_marker=submit_marker)
+        super().__init__([], name="oracle", submit_marker=submit_marker)
 
     async def start_episode(self, episode: Any) -> None:
-        await episode.sandbox.put_file(episode.task.solution_dir, "/solution")
+        task = episode.task
+        if task.steps:  # each step's own, in start_step
+            return
+        if not task.has_solution:
+            raise MissingSolution(task.task_id)
+        await solve(episode, task.solution_dir, task.config.agent.timeout_sec)
+
+    async def start_step(self, episode: Any, step: Any) -> None:
+        if not step.solve_script.is_file():
+            raise MissingSolution(episode.task.task_id)
+        await solve(episode, step.solve_script.parent, step.agent_timeout_sec)
+
+
+async def solve(episode: Any, solution: Path, timeout: float) -> Any:
+    """``solution`` copied to /solution and its solve.sh run in the episode's working
+    directory; the command's result (its exit status is not judged: the verifier is)."""
+    await episode.sandbox.put_file(solution, "/solution")
+    where = shlex.quote(episode.workdir or "/")
+    result = await episode.sandbox.run(f"(cd {where} && bash /solution/solve.sh)", timeout)
+    log.debug("%s: solve.sh exited %s%s", episode.task.task_id, result.exit_code,
+              " (timed out)" if result.timed_out else "")
+    return result

@@ -25,10 +25,10 @@ def golden_config():
     return load_train_config(REPO / "configs" / "qwen3.5-9b.yaml", [
         "slurm.python=/opt/tmax/venv/bin/python", "slurm.trainer_nodes=2",
         "slurm.inference.partition=gpu", "slurm.inference.account=rl",
-        "slurm.inference.gres=gpu:8", 'slurm.inference.time="12:00:00"',
+        'slurm.inference.time="12:00:00"',
         'slurm.inference.setup=["module load cuda/12.4", "source /opt/tmax/venv/bin/activate"]',
         "slurm.trainer.partition=gpu", "slurm.trainer.account=rl", "slurm.trainer.qos=high",
-        "slurm.trainer.gres=gpu:8", "slurm.trainer.constraint=h100", "slurm.trainer.cpus=12",
+        "slurm.trainer.constraint=h100", "slurm.trainer.cpus=12",
         "slurm.trainer.mem=0", 'slurm.trainer.time="24:00:00"',
         "slurm.trainer.extra=[--exclusive]",
         'slurm.trainer.setup=["module load cuda/12.4", "source /opt/tmax/venv/bin/activate"]'])

@@ -8,11 +8,13 @@ the end run the unmodified boilerplate of examples/harbor in its built image."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.test_harbor_examples import harbor_store  # noqa: F401 - a fixture used here
 from tmax.tasks.grading import COULD_NOT_RUN, NEEDS_NETWORK, decide, runner_ran
 
 OFFLINE_SETUP = """\
@@ -135,3 +137,224 @@ def test_what_shows_a_runner_ran():
     assert not runner_ran(OFFLINE_SETUP + UNPREPARED)
     assert not runner_ran("echo collected 3 items is not at the start of the line: "
                           "x collected 3 items")
+
+
+# ---- a reward of 1 the verifier's own report contradicts (issue 33, item 2)
+
+
+BOILERPLATE = """#!/bin/bash
+uvx \\
+  --with pytest==8.4.1 \\
+  --with pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def ctrf(*statuses: str) -> str:
+    tests = [{"name": f"test_{i}", "status": s, "duration": 1} for i, s in enumerate(statuses)]
+    summary = {"tests": len(statuses), **{k: statuses.count(k) for k in
+                                          ("passed", "failed", "skipped", "pending", "other")}}
+    return json.dumps({"results": {"tool": {"name": "pytest"}, "summary": summary,
+                                   "tests": tests}})
+
+
+def junit(*cases: str) -> str:
+    body = "".join(f'<testcase classname="t" name="c{i}">{c}</testcase>'
+                   for i, c in enumerate(cases))
+    return (f'<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" '
+            f'tests="{len(cases)}">{body}</testsuite></testsuites>')
+
+
+def make_tests(tmp_path: Path, script: str) -> Path:
+    d = tmp_path / "tests"
+    d.mkdir(exist_ok=True)
+    (d / "test.sh").write_text(script)
+    return d
+
+
+def graded(tmp_path, script, reward, reports: dict[str, str]):
+    d = logs(tmp_path, reward)
+    for name, text in reports.items():
+        (d / name).write_text(text)
+    return decide("t", output=PASSING, exit_code=0, timed_out=False, timeout_s=60, logs=d,
+                  network=False, tests=make_tests(tmp_path, script))
+
+
+def test_which_reports_test_sh_asks_for(tmp_path):
+    from tmax.tasks.reports import requested
+
+    script = BOILERPLATE + ("# pytest --ctrf /logs/verifier/commented.json\n"
+                            "python3 -m pytest --junitxml=/logs/verifier/junit.xml -q x\n"
+                            "pytest --junit-xml '/logs/verifier/b c.xml'\n"
+                            "pytest --ctrf report.json\n")
+    assert requested(make_tests(tmp_path, script)) == [
+        ("ctrf", "/logs/verifier/ctrf.json"), ("junit", "/logs/verifier/junit.xml"),
+        ("junit", "/logs/verifier/b c.xml"), ("ctrf", "report.json")]
+
+
+def test_a_reward_of_1_stands_where_the_report_agrees(tmp_path):
+    g = graded(tmp_path, BOILERPLATE, "1", {"ctrf.json": ctrf("passed", "passed", "skipped")})
+    assert (g.reward, g.contradicted) == (1.0, "")
+    script = "pytest --junitxml=/logs/verifier/junit.xml\n"
+    assert graded(tmp_path, script, "1", {"junit.xml": junit("", "<skipped/>")}).reward == 1.0
+    # no report asked for, or one outside the verifier's folder: the exit status stands
+    assert graded(tmp_path, "pytest /tests\n", "1", {}).reward == 1.0
+    assert graded(tmp_path, "pytest --ctrf /tmp/ctrf.json\n", "1", {}).reward == 1.0
+
+
+@pytest.mark.parametrize("reports,why", [
+    ({}, "test.sh asked for a ctrf report at /logs/verifier/ctrf.json; there is none"),
+    ({"ctrf.json": ctrf("passed", "failed")}, "/logs/verifier/ctrf.json: 1 of 2 tests failed"),
+    ({"ctrf.json": ctrf("skipped", "skipped")},
+     "/logs/verifier/ctrf.json: no test passed (2 reported)"),
+    ({"ctrf.json": ctrf()}, "/logs/verifier/ctrf.json: no test passed (0 reported)"),
+    ({"ctrf.json": "{}"}, "/logs/verifier/ctrf.json: not a CTRF report"),
+], ids=["missing", "failed", "all-skipped", "none-collected", "not-ctrf"])
+def test_a_reward_of_1_the_ctrf_report_contradicts_scores_0(tmp_path, reports, why):
+    g = graded(tmp_path, BOILERPLATE, "1", reports)
+    assert (g.reward, g.error, g.contradicted) == (0.0, "", why)
+
+
+def test_junit_reports_are_read_too(tmp_path):
+    script = "python3 -m pytest --junitxml=/logs/verifier/junit.xml /tests\n"
+    g = graded(tmp_path, script, "1", {"junit.xml": junit("", '<failure message="x"/>')})
+    assert (g.reward, g.contradicted) == \
+        (0.0, "/logs/verifier/junit.xml: 1 of 2 tests failed or errored")
+    g = graded(tmp_path, script, "1", {"junit.xml": junit("<skipped/>")})
+    assert g.contradicted == "/logs/verifier/junit.xml: no test passed (1 reported)"
+    assert graded(tmp_path, script, "1", {"junit.xml": "<oops"}).contradicted.startswith(
+        "/logs/verifier/junit.xml: not JUnit XML")
+
+
+def test_every_report_of_several_is_read_and_a_link_is_not_followed(tmp_path):
+    script = ("pytest --ctrf /logs/verifier/ctrf_core.json /tests/test_core.py\n"
+              "pytest --ctrf /logs/verifier/ctrf_more.json /tests/test_more.py\n")
+    g = graded(tmp_path, script, "1", {"ctrf_core.json": ctrf("passed"),
+                                       "ctrf_more.json": ctrf("passed", "failed")})
+    assert g.contradicted == "/logs/verifier/ctrf_more.json: 1 of 2 tests failed"
+    d = logs(tmp_path, "1")
+    (d / "ctrf.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(ctrf("passed"))
+    g = decide("t", output="", exit_code=0, timed_out=False, timeout_s=60, logs=d,
+               network=False, tests=make_tests(tmp_path, BOILERPLATE))
+    assert g.reward == 0.0 and "symlink" in g.contradicted
+
+
+def test_a_partial_or_zero_reward_is_not_checked_against_the_report(tmp_path):
+    assert graded(tmp_path, BOILERPLATE, "0.5", {}).reward == 0.5
+    assert graded(tmp_path, BOILERPLATE, "0", {}).reward == 0.0
+
+
+# ---- in real sandboxes: the unmodified boilerplate of examples/harbor, offline
+
+
+@pytest.fixture(scope="module")
+def harbor(harbor_store):  # noqa: F811
+    """(store, tasks) of the built examples/harbor images (their checks passed)."""
+    from tests.test_harbor_examples import HARBOR, TASKS
+    from tmax.tasks import load_task
+
+    store, results = harbor_store
+    failed = {n: r.error for n, r in results.items() if r.status == "failed"}
+    assert not failed, failed
+    return store, [load_task(HARBOR / n) for n in TASKS]
+
+
+def grade_in_sandbox(fleet, store, task, tests: Path | None = None, before: str = ""):
+    """test.sh (``tests``: another tests/ folder) graded in a fresh sandbox of the task's
+    image, after ``before`` ran there as the agent, by the rollouts' own ``grade``."""
+    import asyncio
+
+    from sandfleet.client import AsyncFleetClient
+    from tmax.rollout.run import DEFAULT_PATH, LeaseShell, TaskImages, grade
+    from tmax.tasks.environment import PROBE, parse_probe
+
+    images = TaskImages(store.root)
+    sif, workdir = images.resolve(task)
+    env = task.config.environment
+
+    async def go():
+        async with AsyncFleetClient(fleet.state) as client, client.lease(
+                sif, cpus=env.cpus, memory_mb=env.memory_mb, storage_mb=env.storage_mb,
+                network=env.network, workdir=workdir, user=images.user(task)) as lease:
+            shell = LeaseShell(lease, images.verifier_user(task))
+            image_env = parse_probe((await shell.run(PROBE, 30)).output)
+            if before:
+                await shell.run(before, 60)
+            return await grade(task, shell, workdir, image_env.get("PATH") or DEFAULT_PATH,
+                               tests, image_env)
+
+    return asyncio.run(go())
+
+
+def changed_tests(task, tmp_path: Path, old: str, new: str) -> Path:
+    dest = tmp_path / "tests"
+    shutil.copytree(task.tests_dir, dest)
+    script = (dest / "test.sh").read_text()
+    assert old in script
+    (dest / "test.sh").write_text(script.replace(old, new))
+    return dest
+
+
+@pytest.mark.sandbox
+@pytest.mark.timeout(3600)
+def test_check_and_eval_agree_on_the_boilerplate_offline(harbor, example_fleet, tmp_path):
+    """nop's failing tests score 0 (not "needs network"), the oracle's passing tests 1,
+    in evaluation as in the build-time checks."""
+    import asyncio
+
+    from sandfleet.client import AsyncFleetClient
+    from tmax.agent.config import load_agent_config
+    from tmax.agent.policies import make_policy
+    from tmax.eval.runner import run_eval
+    from tmax.eval.summary import summarize
+    from tmax.rollout.run import TaskImages
+
+    store, tasks = harbor
+    manifest = store.read().tasks
+    for policy in ("nop", "oracle"):
+        async def go(policy=policy):
+            async with AsyncFleetClient(example_fleet.state) as client:
+                return await run_eval(tasks, make_policy(policy), client,
+                                      TaskImages(store.root), load_agent_config(), trials=1,
+                                      concurrency=3, results_path=tmp_path / f"{policy}.jsonl",
+                                      progress=False)
+
+        records = asyncio.run(go())
+        for r in records:
+            checked = getattr(manifest[r.task].checks, f"{policy}_reward")
+            assert (r.reward, r.outcome) == (checked, "scored"), \
+                (policy, r.task, r.verifier_error, r.verifier_output[-1500:])
+            if policy == "nop":  # apt and the uv installer failed, and said so
+                assert r.grading_note.startswith(f"the output shows: {NEEDS_NETWORK}: ")
+        s = summarize(records)
+        assert s["outcomes"] == {"scored": 3} and s["verifier_errors"] == 0
+        assert s["mean_reward"] == (1.0 if policy == "oracle" else 0.0)
+
+
+@pytest.mark.sandbox
+def test_a_uvx_line_nobody_prepared_is_a_verifier_error_in_the_sandbox(harbor, example_fleet,
+                                                                         tmp_path):
+    store, tasks = harbor
+    task = next(t for t in tasks if t.task_id == "prune-backups")
+    tests = changed_tests(task, tmp_path, "--with pytest==8.4.1",
+                          "--with pytest==8.4.1 --with pytest-timeout==2.3.1")
+    g = grade_in_sandbox(example_fleet, store, task, tests)
+    assert g.reward is None, g.output
+    assert g.error.startswith(f"{NEEDS_NETWORK}: ") and "the 0 it wrote is not the tests'" \
+        in g.error, g.error
+
+
+@pytest.mark.sandbox
+def test_an_exit_status_the_report_contradicts_scores_0_in_the_sandbox(harbor, example_fleet,
+                                                                        tmp_path):
+    """The effect of a forged uvx (issue 33: a shell function that returns 0): the
+    boilerplate writes 1, pytest never wrote its report."""
+    store, tasks = harbor
+    task = next(t for t in tasks if t.task_id == "prune-backups")
+    tests = changed_tests(task, tmp_path, "uvx \\\n", "uvx() { return 0; }\nuvx \\\n")
+    g = grade_in_sandbox(example_fleet, store, task, tests)
+    assert (g.reward, g.error) == (0.0, ""), g.output
+    assert g.contradicted == ("test.sh asked for a ctrf report at /logs/verifier/ctrf.json; "
+                              "there is none")

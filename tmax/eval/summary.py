@@ -11,7 +11,9 @@ reward, pass rate, pass@k, the domain and difficulty rows) and counted by cause 
 ``internal_errors`` (by exception type in ``internal_error_types``). ``outcomes`` counts the
 episodes of each class (``Trajectory.outcome``: scored, policy_failure, verifier_error,
 internal_error) and the attempts that failed on infrastructure; ``graded_with_notes``
-the scored episodes whose grade came with a note (``grading_note``). Tasks the evaluation
+the scored episodes whose grade came with a note (``grading_note``);
+``contradicted_rewards`` the scored episodes whose reward of 1 the verifier's own test
+report contradicted (scored 0, also a ``policy_failures`` cause). Tasks the evaluation
 skipped (invalid, no usable image, no solution for the oracle) are listed in ``skipped``
 with their reasons and counted in ``skipped_kinds``.
 
@@ -176,6 +178,7 @@ def summarize(records: Iterable[Trajectory | Mapping[str, Any]], *,
         "outcomes": dict(Counter(r.outcome for r in episodes.values()))
         | ({"infra_failure": len(infra)} if infra else {}),
         "graded_with_notes": sum(1 for r in final.values() if r.grading_note),
+        "contradicted_rewards": sum(1 for r in final.values() if r.contradicted_reward),
         "skipped": skips,
         "skipped_kinds": dict(Counter(s["kind"] for s in skips)),
         "policy_failures": dict(Counter(r.policy_failure for r in final.values()

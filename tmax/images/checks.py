@@ -37,8 +37,8 @@ from tmax.tasks import Task, artifacts
 from tmax.tasks.check import MissingSolution, run_solution
 from tmax.tasks.environment import PROBE as ENV_PROBE
 from tmax.tasks.environment import parse_probe, verifier_env
-from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
 from tmax.tasks.grading import Grade, decide
+from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
 from tmax.tasks.reward import VerifierError
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
@@ -134,12 +134,14 @@ class RuntimeBox:
                      status]
         g = decide(task.task_id, output=result.output, exit_code=result.exit_code,
                    timed_out=result.timed_out, timeout_s=timeout, logs=logs,
-                   network=task.config.environment.network)
+                   network=task.config.environment.network, tests=tests or task.tests_dir)
         if g.timed_out:  # scores 0, as in rollouts
             self.log.append(f"{TIMED_OUT} after {timeout:g} s ([verifier] timeout_sec): "
                             "scores 0")
         if g.note:
             self.log.append(f"grading note: {g.note}")
+        if g.contradicted:
+            self.log.append(f"contradicted reward: the reward of 1 scores 0: {g.contradicted}")
         if g.reward is None:
             raise VerifierError(task.task_id, g.error)
         return g

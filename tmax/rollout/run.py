@@ -40,8 +40,15 @@ from tmax.rollout.trajectory import Trajectory, Turn, internal_error
 from tmax.tasks import artifacts
 from tmax.tasks.environment import PROBE as ENV_PROBE
 from tmax.tasks.environment import parse_probe, verifier_env
+from tmax.tasks.grading import (
+    CONTRADICTED,
+    NEEDS_NETWORK,
+    VERIFIER_TIMEOUT,
+    Grade,
+    decide,
+    grade_problem,
+)
 from tmax.tasks.model import NO_BAKED_TESTS, Task
-from tmax.tasks.grading import NEEDS_NETWORK, VERIFIER_TIMEOUT, Grade, decide, grade_problem
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
 log = logging.getLogger(__name__)
@@ -310,6 +317,8 @@ async def _verify(traj: Trajectory, task: Task, shell: LeaseShell, workdir: str,
         return
     if g.timed_out:
         traj.policy_failure = VERIFIER_TIMEOUT
+    if g.contradicted:
+        traj.policy_failure, traj.contradicted_reward = CONTRADICTED, g.contradicted
     traj.reward = g.reward
     traj.reward_metrics = g.metrics
 
@@ -353,6 +362,9 @@ async def _run_steps(traj: Trajectory, task: Task, agent: Agent, shell: LeaseShe
             return
         if g.timed_out:
             traj.policy_failure = VERIFIER_TIMEOUT
+        if g.contradicted:
+            traj.policy_failure = CONTRADICTED
+            traj.contradicted_reward = f"step {step.name}: {g.contradicted}"
         rewards.append(g.reward)
         metrics[f"step:{step.name}"] = g.reward
         if not step.passes(g.reward, g.metrics):
@@ -415,7 +427,8 @@ async def grade(task: Task, shell: Any, workdir: str, base_path: str,
                                          user=shell.verifier_user)
         return decide(task.task_id, output=result.output, exit_code=result.exit_code,
                       timed_out=result.timed_out, timeout_s=timeout,
-                      logs=got, network=task.config.environment.network)
+                      logs=got, network=task.config.environment.network,
+                      tests=tests or task.tests_dir)
 
 
 __all__ = ["NEEDS_NETWORK", "EpisodeContext", "Grade", "ImageMissing", "LeaseShell",

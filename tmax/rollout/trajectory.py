@@ -13,7 +13,8 @@ Outcome fields:
 - ``policy_failure``: the policy's own reason the episode did not submit: ``step_limit``,
   ``time_budget``, ``format_errors``, ``context_limit``, ``policy_error``, ``oom``; or
   ``verifier_timeout``: test.sh ran past its timeout on what the agent left, reward 0 (an
-  agent can hang the tests on purpose, so this is never masked); or None.
+  agent can hang the tests on purpose, so this is never masked); ``contradicted_reward``
+  (below); or None.
 - ``infra_failure``: ``{"cause", "error", "message"}`` when the fleet (or the policy's
   endpoint) failed; such rollouts are re-run in evaluation and masked in training.
 - ``verifier_error``: the verifier ran but gave no usable reward: it wrote none or a
@@ -26,6 +27,10 @@ Outcome fields:
   (a bug), neither the policy's failure nor the infrastructure's. Not scored, not re-run
   as a node failure; evaluation (``max_internal_errors``) and training stop once a few
   have happened, naming the first. The traceback is kept in the record, in the run folder.
+- ``contradicted_reward``: why the verifier's own test report (pytest's ``--ctrf`` /
+  ``--junitxml``) contradicts the reward of 1 it wrote (``tmax.tasks.reports``): the
+  reward is 0 and ``policy_failure`` is ``contradicted_reward``, a policy outcome (a forged
+  exit status is the policy's doing).
 - ``grading_note``: evidence the grade did not follow (``tmax.tasks.grading``: a 0 whose
   output also showed the network missing), so a reader can judge it.
 """
@@ -75,6 +80,7 @@ class Trajectory:
     verifier_output: str = ""
     """The tail of test.sh's output."""
     grading_note: str | None = None
+    contradicted_reward: str | None = None
     internal_error: dict[str, Any] | None = None
     steps: int = 0
     format_errors: int = 0

@@ -33,9 +33,9 @@ from sandfleet import BwrapSpec, host_root
 from tmax.tasks.confine import expand_source
 from tmax.tasks.dockerfile import Copy, Run, Workdir
 from tmax.tasks.dockerfile import parse as parse_dockerfile
+from tmax.tasks.grading import decide
 from tmax.tasks.model import MissingSolution, Problem, Task, TaskError
 from tmax.tasks.native import validate_task
-from tmax.tasks.grading import decide
 from tmax.tasks.reward import VerifierError
 
 WRITABLE = ("/app", "/tmp", "/logs", "/tests", "/solution", "/root", "/home", "/opt", "/srv")
@@ -287,7 +287,7 @@ def run_verifier(box: CheckSandbox, task: Task, scratch: Path, cwd: str | None =
     output, code, timed_out = getattr(box, "last", ("", 0, False))
     g = decide(task.task_id, output=output, exit_code=code, timed_out=timed_out,
                timeout_s=timeout, logs=box.fetch("/logs/verifier", scratch / "verifier"),
-               network=task.config.environment.network)
+               network=task.config.environment.network, tests=task.tests_dir)
     if g.reward is None:
         raise VerifierError(task.task_id, g.error)
     return g.reward

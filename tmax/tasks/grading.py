@@ -25,7 +25,12 @@ The rules, in order:
    ``network was disabled``, pip's ``No matching distribution found``), and nothing shows
    a runner that ran (a pytest session, a unittest summary, a report in /logs/verifier).
    The 0 is the script's fallback, not the tests' verdict.
-5. **Ambiguous**: a 0 whose output shows the network missing (an apt or curl line, a test
+5. **A reward of 1 that the verifier's own test report contradicts** (test.sh asked pytest
+   for ``--ctrf`` / ``--junitxml`` under /logs/verifier, and the report is missing, shows
+   no test that passed, or a test that failed: ``tmax.tasks.reports``) scores 0, with
+   ``contradicted`` saying why (a rollout's ``policy_failure`` is ``contradicted_reward``):
+   an exit status can be forged, the report is the tests' own account.
+6. **Ambiguous**: a 0 whose output shows the network missing (an apt or curl line, a test
    whose own lookup failed) but no runner that could not start: the 0 stands and ``note``
    says what the output showed. The build-time checks guard this: a verifier that cannot
    grade offline scores the reference solution 0 there, and such a task is not run.
@@ -37,12 +42,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tmax.tasks.reports import contradiction
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 
 NEEDS_NETWORK = "needs network at grade time"
 COULD_NOT_RUN = "verifier could not run"
 VERIFIER_TIMEOUT = "verifier_timeout"
 """``policy_failure`` of a rollout whose test.sh ran past its timeout (reward 0)."""
+CONTRADICTED = "contradicted_reward"
+"""``policy_failure`` of a rollout whose reward of 1 its test report contradicts (scored 0)."""
 OUTPUT_TAIL = 4000
 
 
@@ -58,8 +66,11 @@ class Grade:
     """reward.json's numbers, when it wrote one."""
     timed_out: bool = False
     """test.sh ran past its timeout: the reward is 0 (``VERIFIER_TIMEOUT``)."""
+    contradicted: str = ""
+    """Why the verifier's own test report contradicts the reward of 1 it wrote (rule 5):
+    the grade is 0."""
     note: str = ""
-    """Evidence that did not decide the grade (rule 5), e.g. ``the output shows: needs
+    """Evidence that did not decide the grade (rule 6), e.g. ``the output shows: needs
     network at grade time: ...; the reward the verifier wrote stands``."""
 
 
@@ -99,10 +110,11 @@ REPORTS = ("ctrf.json", "junit.xml", "results.xml", "report.xml", "test-results.
 
 
 def decide(task_id: str, *, output: str, exit_code: int, timed_out: bool, timeout_s: float,
-           logs: Path, network: bool) -> Grade:
+           logs: Path, network: bool, tests: Path | None = None) -> Grade:
     """The grade of one verifier run (the module doc's rules): test.sh's ``output``,
     ``exit_code`` and ``timed_out`` (after ``timeout_s``), the host copy of the
-    /logs/verifier it left (``logs``), and whether the task has the network."""
+    /logs/verifier it left (``logs``), whether the task has the network, and the tests/
+    it ran (``tests``: where test.sh says which reports it asked for)."""
     tail = output[-OUTPUT_TAIL:]
     if timed_out:
         note = grade_problem(output, network=network)
@@ -115,6 +127,8 @@ def decide(task_id: str, *, output: str, exit_code: int, timed_out: bool, timeou
         problem = grade_problem(output, network=network)
         return Grade(None, f"{problem}; {error}" if problem else error, tail)
     metrics = read_metrics(logs, task_id)
+    if reward >= 1.0 and (why := contradiction(tests, logs)):
+        return Grade(0.0, "", tail, metrics, contradicted=why)
     if reward > 0:
         return Grade(reward, "", tail, metrics)
     if not runner_ran(output, logs) and (failed := runner_failed(output, network=network)):
@@ -183,5 +197,5 @@ def _evidence(line: str, match: re.Match) -> str:
         ("..." if end < len(line) else "")
 
 
-__all__ = ["COULD_NOT_RUN", "NEEDS_NETWORK", "VERIFIER_TIMEOUT", "Grade", "decide",
+__all__ = ["CONTRADICTED", "COULD_NOT_RUN", "NEEDS_NETWORK", "VERIFIER_TIMEOUT", "Grade", "decide",
            "grade_problem", "runner_failed", "runner_ran"]

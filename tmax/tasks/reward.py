@@ -71,10 +71,10 @@ def read_metrics(verifier_dir: Path, task: str = "") -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def _read_regular(path: Path, task: str) -> str | None:
+def _read_regular(path: Path, task: str, limit: int = MAX_REWARD_BYTES) -> str | None:
     """The text of ``path``, None when it is absent. A symlink, fifo, device or directory is
     a ``VerifierError``, never followed or opened for reading (the reader may be root on the
-    host, and the verifier untrusted); so is a file over ``MAX_REWARD_BYTES``."""
+    host, and the verifier untrusted); so is a file over ``limit`` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -86,7 +86,7 @@ def _read_regular(path: Path, task: str) -> str | None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise VerifierError(task, f"{path.name} is not a regular file")
-        data = f.read(MAX_REWARD_BYTES + 1)
-    if len(data) > MAX_REWARD_BYTES:
-        raise VerifierError(task, f"{path.name} is over {MAX_REWARD_BYTES} bytes")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise VerifierError(task, f"{path.name} is over {limit} bytes")
     return data.decode(errors="replace")

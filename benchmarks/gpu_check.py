@@ -61,7 +61,7 @@ def server_argv(args, model_dir: Path, port: int) -> tuple[list[str], dict[str, 
     config = VLLMConfig(model=str(model_dir), served_model_name="check", port=port,
                         host="127.0.0.1", dtype="bfloat16", fp32_head=True,
                         gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True,
-                        weight_transfer="disk")
+                        weight_transfer="folder")
     return vllm_serve_command(config), vllm_env(config)
 
 

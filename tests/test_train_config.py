@@ -34,6 +34,7 @@ def test_shipped_gpu_config_without_scratch_is_a_clear_error(monkeypatch):
     with pytest.raises(TrainConfigError, match=r"qwen3.5-9b.yaml: out_dir: \$\{SCRATCH\}"):
         load_train_config(REPO / "configs" / "qwen3.5-9b.yaml")
     monkeypatch.setenv("SCRATCH", "/scratch/u")
+    monkeypatch.delenv("TMAX_VLLM_PYTHON", raising=False)
     config = load_train_config(REPO / "configs" / "qwen3.5-9b.yaml")
     assert config.run_dir == Path("/scratch/u/tmax/runs/qwen3.5-9b")
 
@@ -54,6 +55,7 @@ def test_the_shipped_gpu_configs_print_their_exact_launch(monkeypatch):
     from tmax.train.processes import launch_plan
 
     monkeypatch.setenv("SCRATCH", "/scratch/u")
+    monkeypatch.delenv("TMAX_VLLM_PYTHON", raising=False)
     config = load_train_config(REPO / "configs" / "qwen3.5-9b.yaml")
     plan = launch_plan(config)
     run = "/scratch/u/tmax/runs/qwen3.5-9b"
@@ -64,7 +66,7 @@ def test_the_shipped_gpu_configs_print_their_exact_launch(monkeypatch):
         "--gpu-memory-utilization 0.85 --seed 1 --logprobs-mode processed_logprobs "
         "--generation-config vllm --max-model-len 65536 "
         "--hf-overrides '{\"head_dtype\": \"float32\"}' "
-        "--weight-transfer-config '{\"backend\": \"disk\"}'")}
+        "--reasoning-parser qwen3 --language-model-only")}
     trainer = plan["trainer"]
     assert trainer["command"] == f"{sys.executable} -m tmax.train.processes trainer {run}"
     assert (trainer["ranks"], trainer["backend"], trainer["precision"]) == \
@@ -77,3 +79,17 @@ def test_the_shipped_gpu_configs_print_their_exact_launch(monkeypatch):
     assert out.exit_code == 0, out.output
     assert "--tensor-parallel-size 2 --data-parallel-size 4" in out.output
     assert "ranks: 32" in out.output and "stage: 3" in out.output
+
+
+def test_disk_is_not_a_weight_transfer_backend():
+    with pytest.raises(TrainConfigError, match="'disk' is not a vLLM backend.*'folder'"):
+        load_train_config(None, ["vllm.weight_transfer=disk"])
+    config = load_train_config(None, ["engine=vllm", "vllm.python=/venv/bin/python",
+                                      "vllm.device=cpu"])
+    from tmax.train.commands import server_command
+
+    argv, env = server_command(config, Path("/run"), 0, 8000)
+    assert argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+                        "--model", "/run/init"]
+    assert "--weight-transfer-config" not in argv
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_SERVER_DEV_MODE"] == "1"

@@ -24,6 +24,9 @@ def vllm_config_of(config: TrainConfig, model: str, index: int, port: int,
                       gpu_memory_utilization=v.gpu_memory_utilization,
                       max_num_seqs=v.max_num_seqs, seed=config.seed + index,
                       weight_transfer=v.weight_transfer, enforce_eager=v.enforce_eager,
+                      reasoning_parser=v.reasoning_parser,
+                      language_model_only=v.language_model_only, python=v.python,
+                      device=v.device, cpu_kvcache_gib=v.cpu_kvcache_gib,
                       extra_args=tuple(v.extra_args))
 
 

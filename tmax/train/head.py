@@ -70,10 +70,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse_c = z.logsumexp(-1)                                          # [c]
             lse[i:i + chunk] = lse_c
             logp[i:i + chunk] = z.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - lse_c
-            p = (z - lse_c[:, None]).exp_()                                  # [c,V]
-            # H = -sum p log p = lse - sum p z; a p of 0 (z = -inf) adds nothing
-            entropy[i:i + chunk] = lse_c - torch.where(p > 0, p * z, 0.0).sum(-1)
-            del z, p
+            pz = (z - lse_c[:, None]).exp_().mul_(z)                         # [c,V] p*z
+            del z
+            # H = -sum p log p = lse - sum p z; a p of 0 (z = -inf: nan here) adds nothing
+            entropy[i:i + chunk] = lse_c - pz.nan_to_num_(nan=0.0).sum(-1)
+            del pz
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.inv_temp, ctx.chunk, ctx.fp32 = inv_temp, chunk, fp32
         ctx.mark_non_differentiable(entropy)

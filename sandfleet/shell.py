@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple, Self, TypedDict, TypeVar
 
 from sandfleet.errors import SandboxLost, SandboxStartError
+from sandfleet.hostprocs import HostProcs
 from sandfleet.runtime.base import (
     MAX_OUTPUT_BYTES,
     TIMEOUT_EXIT_CODE,
@@ -317,7 +318,7 @@ class _Bash:
         self.waiter: asyncio.Future | None = None  # wait()'s, woken by the readers
         self.exited = self.eof = self.stopping = self.discard = False
         self.pidfd: int | None = None
-        self.procs: SandboxProcs | None = None
+        self.procs: SandboxProcs | HostProcs | None = None
         self.pid = self.pgid = self.sid = 0  # bash's, in the sandbox's pid namespace
         self.watched: list[int] = []  # descriptors with a reader on the loop
         self._watch(self.out_fd, self._out_ready)
@@ -349,7 +350,10 @@ class _Bash:
                           "in a pid namespace of its own")
         self.pidfd = os.pidfd_open(host_pid)
         if procs is None:
-            procs = SandboxProcs(host_pid, ns_pid)
+            try:
+                procs = SandboxProcs(host_pid, ns_pid)
+            except PermissionError:  # a root the host cannot enter (see hostprocs)
+                procs = HostProcs(host_pid, ns_pid)
         else:
             procs.check(host_pid, ns_pid)
         self.procs = procs

@@ -2,8 +2,7 @@
 
 Each sandbox is ``apptainer instance start --overlay <its ext3 image> --containall
 --cleanenv --no-home [--net --network none] <sif> <owner>-<key>-<id>``; commands are
-``apptainer exec instance://<name> ...`` (the call's environment as ``APPTAINERENV_*``, the
-working directory as ``--pwd``); ``stop`` is ``apptainer instance stop --force``;
+``apptainer exec instance://<name> [env K=V...] ...`` (the working directory as ``--pwd``); ``stop`` is ``apptainer instance stop --force``;
 ``list_running`` reads ``apptainer instance list --json`` and keeps the names with this
 runtime's prefix (``key`` comes from the state folder, so two workers of one user on one
 node never reap each other's). Every command line comes from a pure function below.
@@ -116,10 +115,12 @@ def taskset(cpus: Sequence[int]) -> list[str]:
 
 def exec_argv(apptainer: str, name: str, argv: Sequence[str], *, cwd: str,
               env: dict[str, str], cpus: Sequence[int] = ()) -> list[str]:
-    """``apptainer exec`` in the instance; ``env`` rides as APPTAINERENV_* (no comma
-    splitting, unlike ``--env``), set for apptainer by the host's ``env``."""
-    return (["env", *(f"APPTAINERENV_{k}={v}" for k, v in env.items())] + taskset(cpus)
-            + [apptainer, "exec", "--cleanenv", "--pwd", cwd, f"instance://{name}", *argv])
+    """``apptainer exec`` in the instance, ``env`` set by the image's ``env`` over the
+    image's own environment (Apptainer 1.4 drops ``APPTAINERENV_*`` and ``--env`` for
+    images without its ``/.singularity.d/env/99-*.sh`` scripts, such as TMax's)."""
+    setenv = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+    return [*taskset(cpus), apptainer, "exec", "--cleanenv", "--pwd", cwd,
+            f"instance://{name}", *setenv, *argv]
 
 
 def stop_argv(apptainer: str, name: str) -> list[str]:

@@ -1,0 +1,170 @@
+"""The apptainer runtime against a real Apptainer, as root and as an ordinary user.
+
+Apptainer comes from PATH, else from bin/tmax-setup-apptainer's sid root (made by the
+``apptainer`` fixture if missing: about two minutes, once per machine). The ordinary user
+(the cluster case) is created here (``tmax-apptainer-test``, no login, home under /tmp);
+its cases run as ``python -m tests.apptainer_cases`` under ``setpriv``, with this venv's
+packages, on a hard link of the base SIF in a folder it can read. Each case is in
+tests/apptainer_cases.py; it asserts what it sees and returns the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sandfleet.runtime.apptainer import ApptainerRuntime
+
+pytest.register_assert_rewrite("tests.apptainer_cases")
+from tests import apptainer_cases  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_USER = "tmax-apptainer-test"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def apptainer():
+    """Apptainer on PATH, or the sid root made ready (bin/tmax-setup-apptainer)."""
+    if shutil.which("apptainer") is None:
+        setup = subprocess.run([str(REPO / "bin" / "tmax-setup-apptainer")],
+                               capture_output=True, text=True, timeout=900, check=False)
+        assert setup.returncode == 0, f"tmax-setup-apptainer failed:\n{setup.stderr}"
+    from sandfleet.runtime.apptainer_setup import probe
+
+    return probe()
+
+
+@pytest.fixture(scope="module")
+def shared(base_sif, apptainer):
+    """A folder every user can read, holding the base SIF (a hard link, else a copy)."""
+    root = Path(tempfile.mkdtemp(prefix="tmax-apptainer-", dir="/tmp"))
+    root.chmod(0o755)
+    image = root / "base.sif"
+    try:
+        os.link(base_sif, image)
+    except OSError:
+        shutil.copyfile(base_sif, image)
+    image.chmod(0o644)
+    yield root, image
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def user(shared):
+    """The ordinary user, created if missing; None when the tests run as one already."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    try:
+        pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--home-dir", f"/tmp/{TEST_USER}",
+                        "--create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
+                       check=True, timeout=60, capture_output=True)
+    entry = pwd.getpwnam(TEST_USER)
+    yield entry
+    # a failed case may leave its instances (its asserts say which): this user is ours
+    as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "instance", "stop", "--all",
+                    "--force"], timeout=120)
+    as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "--tmax-release"], timeout=60)
+    ps = subprocess.run(["ps", "-u", str(entry.pw_uid), "-o", "pid=,stat=,args="],
+                        capture_output=True, text=True, check=False).stdout
+    left = [line for line in ps.splitlines() if line.split()[1][0] != "Z"]  # (reaped later)
+    assert not left, f"processes of {TEST_USER} left: {left}"
+
+
+def user_python() -> tuple[str, dict[str, str]]:
+    """A Python the test user can run (this one's interpreter, seeing this venv's
+    packages), and the environment it needs. Where this interpreter lives in root's home
+    (pyenv), its install is hard-linked once into /var/cache/tmax (no bytes copied)."""
+    base = Path(sys.base_prefix).resolve()
+    exe = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if all(os.stat(p).st_mode & 0o001 for p in [*reversed(base.parents), base]):
+        return str(base / "bin" / exe), {}
+    key = hashlib.sha1(str(base).encode()).hexdigest()[:8]
+    dest = Path("/var/cache/tmax") / f"python-{base.name}-{key}"
+    if not (dest / ".tmax-ready").exists():
+        shutil.rmtree(f"{dest}.part", ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", str(base), f"{dest}.part"], check=True, timeout=300)
+        Path(f"{dest}.part", ".tmax-ready").touch()
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(f"{dest}.part", dest)
+    return str(dest / "bin" / exe), {"LD_LIBRARY_PATH": str(dest / "lib")}
+
+
+def as_user(entry, argv: list[str], timeout: float, cwd: str = "/tmp",
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**(extra_env or {}), "PATH": os.environ.get("PATH", os.defpath), "HOME": entry.pw_dir,
+           "USER": entry.pw_name, "LOGNAME": entry.pw_name,
+           "PYTHONPATH": os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"],
+                                          sysconfig.get_paths()["platlib"]])}
+    return subprocess.run(["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}",
+                           "--init-groups", "--reset-env", "--", "env", *(
+                               f"{k}={v}" for k, v in env.items()), *argv],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+def run_case(name: str, who: str, shared, user, tmp_path) -> dict:
+    root, image = shared
+    if who == "root":
+        if os.geteuid() != 0:
+            pytest.fail("the root cases need root", pytrace=False)
+        runtime = ApptainerRuntime(tmp_path / "state", owner="t")
+        return apptainer_cases.CASES[name](runtime, image)
+    if user is None:  # already an ordinary user
+        runtime = ApptainerRuntime(tmp_path / "state", owner="t")
+        return apptainer_cases.CASES[name](runtime, image)
+    state = root / f"{name}-state"
+    state.mkdir()
+    os.chown(state, user.pw_uid, user.pw_gid)
+    python, env = user_python()
+    proc = as_user(user, [python, "-m", "tests.apptainer_cases", name, str(image),
+                          str(state)], timeout=550, cwd=str(REPO), extra_env=env)
+    assert proc.returncode == 0, f"{name} as {TEST_USER} failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+WHO = ["root", "user"]
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_lifecycle(who, shared, user, tmp_path):
+    seen = run_case("lifecycle", who, shared, user, tmp_path)
+    if who == "root":
+        # Apptainer's cgroups: 1 CPU of quota (all CPUs allowed), memory OOM-killed, counted
+        assert (seen["cgroup_limits"], seen["rootless"]) == (True, False)
+        assert seen["hog"] == "rc=137" and seen["oom"] and seen["oom_kills"] >= 1, seen
+    else:
+        # no cgroup limits for --fakeroot: the CPU pinned, memory not bounded per sandbox
+        assert (seen["cgroup_limits"], seen["rootless"]) == (False, True)
+        assert "," not in seen["cpus"] and "-" not in seen["cpus"], seen
+        assert seen["hog"] == "rc=0" and not seen["oom"] and seen["oom_kills"] is None, seen
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_persistent_shell(who, shared, user, tmp_path):
+    run_case("shell", who, shared, user, tmp_path)
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_lifetime_kill_and_bad_image(who, shared, user, tmp_path):
+    run_case("lifetime_and_kill", who, shared, user, tmp_path)
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_worker_death_then_reap(who, shared, user, tmp_path):
+    run_case("worker_death", who, shared, user, tmp_path)

@@ -242,10 +242,12 @@ class ApptainerRuntime(CommandRuntime):
         """The spec's limits this runtime does not enforce per sandbox here."""
         if self.cgroup_limits:
             return []
-        return ["memory_mb (no cgroup limits for rootless --fakeroot instances: the Slurm "
-                "job's cgroup bounds a worker's sandboxes together; OOM kills not counted)",
-                "cpus (pinned with taskset, not bounded: a process inside may widen its "
-                "affinity within the worker's CPUs)"]
+        memory = ("memory_mb (no cgroup limits for rootless --fakeroot instances: the "
+                  "Slurm job's cgroup bounds a worker's sandboxes together; OOM kills are "
+                  "not counted)")
+        cpus = ("cpus (pinned with taskset, not bounded: a process inside may widen its "
+                "affinity within the worker's CPUs)")
+        return [memory, cpus]
 
     def _name(self, sandbox_id: str) -> str:
         return self.prefix + check_name("sandbox id", sandbox_id)

@@ -65,24 +65,28 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
-def userns_problem() -> str | None:
-    """Why this user cannot make user namespaces, or None."""
-    for path, bad in (("/proc/sys/user/max_user_namespaces", "0"),
-                      ("/proc/sys/kernel/unprivileged_userns_clone", "0")):
+USERNS_SWITCHES = ("/proc/sys/user/max_user_namespaces",
+                   "/proc/sys/kernel/unprivileged_userns_clone")
+
+
+def userns_problem(switches: tuple[str, ...] = USERNS_SWITCHES) -> str | None:
+    """Why this user cannot make user namespaces (a switch at 0), or None."""
+    for path in switches:
         try:
-            if Path(path).read_text().strip() == bad:
-                return f"user namespaces are off ({path} is {bad})"
+            if Path(path).read_text().strip() == "0":
+                return (f"user namespaces are off ({path} is 0; as root: sysctl -w "
+                        f"{path[len('/proc/sys/'):].replace('/', '.')}=1 or more)")
         except OSError:
             continue
     return None
 
 
-def fuse_problem(wrapper: bool) -> str | None:
+def fuse_problem(wrapper: bool, node: Path = Path("/dev/fuse")) -> str | None:
     """Why FUSE cannot be used by this user, or None (the wrapper binds its own node)."""
-    if not Path("/dev/fuse").exists():
-        return "no /dev/fuse (modprobe fuse)"
-    if not wrapper and not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        return "/dev/fuse is not readable and writable by this user (chmod 0666 /dev/fuse)"
+    if not node.exists():
+        return f"no {node} (as root: modprobe fuse)"
+    if not wrapper and not os.access(node, os.R_OK | os.W_OK):
+        return f"{node} is not readable and writable by this user (chmod 0666 /dev/fuse)"
     return None
 
 

@@ -104,7 +104,7 @@ def test_the_installer_stand_in_leaves_uvs_files_over_the_agents_in_the_verifier
     made = {f.path: f.user for f in p.fixes if f.op == "mkdir"}
     assert {k: v for k, v in made.items() if k.startswith("/home")} == {
         "/home": False, "/home/u": True, "/home/u/.local": True, "/home/u/.local/bin": True}
-    assert made[PYTHON_DIR] is False
+    assert PYTHON_DIR not in made
     # no uv in the tools, or no tools: nothing left
     assert not plan(IMAGE, agent, home="/root").installer
     assert not plan({**image, f"{VERIFIER_TOOLS}/bin/uvx": "link:uv"}, agent,
@@ -122,13 +122,19 @@ def test_the_agents_links_on_the_way_to_a_mount_point_are_set_aside_top_down():
     assert opt[0].target.startswith("/.tmax-set-aside-opt-N")
     ops = [(f.op, f.path) for f in p.fixes]
     assert ops.index(("set_aside", "/root/.local")) < ops.index(("mkdir", "/root/.local"))
-    assert ["/opt/venv", "/root/.local", "/root/.local/bin", "/root/.local/bin/uv"] == [
-        g for g in p.guarded if g.startswith(("/opt", "/root"))][:4]
+    guarded = [g for g in p.guarded if g.startswith(("/opt", "/root"))]
+    assert guarded[:4] == ["/opt/venv", "/root/.local", "/root/.local/bin", "/root/.local/bin/uv"]
 
 
 def test_python_starts_with_the_guard_and_the_agents_system_opt_in_plans_only_its_own():
     p = plan(IMAGE, IMAGE)
     assert sources(p)[PYTHON_DIR] == "dir:python"
+    # where the agent has no /.tmax, bwrap makes it in the verifier's own root (no name is
+    # added at the agent's /); where it has one, the mount point is made in it and held
+    assert not [f for f in p.fixes if f.path.startswith("/.tmax")]
+    assert PYTHON_DIR not in p.guarded and ".tmax" not in [n for n, _, _ in p.entries]
+    p = plan(IMAGE, {**IMAGE, "/.tmax/verifier": "dir"})
+    assert Fix("mkdir", PYTHON_DIR) in p.fixes and PYTHON_DIR in p.guarded
     assert p.dirs["python"] == {"sitecustomize.py": pathguard_source()}
     assert p.env({"PATH": "/usr/bin", "PYTHONPATH": "/x"})["PYTHONPATH"] == f"{PYTHON_DIR}:/x"
     own = plan(IMAGE, {**IMAGE, "/conftest.py": "file"}, agent_system=True)
@@ -192,8 +198,8 @@ def test_the_guard_imports_the_images_own_sitecustomize(tmp_path):
     image.mkdir()
     (guard / "sitecustomize.py").write_text(pathguard_source())
     (image / "sitecustomize.py").write_text("import builtins; builtins.IMAGE_SITE = 1\n")
-    out = subprocess.run([sys.executable, "-c", "import builtins, sys; "
-                          "print(builtins.IMAGE_SITE, sys.modules['sitecustomize'].__file__)"],
+    code = "import builtins, sys; print(builtins.IMAGE_SITE, sys.modules['sitecustomize'].__file__)"
+    out = subprocess.run([sys.executable, "-c", code],
                          env={**os.environ, "PYTHONPATH": f"{guard}:{image}"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", str(image / "sitecustomize.py")], out.stderr

@@ -77,7 +77,7 @@ def _chain() -> None:
     except ImportError:
         if mine is not None:
             sys.modules["sitecustomize"] = mine
-    except Exception as e:  # as site.py reports a failing sitecustomize
+    except Exception as e:  # noqa: BLE001 (as site.py reports a failing sitecustomize)
         print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{e!r}",
               file=sys.stderr)
     finally:

@@ -193,7 +193,7 @@ class _Edited:
 
     def kind(self, path: str) -> str:
         for prefix in _prefixes(path):  # a removed folder removes what was in it
-            if prefix != path and self.over.get(prefix, "dir") not in ("dir",):
+            if prefix != path and self.over.get(prefix, "dir") != "dir":
                 return ""
         return self.over[path] if path in self.over else self.base.kind(path)
 
@@ -288,13 +288,15 @@ def plan_view(image: Tree, agent: Tree, *, path: str | None, workdir: str,
                 # the image's copy, writable: a pip install into the venv, cargo's lock in
                 # ~/.cargo, go's module cache work; what is written stays the verifier's
                 plan.mounts.append(Mount(f"overlay:{found}", found, writable=True))
-        fix.real_dirs(PYTHON_DIR)
         plan.dirs["python"] = {"sitecustomize.py": pathguard_source()}
         plan.mounts.append(Mount("dir:python", PYTHON_DIR))
         if plan.tools_uv and home:
             _installer(plan, fix, home)
     for sub in ("/dev", "/proc", "/tests", "/logs", "/logs/verifier"):  # the verifier's
         fix.real_dir(sub)                                               # mounts cover them
+    own = _top(PYTHON_DIR)  # made in the verifier's own / where the agent has none there
+    if not agent_system and (fix.kind(own) or len(fix.names("/")) > TOP_LEVEL_MAX):
+        fix.real_dirs(PYTHON_DIR)
     names = fix.names("/")
     if len(names) <= TOP_LEVEL_MAX:  # its own /, the agent's entries in it
         covered = {m.dest for m in plan.mounts}  # (the image's own)
@@ -317,7 +319,8 @@ def plan_view(image: Tree, agent: Tree, *, path: str | None, workdir: str,
     if plan.root == "entries":  # below the top level: the agent's own entries
         for dest in plan.mount_dests():
             parts = dest.strip("/").split("/")
-            if dest != VERIFIER_TOOLS:  # (a mount point in the agent's namespace already)
+            if dest != VERIFIER_TOOLS and fix.kind(_top(dest)):  # (tools: a mount point in
+                # the agent's namespace already; an entry the agent has not: the verifier's)
                 plan.guarded += [p for p in ("/" + "/".join(parts[:k])
                                              for k in range(2, len(parts) + 1))
                                  if p not in plan.guarded]
@@ -438,6 +441,10 @@ def pristine_etc(name: str) -> bool:
 def pathguard_source() -> str:
     """The text of the verifier's ``sitecustomize`` (``sandfleet/verifier/pathguard.py``)."""
     return Path(__file__).with_name("pathguard.py").read_text()
+
+
+def _top(path: str) -> str:
+    return "/" + path.strip("/").split("/")[0]
 
 
 def _within(path: str, folder: str) -> bool:

@@ -20,7 +20,7 @@ NCCL = ["vllm.weight_transfer=nccl"]  # the layout does not depend on how weight
 
 
 def sbatch(script: str) -> dict[str, str]:
-    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", script, re.M))
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", script, re.MULTILINE))
 
 
 @pytest.mark.parametrize(("name", "nodes", "ranks"), [("qwen3.5-9b", 2, 16),

@@ -149,7 +149,7 @@ def test_the_backward_keeps_no_full_vocabulary_tensor():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = score_tokens(model, ids, torch.ones_like(ids), temperature=1.0)
+        _logp, _ = score_tokens(model, ids, torch.ones_like(ids), temperature=1.0)
     # the largest thing it may keep is the head's weight itself [V, 16]
     big = [x for x in saved if x > 16 * vocab]
     assert big == [], f"saved for backward: {big} elements (vocab {vocab})"
@@ -167,7 +167,7 @@ def test_outside_scoring_the_head_gives_float32_logits():
     ids = torch.tensor([[1, 2, 3]])
     out = model(input_ids=ids).logits
     assert out.dtype == torch.float32 and out.shape == (1, 3, 97)
-    logp, entropy = score_tokens(model, ids, torch.ones_like(ids), temperature=1.0)
+    logp, _entropy = score_tokens(model, ids, torch.ones_like(ids), temperature=1.0)
     assert logp.dtype == torch.float32 and logp.shape == (1, 2)
     assert torch.allclose(logp, out[:, :-1].log_softmax(-1).gather(
         -1, ids[:, 1:, None]).squeeze(-1), atol=1e-5)

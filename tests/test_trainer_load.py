@@ -46,8 +46,8 @@ def test_the_context_length_of_a_qwen35_checkpoint_is_in_text_config(tmp_path):
 
 
 def tiny_checkpoint(path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
         "trainer.backend=deepspeed", "trainer.device=cpu", "trainer.precision=bf16",
         "model.dtype=bfloat16", f"distributed.trainer_ranks={world}",
         "trainer.param_persistence_threshold=0", "optim.lr=1e-2"])
-    model, tokenizer = load_trainer_model(config, ckpt)
+    model, _tokenizer = load_trainer_model(config, ckpt)
     seen = {name: {"dtype": p.dtype, "partitioned": hasattr(p, "ds_id"),
                    "local": int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else -1,
                    "full": int(getattr(p, "ds_numel", p.numel()))}

@@ -171,7 +171,7 @@ def install_scoring_head(model: torch.nn.Module, *, fp32: bool = True,
         return torch.stack([logp, entropy], dim=-1)                           # [B,T-1,2]
 
     head.forward = forward
-    head._tmax_scoring = state  # type: ignore[assignment]
+    head._tmax_scoring = state
     return head
 
 
@@ -200,10 +200,10 @@ def score_tokens(model: Any, input_ids: Tensor, attention_mask: Tensor, *,
     return out[..., 0], out[..., 1]
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+def enable_activation_checkpointing(model: Any) -> None:
     """Recompute each transformer layer's activations in the backward (transformers'
-    gradient checkpointing, non-reentrant: works under ZeRO-3's hooks); the model's input
-    embeddings are made to require grad so the first checkpointed layer has a graph."""
+    gradient checkpointing, non-reentrant: it works under ZeRO-3's hooks and needs no
+    input that requires grad)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing "
                          "(set trainer.activation_checkpointing: false)")

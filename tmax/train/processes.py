@@ -61,11 +61,12 @@ log = logging.getLogger(__name__)
 
 
 async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
-                      trainer_alive: Any, progress: bool = True) -> None:
+                      trainer_alive: Any, progress: bool = True, nccl: Any = None) -> None:
     """Sample groups through ``pool`` and the fleet; hand step k's batch to the trainer;
     load each new weights version into the engines. Returns when the trainer is done.
     The caller holds the orchestrator's ``Heartbeat`` (from before the trainer starts, so
-    the trainer never takes a slow start for a dead orchestrator)."""
+    the trainer never takes a slow start for a dead orchestrator). With ``nccl`` (an
+    ``NcclCoordinator``) new versions arrive by broadcast: no folder path is posted."""
     from tqdm.auto import tqdm
 
     from tmax.images.store import default_store
@@ -80,10 +81,14 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     tasks = load_training_tasks(config)
     agent_config = run_agent_config(config)
     images = TaskImages(config.tasks.image_store or default_store())
-    version, path = await asyncio.to_thread(handover.wait_weights, 0,
-                                            timeout=d.weights_timeout_s, alive=trainer_alive)
-    await pool.sync(path, version)
-    start = version
+    if nccl is not None:
+        start = await nccl.start(pool)
+    else:
+        version, path = await asyncio.to_thread(handover.wait_weights, 0,
+                                                timeout=d.weights_timeout_s,
+                                                alive=trainer_alive)
+        await pool.sync(path, version)
+        start = version
     max_len = checkpoint_context_length(run_dir / "init")
     rollouts_path = run_dir / "rollouts.jsonl"
 
@@ -93,8 +98,10 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     async def follow_weights() -> None:
         said: list[dict[str, Any]] = []
         while True:
-            latest = handover.latest_weights()
-            if latest is not None and latest[0] > pool.target:
+            if nccl is not None:
+                await nccl.follow(pool)
+            elif (latest := handover.latest_weights()) is not None \
+                    and latest[0] > pool.target:
                 await pool.sync(latest[1], latest[0])
             if (now := pool.describe()) != said:
                 said = now  # for `tmax-train status`: each engine's version
@@ -414,6 +421,10 @@ async def _launch(config: TrainConfig, run_dir: Path, progress: bool,
         async def replace(lost: Any) -> None:
             await servers.stop(lost)
             engine = await servers.start_one()
+            if nccl is not None:  # a new group; it joins the pool after its first version
+                await nccl.replace(pool, engine)
+                write_processes(run_dir, trainers, servers)
+                return
             failures = 0
             while engine.version < pool.target:  # the newest weights, as the pool moved on
                 latest = handover.latest_weights()
@@ -441,9 +452,10 @@ async def _launch(config: TrainConfig, run_dir: Path, progress: bool,
 
         pool = EnginePool(list(engines), on_lost=on_lost,
                           wait_for_engine_s=d.server_start_timeout_s)
+        nccl = nccl_coordinator(config, run_dir, trainer_alive)
         write_processes(run_dir, trainers, servers)
         await orchestrate(config, run_dir, pool, trainer_alive=trainer_alive,
-                          progress=progress)
+                          progress=progress, nccl=nccl)
         with contextlib.suppress(TimeoutError):  # rank 0 writes final/ after the last step
             await asyncio.wait_for(asyncio.to_thread(trainers.wait, 120), 130)
         if trainers.failed() or not is_done(handover, "trainer"):
@@ -460,6 +472,19 @@ async def _launch(config: TrainConfig, run_dir: Path, progress: bool,
         beat.__exit__(None, None, None)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+def nccl_coordinator(config: TrainConfig, run_dir: Path, trainer_alive: Any) -> Any:
+    """The orchestrator's NCCL weight sync (``vllm.weight_transfer: nccl``), else None."""
+    if config.engine != "vllm" or config.vllm.weight_transfer != "nccl":
+        return None
+    from tmax.train.nccl_pool import NcclCoordinator
+
+    v = config.vllm
+    return NcclCoordinator(run_dir, gpus_per_server=v.tensor_parallel_size
+                           * v.data_parallel_size,
+                           timeout_s=config.distributed.weights_timeout_s,
+                           trainer_alive=trainer_alive)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,9 +69,10 @@ def trainer_main(run_dir: Path) -> None:
                              config.model_dump(mode="json"))
     with Heartbeat(handover, trainer_role(rank)), preempted, \
             contextlib.closing(trackers):
+        sync = nccl_sender(config, run_dir, rank, handover)
         latest = handover.latest_weights()
-        if latest is None or latest[0] != backend.step_count:
-            publish(handover, backend, backend.step_count)
+        if sync is not None or latest is None or latest[0] != backend.step_count:
+            publish(handover, backend, backend.step_count, sync)
         while backend.step_count < config.steps:
             step = backend.step_count
             path = handover.batch_path(step)
@@ -86,7 +87,7 @@ def trainer_main(run_dir: Path) -> None:
             batch = handover.read_batch(step)
             t0 = time.monotonic()
             metrics = backend.step(batch.samples[rank::world])
-            publish(handover, backend, backend.step_count)
+            publish(handover, backend, backend.step_count, sync)
             if rank == 0:
                 metrics.update(batch.meta)
                 metrics.update(step=backend.step_count, policy_version_min=min(batch.versions),
@@ -99,6 +100,8 @@ def trainer_main(run_dir: Path) -> None:
                 save_checkpoint(backend, run_dir, config.keep_checkpoints)
                 if rank == 0:  # a restart redoes the steps after it from their batches
                     handover.drop_batches_before(backend.step_count)
+        if sync is not None:  # the broadcasts wrote no folder: the final one for final/
+            publish(handover, backend, backend.step_count)
         if rank == 0:
             final = run_dir / "final"
             tmp = final.with_name(".final.tmp")
@@ -177,7 +180,30 @@ def requeue(backend: Any, run_dir: Path, config: TrainConfig, rank: int) -> None
     raise Requeue()
 
 
-def publish(handover: Handover, backend: Any, version: int) -> None:
+def nccl_sender(config: TrainConfig, run_dir: Path, rank: int,
+                handover: Handover) -> Any:
+    """The NCCL sender of an engine=vllm run with ``vllm.weight_transfer: nccl``, else
+    None (weights go as folders)."""
+    if config.engine != "vllm" or config.vllm.weight_transfer != "nccl":
+        return None
+    from tmax.train.weight_sync import NcclSender
+
+    d = config.distributed
+    return NcclSender(run_dir, rank=rank, timeout_s=d.weights_timeout_s,
+                      orchestrator_alive=lambda: alive(handover, ORCHESTRATOR,
+                                                       d.stale_after_s))
+
+
+def publish(handover: Handover, backend: Any, version: int, sync: Any = None) -> None:
+    """Weights ``version`` to the engines: broadcast by ``sync`` (NCCL), else as a folder
+    (below)."""
+    if sync is not None:
+        sync.publish(backend, version)
+        return
+    _publish_folder(handover, backend, version)
+
+
+def _publish_folder(handover: Handover, backend: Any, version: int) -> None:
     """Every rank exports (ZeRO-3 gathers collectively); rank 0 writes the folder, then
     LATEST names it."""
     path = backend.export_to_path(handover.weights, version)

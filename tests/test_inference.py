@@ -462,3 +462,33 @@ def test_a_503_from_a_server_that_is_not_paused_is_still_an_infra_failure():
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_a_tied_head_is_served_untied_and_written_under_its_own_name(tiny, tmp_path):
+    """vLLM 0.32's in-place reload leaves a tied LM head on the old weights: TMax serves a
+    tied model from an untied copy and writes the head into every weights folder."""
+    from safetensors.torch import load_file
+
+    from tmax.inference.base import TIED_HEAD_FILE, tied_head_name
+    from tmax.inference.vllm import serving_dir
+    from tmax.models.tiny import save_pretrained_dir
+
+    assert tied_head_name(tiny) == "lm_head.weight"
+    folder = write_weights(tiny, tmp_path / "w", 1)
+    head = load_file(str(folder / TIED_HEAD_FILE))["lm_head.weight"]
+    assert torch.equal(head, tiny.lm_head.weight)
+    full = full_state(tiny, read_weights(folder, version=1), engine="e", version=1)
+    assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+
+    tokenizer = build_tokenizer(corpus_texts(find_tasks(EXAMPLES)))
+    model_dir = save_pretrained_dir(tiny, tokenizer, tmp_path / "m")
+    served = serving_dir(model_dir)
+    assert served == tmp_path / "m.vllm-untied" and serving_dir(model_dir) == served
+    assert json.loads((served / "config.json").read_text())["tie_word_embeddings"] is False
+    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is True
+    assert torch.equal(load_file(str(served / TIED_HEAD_FILE))["lm_head.weight"],
+                       tiny.model.embed_tokens.weight)
+    assert (served / "tokenizer.json").read_text() == (model_dir / "tokenizer.json").read_text()
+    assert serving_dir(tmp_path / "absent") == tmp_path / "absent"
+    server = VLLMServer(VLLMConfig(model=str(model_dir), port=8003), log_path=tmp_path / "l")
+    assert server.process.argv[2] == str(served)

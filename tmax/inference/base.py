@@ -19,7 +19,10 @@ Weights folders (``write_weights`` / ``read_weights``): ``<root>/v<version:08d>/
 ``model.safetensors`` (and the config), and ``tmax-weights.json`` written last, after an
 fsync, as the marker that the folder is complete; the folder is written under a temporary
 name and renamed into place. Readers refuse a folder without the marker. The trainer
-backends export through ``write_weights`` too.
+backends export through ``write_weights`` too. A model whose LM head is tied to its
+embeddings also gets the head under its own name (``tied-head.safetensors``): vLLM serves
+such a model untied (``tmax.inference.vllm.serving_dir``; its in-place reload cannot
+refill a tied head) and reloads the head from there.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def write_weights(model: Any, root: str | Path, version: int,
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        write_tied_head(model, tmp, state_dict)
         for f in tmp.glob("*.safetensors"):
             _fsync(f)
         marker = tmp / MARKER
@@ -147,6 +151,48 @@ def write_weights(model: Any, root: str | Path, version: int,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+TIED_HEAD_FILE = "tied-head.safetensors"
+
+
+def tied_head_name(model: Any) -> str | None:
+    """The state-dict name of ``model``'s LM head weight when it is tied to the input
+    embeddings (the same tensor), else None."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return None
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param is head.weight and name != _param_name(model, embed.weight):
+            return name
+    return None
+
+
+def _param_name(model: Any, tensor: Any) -> str | None:
+    return next((n for n, p in model.named_parameters() if p is tensor), None)
+
+
+def write_tied_head(model: Any, folder: Path, state_dict: dict[str, Any] | None = None
+                    ) -> None:
+    """Add a tied LM head to the saved folder under its own name (``TIED_HEAD_FILE``, and
+    in the shard index where there is one); nothing for an untied model."""
+    from safetensors.torch import save_file
+
+    head = tied_head_name(model)
+    if head is None:
+        return
+    source = state_dict if state_dict is not None else model.state_dict()
+    embed = _param_name(model, model.get_input_embeddings().weight)
+    tensor = source.get(head, source.get(embed)) if embed else source.get(head)
+    if tensor is None:
+        return
+    save_file({head: tensor.detach().to("cpu").contiguous().clone()},
+              str(folder / TIED_HEAD_FILE), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {})[head] = TIED_HEAD_FILE
+        index.write_text(json.dumps(data, indent=2))
 
 
 def check_weights_dir(path: str | Path, *, engine: str = "?", version: int = -1) -> Path:

@@ -26,6 +26,12 @@ needed only on the inference nodes, where ``vllm`` is on PATH, or in a venv of i
   dtype_names, shapes, packed, packed_buffer_size_bytes, packed_num_buffers). The trainer
   is rank 0 of the transfer group; vLLM worker ``w`` of this server joins as
   ``rank_offset + w``, so ``world_size = 1 + sum of every server's TP x DP``.
+- ``serving_dir(model_dir)``: the folder vLLM is started from. A model whose LM head is
+  tied to its embeddings is served untied from a sibling copy (``<name>.vllm-untied``:
+  config with ``tie_word_embeddings: false``, the head as its own tensor, the other files
+  linked): vLLM 0.32's in-place reload leaves a tied head on the old weights ("ParallelLMHead:
+  Failed to load weights"), an untied one it reloads from the folder (``write_weights``
+  writes the head of a tied model under its own name).
 - ``VLLMServer``: ``ServerProcess`` over that argv and env, plus an ``HttpEngine`` client.
 
 Weight transfer: ``folder`` (the default) starts vLLM without ``--weight-transfer-config``;
@@ -232,6 +238,79 @@ def reload_weights_rpc(path: str | Path) -> dict[str, Any]:
     return {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
 
 
+UNTIED_SUFFIX = ".vllm-untied"
+
+
+def _ties(config: dict[str, Any]) -> bool:
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        text = {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def serving_dir(model_dir: str | Path) -> Path:
+    """``model_dir``, or for a model with a tied LM head its untied serving copy (made once,
+    atomically, next to it; see the module). A folder without config.json (a hub name, a
+    path not yet written) is returned as it is."""
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tmax.inference.base import TIED_HEAD_FILE
+
+    folder = Path(model_dir)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return folder
+    if not _ties(config):
+        return folder
+    target = folder.with_name(folder.name + UNTIED_SUFFIX)
+    stamp = str((folder / "config.json").stat().st_mtime_ns)
+    if (target / ".tmax-untied").is_file() and (target / ".tmax-untied").read_text() == stamp:
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=folder.parent))
+    try:
+        for f in folder.iterdir():
+            if f.is_file() and f.name != "config.json":
+                os.link(f, tmp / f.name)
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if not (tmp / TIED_HEAD_FILE).exists():
+            embed = None
+            for f in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(f), "pt") as st:
+                    names = list(st.keys())
+                    name = next((k for k in names if k.endswith("embed_tokens.weight")), None)
+                    if name is not None:
+                        embed = st.get_tensor(name)
+                        break
+            if embed is None:
+                raise ValueError(f"{folder}: tied embeddings but no *embed_tokens.weight in "
+                                 "its safetensors files")
+            save_file({"lm_head.weight": embed.contiguous()}, str(tmp / TIED_HEAD_FILE),
+                      metadata={"format": "pt"})
+        index = tmp / "model.safetensors.index.json"
+        if index.exists():
+            data = json.loads(index.read_text())
+            data.setdefault("weight_map", {})["lm_head.weight"] = TIED_HEAD_FILE
+            index.unlink()  # a link to the original's: write a file of its own
+            index.write_text(json.dumps(data, indent=2))
+        (tmp / ".tmax-untied").write_text(stamp)
+        os.chmod(tmp, 0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 class VLLMServer:
     """A vLLM server process (``process``) and its client (``engine``, an ``HttpEngine``
     made with ``engine_options``)."""
@@ -239,8 +318,11 @@ class VLLMServer:
     def __init__(self, config: VLLMConfig, *, log_path: str | Path,
                  start_timeout_s: float = 900.0, executable: str = "vllm",
                  **engine_options: Any):
+        from dataclasses import replace
+
         self.config = config
-        self.process = ServerProcess(vllm_serve_command(config, executable=executable),
+        served = replace(config, model=str(serving_dir(config.model)))
+        self.process = ServerProcess(vllm_serve_command(served, executable=executable),
                                      url=config.url, log_path=log_path, env=vllm_env(config),
                                      name=f"vllm:{config.served_model_name}@{config.port}",
                                      start_timeout_s=start_timeout_s)

@@ -38,9 +38,10 @@ def server_command(config: TrainConfig, run_dir: Path, index: int, port: int, *,
     init = str(run_dir / "init")
     env = {"OMP_NUM_THREADS": str(config.torch_threads)} if config.torch_threads else {}
     if config.engine == "vllm":
-        from tmax.inference.vllm import vllm_env, vllm_serve_command
+        from tmax.inference.vllm import serving_dir, vllm_env, vllm_serve_command
 
-        vc = vllm_config_of(config, init, index, port, *([host] if host else []))
+        vc = vllm_config_of(config, str(serving_dir(init)), index, port,
+                            *([host] if host else []))
         return vllm_serve_command(vc), {**env, **vllm_env(vc)}
     from tmax.inference.process import hf_server_command
 

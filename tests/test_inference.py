@@ -119,34 +119,34 @@ def test_vllm_config_rejects_bad_values(bad):
 
 
 def test_nccl_init_info_lays_ranks_out_after_the_trainer():
+    wire = {"packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
     assert nccl_init_info("10.0.0.5", 29555, rank_offset=1, world_size=9) == {
         "master_address": "10.0.0.5", "master_port": 29555, "rank_offset": 1,
-        "world_size": 9}
+        "world_size": 9, **wire}
     pool = [VLLMConfig(model="m", tensor_parallel_size=2), VLLMConfig(model="m"),
             VLLMConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)]
     assert nccl_group(pool, "trainer-0", 40000) == [
         {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 1,
-         "world_size": 8},
+         "world_size": 8, **wire},
         {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 3,
-         "world_size": 8},
+         "world_size": 8, **wire},
         {"master_address": "trainer-0", "master_port": 40000, "rank_offset": 4,
-         "world_size": 8}]
+         "world_size": 8, **wire}]
     with pytest.raises(ValueError, match="rank 0"):
         nccl_init_info("h", 1, rank_offset=0, world_size=2)
 
 
 def test_nccl_update_info_is_vllms_payload():
+    # vLLM's NCCLWeightTransferUpdateInfo: names, dtype_names, shapes and nothing else (the
+    # packed* wire parameters belong to the init info); tests/test_nccl_sync.py validates
+    # both payloads with the installed vLLM's own classes
     params = [("model.embed_tokens.weight", torch.bfloat16, torch.Size([32, 8])),
               ("lm_head.weight", torch.float32, (32, 8)),
               ("model.norm.weight", "bfloat16", [8])]
     assert nccl_update_info(params) == {
         "names": ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"],
         "dtype_names": ["bfloat16", "float32", "bfloat16"],
-        "shapes": [[32, 8], [32, 8], [8]], "packed": True,
-        "packed_buffer_size_bytes": 1073741824, "packed_num_buffers": 2}
-    assert nccl_update_info(params[:1], packed=False) == {
-        "names": ["model.embed_tokens.weight"], "dtype_names": ["bfloat16"],
-        "shapes": [[32, 8]], "packed": False}
+        "shapes": [[32, 8], [32, 8], [8]]}
     # every dtype name resolves as vLLM resolves it: getattr(torch, name)
     assert all(isinstance(getattr(torch, d), torch.dtype)
                for d in nccl_update_info(params)["dtype_names"])
@@ -378,7 +378,8 @@ def test_nccl_sync_posts_update_weights_while_the_trainer_broadcasts():
     assert asyncio.run(serve(recorder, go)) == 2
     assert recorder.calls == [
         ("POST", "/init_weight_transfer_engine", {"init_info": {
-            "master_address": "h", "master_port": 29500, "rank_offset": 1, "world_size": 2}}),
+            "master_address": "h", "master_port": 29500, "rank_offset": 1, "world_size": 2,
+            "packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}}),
         ("POST", "/pause?mode=wait", {}), ("POST", "/start_weight_update", {}),
         ("POST", "/update_weights", {"update_info": info}),
         ("POST", "/finish_weight_update", {"weight_version": "2"}),

@@ -20,12 +20,8 @@ needed only on the inference nodes, where ``vllm`` is on PATH, or in a venv of i
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) that
   ``HttpEngine`` drives; on a CPU build (``device="cpu"``) also
   ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
-- ``nccl_init_info`` / ``nccl_update_info``: the ``init_info`` and ``update_info`` bodies of
-  vLLM's NCCL weight-transfer engine (``NCCLWeightTransferInitInfo``: master_address,
-  master_port, rank_offset, world_size; ``NCCLWeightTransferUpdateInfo``: names,
-  dtype_names, shapes, packed, packed_buffer_size_bytes, packed_num_buffers). The trainer
-  is rank 0 of the transfer group; vLLM worker ``w`` of this server joins as
-  ``rank_offset + w``, so ``world_size = 1 + sum of every server's TP x DP``.
+- ``nccl_init_info`` / ``nccl_group`` / ``nccl_update_info``: the NCCL weight-transfer
+  payloads, ``tmax.inference.nccl`` (re-exported here).
 - ``serving_dir(model_dir)``: the folder vLLM is started from. A model whose LM head is
   tied to its embeddings is served untied from a sibling copy (``<name>.vllm-untied``:
   config with ``tie_word_embeddings: false``, the head as its own tensor, the other files
@@ -46,12 +42,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from tmax.inference.http import HttpEngine
+from tmax.inference.nccl import (  # re-exported: the NCCL payloads live there
+    PACKED_BUFFER_SIZE_BYTES as PACKED_BUFFER_SIZE_BYTES,
+)
+from tmax.inference.nccl import PACKED_NUM_BUFFERS as PACKED_NUM_BUFFERS
+from tmax.inference.nccl import nccl_group as nccl_group
+from tmax.inference.nccl import nccl_init_info as nccl_init_info
+from tmax.inference.nccl import nccl_update_info as nccl_update_info
 from tmax.inference.process import ServerProcess
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -60,9 +62,6 @@ PYTHON_ENV = "TMAX_VLLM_PYTHON"
 ``VLLMConfig.python`` is unset; neither set: ``vllm`` from PATH."""
 API_SERVER = "vllm.entrypoints.openai.api_server"
 WEIGHT_TRANSFERS = ("folder", "nccl")
-# vLLM's packed-broadcast defaults (vllm/distributed/weight_transfer/packed_tensor.py)
-PACKED_BUFFER_SIZE_BYTES = 1 << 30
-PACKED_NUM_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -183,50 +182,6 @@ def vllm_env(config: VLLMConfig) -> dict[str, str]:
     if config.device == "cpu":
         env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kvcache_gib)}
     return env
-
-
-def nccl_init_info(master_address: str, master_port: int, *, rank_offset: int,
-                   world_size: int) -> dict[str, Any]:
-    """``/init_weight_transfer_engine``'s ``init_info`` for one server whose workers are
-    ranks ``rank_offset .. rank_offset + gpus - 1`` of the transfer group."""
-    if rank_offset < 1 or world_size <= rank_offset:
-        raise ValueError("the trainer is rank 0: need 1 <= rank_offset < world_size")
-    return {"master_address": master_address, "master_port": int(master_port),
-            "rank_offset": rank_offset, "world_size": world_size}
-
-
-def nccl_group(servers: Iterable[VLLMConfig], master_address: str, master_port: int
-               ) -> list[dict[str, Any]]:
-    """``init_info`` for each server of a pool, ranks laid out one server after another
-    after the trainer's rank 0."""
-    configs = list(servers)
-    world = 1 + sum(c.gpus for c in configs)
-    infos, offset = [], 1
-    for c in configs:
-        infos.append(nccl_init_info(master_address, master_port, rank_offset=offset,
-                                    world_size=world))
-        offset += c.gpus
-    return infos
-
-
-def nccl_update_info(params: Iterable[tuple[str, Any, Iterable[int]]], *,
-                     packed: bool = True,
-                     packed_buffer_size_bytes: int = PACKED_BUFFER_SIZE_BYTES,
-                     packed_num_buffers: int = PACKED_NUM_BUFFERS) -> dict[str, Any]:
-    """``/update_weights``'s ``update_info`` for an NCCL broadcast of ``params``: (name,
-    dtype, shape) in the order the trainer broadcasts them. ``dtype`` is a torch dtype or
-    its name (``"bfloat16"``, as vLLM reads it with ``getattr(torch, name)``)."""
-    names, dtypes, shapes = [], [], []
-    for name, dtype, shape in params:
-        names.append(name)
-        dtypes.append(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."))
-        shapes.append([int(d) for d in shape])
-    info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
-                            "packed": packed}
-    if packed:
-        info["packed_buffer_size_bytes"] = packed_buffer_size_bytes
-        info["packed_num_buffers"] = packed_num_buffers
-    return info
 
 
 def reload_weights_rpc(path: str | Path) -> dict[str, Any]:

@@ -226,7 +226,8 @@ def test_the_planted_set_covers_every_kind_three_times_with_clean_controls():
 
 SUBSET = ["leak-opt-grader", "leak-guarded-varlib", "weak-exists-max-temp",
           "weak-fixed-wordfreq", "weak-always-or-true", "mismatch-output-dir",
-          "broken-solution-off-by-one", "clean-program-fresh-inputs", "clean-recompute-input"]
+          "broken-solution-off-by-one", "clean-program-fresh-inputs", "clean-recompute-input",
+          "weak-exploit-import-exit"]
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +290,14 @@ def test_probes_alone_label_each_planted_defect_and_leave_clean_tasks_unlabelled
     assert "replay" in probes["weak-fixed-wordfreq"]
     assert "nop" in probes["weak-always-or-true"]
     assert probes["mismatch-output-dir"] == {"paths"}
+    # the exploit probes: os._exit(0) on import passes the one task graded on its runner's
+    # exit status; the runtime hacks forge nothing on the local runtime
+    assert probes["weak-exploit-import-exit"] == {"exploit"}
+    assert "exit-on-import" in json.dumps(by["weak-exploit-import-exit"].probes["exploits"])
+    for t in SUBSET:
+        runs = by[t].probes.get("exploits", [])
+        assert not [r for r in runs if r["reward"] == 1.0 and
+                    "exit-on-import" not in r["hacks"]], (t, runs)
     assert all(r.sandbox_s > 0 and r.sandboxes >= 2 for r in records)
     # a rerun on the same folder probes nothing again
     again = _audit(audit_store, example_fleet, SUBSET, tmp_path / "audit")

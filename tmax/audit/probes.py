@@ -16,6 +16,10 @@ Per task, each in a fresh sandbox of the task's image:
   reward proves it does not check that output's content (``verifier_too_weak``);
 - **paths**: outputs the verifier reads that the instruction never names, or names in
   another folder (``instruction_verifier_mismatch``).
+- **exploits**: scripted reward hacks from the untouched environment (``tmax.audit.exploits``:
+  uv's env file, ``python -m`` shadows, PATH programs, a lingering reward writer, and
+  ``os._exit(0)`` in the modules the tests could import): full reward proves
+  ``verifier_too_weak``, the hack its evidence.
 
 What a probe proves is a ``Finding``; the first of ``PROBE_LABELS`` with a finding is the
 task's label. A task no probe faults stays unlabelled. Infrastructure failures are retried
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet import ImageMissing, InfraError
+from tmax.audit.exploits import run_exploits
 from tmax.audit.labels import PROBE_LABELS, Label
 from tmax.audit.settings import ProbeSettings
 from tmax.audit.static import (
@@ -374,6 +379,8 @@ class _Probes:
             self.path_probe(outputs)
         else:
             await self.copy_probes(image_files, [])
+        if self.settings.exploits and nop.reward < 1.0:
+            await run_exploits(self.sandbox, report, self.workdir, image_files, outputs)
         self.explain_copies()
 
     def explain_copies(self) -> None:

@@ -21,6 +21,10 @@ class ProbeSettings(BaseModel):
     """Output locations each candidate is copied to."""
     min_leak_chars: int = Field(default=4, ge=1)
     """Shorter answers (after stripping whitespace) are not searched for in the image."""
+    exploits: bool = True
+    """Run the exploit probes (``tmax.audit.exploits``): one sandbox of scripted hacks per
+    task, one more where the tests could import the agent's Python modules, and one per
+    hack to name it where they pass."""
     exec_timeout_s: float = Field(default=120.0, gt=0)
     """Limit on each probe's own commands (listing and hashing the image, copies)."""
 

@@ -35,8 +35,10 @@ build root, with the network, after the task's own steps (both builders run the 
 
 The runtime hides /.tmax/verifier from the agent (an empty read-only mount) and shows it to
 the verifier only, under a writable layer of its own (``sandfleet.runtime.local``). The
-unmodified script then runs: apt-get and curl fail and the script goes on, uvx is found on
-PATH and runs from the cache. ``UV_OFFLINE=1`` makes grading the same with or without a
+unmodified script then runs: apt-get and curl fail and the script goes on, ``source
+$HOME/.local/bin/env`` reads the file the runtime's offline stand-in for uv's installer left
+there (uv, uvx and env over the agent's: ``sandfleet.verifier.plan``), uvx is found on PATH
+and runs from the cache. ``UV_OFFLINE=1`` makes grading the same with or without a
 network: a uv line nobody prepared fails even where a network is there.
 
 Not prepared (``unprepared`` lists them; they still need the network at grade time): apt

@@ -326,8 +326,11 @@ def test_check_and_eval_agree_on_the_boilerplate_offline(harbor, example_fleet, 
             checked = getattr(manifest[r.task].checks, f"{policy}_reward")
             assert (r.reward, r.outcome) == (checked, "scored"), \
                 (policy, r.task, r.verifier_error, r.verifier_output[-1500:])
-            if policy == "nop":  # apt and the uv installer failed, and said so
-                assert r.grading_note.startswith(f"the output shows: {NEEDS_NETWORK}: ")
+            if policy == "nop" and r.task == "fix-order-report":  # its apt said so; the
+                # 0 stands (it was "needs network at grade time" before)
+                assert r.grading_note == (f"the output shows: {NEEDS_NETWORK}: Temporary "
+                                          "failure resolving 'archive.ubuntu.com'; the reward "
+                                          "the verifier wrote stands"), r.verifier_output
         s = summarize(records)
         assert s["outcomes"] == {"scored": 3} and s["verifier_errors"] == 0
         assert s["mean_reward"] == (1.0 if policy == "oracle" else 0.0)

@@ -28,7 +28,12 @@ REQUIREMENTS = (
 
 def machine_report() -> dict:
     """Which sandbox runtimes and fleet providers this machine can use, and why not."""
+    from sandfleet.runtime.apptainer_setup import find_apptainer
+    from sandfleet.runtime.apptainer_setup import report as apptainer_report
+
     tools = {name: shutil.which(name) for _, name, _ in REQUIREMENTS}
+    tools["apptainer"] = find_apptainer()
+    apptainer = apptainer_report()
     filesystems = Path("/proc/filesystems").read_text() if Path("/proc/filesystems").exists() \
         else ""
     return {
@@ -39,8 +44,9 @@ def machine_report() -> dict:
         "runtimes": {
             "local": os.geteuid() == 0 and all(tools[n] for n in ("bwrap", "mkfs.ext4",
                                                                   "nsenter", "setpriv")),
-            "apptainer": bool(tools["apptainer"]),
+            "apptainer": apptainer["usable"],
         },
+        "apptainer": apptainer,
         "providers": {"local": True,
                       "slurm": all(tools[n] for n in ("sbatch", "squeue", "scancel"))},
     }
@@ -68,6 +74,17 @@ def doctor_cmd(output: str) -> None:
     click.echo(f"overlayfs: {'yes' if report['overlayfs'] else 'no'}   "
                f"/dev/fuse: {'yes' if report['fuse'] else 'no'}   "
                f"SLURM_CONF: {report['slurm_conf'] or '-'}")
+    app = report["apptainer"]
+    if app["usable"]:
+        how = "rootless: --userns --fakeroot" if app["rootless"] else "as root"
+        how += ", from bin/tmax-apptainer" if app["wrapper"] else ""
+        click.echo(f"apptainer {app['version']} ({how})")
+        for line in app["not_enforced"]:
+            click.echo(f"  apptainer does not enforce {line}")
+        for line in app["not_guaranteed"]:
+            click.echo(f"  apptainer does not guarantee {line}")
+    else:
+        click.echo(f"apptainer: not usable: {app['problem']}")
     usable = [k for k, v in {**report['runtimes']}.items() if v]
     click.echo(f"runtimes usable here: {', '.join(usable) or 'none'}; providers: "
                + ", ".join(k for k, v in report["providers"].items() if v))

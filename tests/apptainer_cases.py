@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -196,6 +197,90 @@ def case_worker_death(runtime: ApptainerRuntime, image: Path) -> dict:
         other.stop("o1")
     no_leftovers(other)
     return {}
+
+
+FORGE_SH = "#!/bin/sh\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+FORGE_PY = ('import atexit\n'
+            'atexit.register(lambda: open("/logs/verifier/reward.txt", "w").write("1\\n"))\n')
+WATCHER = """while :; do
+  for d in /proc/[0-9]*; do
+    c=$(tr '\\0' ' ' < $d/cmdline 2>/dev/null) || continue
+    case "$c" in *test.sh*) echo 1 > $d/root/logs/verifier/reward.txt; kill -STOP ${d#/proc/};;
+    esac
+  done
+done
+"""
+
+
+def put(path: str, text: str, mode: str = "644") -> str:
+    return (f"mkdir -p $(dirname {path}) && printf %s {shlex.quote(text)} > {path} && "
+            f"chmod {mode} {path}")
+
+
+def detached(script: str) -> str:
+    return f"setsid bash {script} </dev/null >/dev/null 2>&1 & disown; sleep 0.3"
+
+
+# attack -> (what the agent runs as its root, expected reward: the honest test.sh's 0.25)
+SEAL_ATTACKS = {
+    "pre-created": "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && "
+                   "chmod -R a-w /logs; true",
+    "rewriting-loop": put("/opt/loop.sh", "while :; do mkdir -p /logs/verifier; echo 1 > "
+                          "/logs/verifier/reward.txt; done\n") + " && " + detached("/opt/loop.sh"),
+    "bind-mount": "mkdir -p /opt/fake /logs/verifier && echo 1 > /opt/fake/reward.txt && "
+                  "mount --bind /opt/fake /logs/verifier; true",
+    "python3-replaced": put("/opt/forge", FORGE_SH, "755") + " && for p in "
+                        "$(readlink -f /usr/bin/python3) /usr/local/bin/python3; do "
+                        "rm -f $p; cp /opt/forge $p; done",
+    "bash-replaced": put("/opt/forge", FORGE_SH, "755") + " && cp /opt/forge /usr/bin/bash.n"
+                     " && mv -f /usr/bin/bash.n /usr/bin/bash",
+    "proc-watcher": put("/opt/watch.sh", WATCHER) + " && " + detached("/opt/watch.sh"),
+    "etc-preload-sitecustomize": "echo /opt/agent-preload.so > /etc/ld.so.preload && "
+                                 + put("/etc/python3.11/sitecustomize.py", FORGE_PY) + " && "
+                                 + put("/usr/lib/python3/dist-packages/zz-forge.pth",
+                                       "import atexit; atexit.register(lambda: open("
+                                       "'/logs/verifier/reward.txt', 'w').write('1'))\n"),
+    "symlinked-etc": "cp -a /etc /etc2 && " + put("/etc2/python3.11/sitecustomize.py", FORGE_PY)
+                     + " && rm -rf /etc && /usr/bin/ln -s /etc2 /etc",
+    "umount-and-peek-tools": "umount /.tmax/verifier 2>/dev/null; ls -A /.tmax/verifier "
+                             "2>/dev/null | wc -l > /opt/tools-seen",
+}
+HONEST_TEST_SH = """#!/bin/bash
+echo 0 > /logs/verifier/reward.txt
+cat /app/answer.txt
+python3 -c 'print(0.25)' > /logs/verifier/reward.txt
+"""
+
+
+def case_verifier_seal(runtime: ApptainerRuntime, image: Path) -> dict:
+    """Each attack, then the honest verifier: its reward (0.25) and the agent's work seen,
+    the image's python and bash run; no agent process alive while it runs."""
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tests = Path(tmp, "tests")
+        tests.mkdir()
+        (tests / "test.sh").write_text(HONEST_TEST_SH)
+        for n, (attack, commands) in enumerate(SEAL_ATTACKS.items()):
+            sid = f"seal{n}"
+            runtime.start(sid, SandboxSpec(image=image, workdir="/app", storage_mb=256))
+            try:
+                prep = run(runtime, sid, "mkdir -p /app && echo agent-work > /app/answer.txt"
+                                         " && " + commands)
+                logs = Path(tmp, f"logs-{n}")
+                result = runtime.verify(sid, ["bash", "/tests/test.sh"], tests=tests,
+                                        logs=logs, timeout=120)
+                reward = (logs / "reward.txt").read_text().strip() \
+                    if (logs / "reward.txt").exists() else None
+                got[attack] = reward
+                assert (reward, result.output) == ("0.25", "agent-work\n"), \
+                    (attack, reward, result.output, prep.output)
+                # the sandbox goes on after verify, with the agent's files
+                after = run(runtime, sid, ["/usr/bin/cat", "/app/answer.txt"]).output
+                assert after.endswith("agent-work\n"), after  # (after the agent's preload)
+            finally:
+                runtime.stop(sid)
+    no_leftovers(runtime)
+    return got
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

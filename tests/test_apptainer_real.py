@@ -168,3 +168,11 @@ def test_lifetime_kill_and_bad_image(who, shared, user, tmp_path):
 @pytest.mark.parametrize("who", WHO)
 def test_worker_death_then_reap(who, shared, user, tmp_path):
     run_case("worker_death", who, shared, user, tmp_path)
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_verifier_gets_its_own_reward_under_every_attack(who, shared, user, tmp_path):
+    """The seal attacks of tests/test_seal.py, at the runtime, on Apptainer: each forged
+    reward loses to the verifier's (tests/apptainer_cases.SEAL_ATTACKS)."""
+    got = run_case("verifier_seal", who, shared, user, tmp_path)
+    assert got == dict.fromkeys(apptainer_cases.SEAL_ATTACKS, "0.25")

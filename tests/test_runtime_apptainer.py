@@ -31,15 +31,15 @@ SPEC = SandboxSpec(image=Path("/img/base.sif"), cpus=4, memory_mb=1024, hostname
 def test_start_argv():
     assert start_argv("apptainer", SPEC, "me-k-s1", Path("/st/pid")) == [
         "apptainer", "instance", "start", "--writable-tmpfs", "--containall", "--cleanenv",
-        "--no-home", "--pid-file", "/st/pid", "--hostname", "box", "--net", "--network", "none",
-        "/img/base.sif", "me-k-s1"]
+        "--no-home", "--pid-file", "/st/pid", "--hostname", "box", "--userns", "--net",
+        "--network", "none", "/img/base.sif", "me-k-s1"]
     networked = SandboxSpec(image=Path("/img/base.sif"), network=True, cpus=4, memory_mb=1024)
     assert start_argv("/opt/apptainer", networked, "me-k-s1", Path("/st/pid"),
                       overlay=Path("/st/overlay.img"), start_action=Path("/st/start"),
                       cgroup_limits=True) == [
         "/opt/apptainer", "instance", "start", "--overlay", "/st/overlay.img", "--containall",
         "--cleanenv", "--no-home", "--pid-file", "/st/pid", "--hostname", "sandbox",
-        "--bind", "/st/start:/.singularity.d/actions/start:ro",
+        "--userns", "--bind", "/st/start:/.singularity.d/actions/start:ro",
         "--cpus", "4", "--memory", "1024M", "/img/base.sif", "me-k-s1"]
     assert start_argv("apptainer", SPEC, "n", Path("/p"), overlay=Path("/o"), rootless=True,
                       cpus=(2, 3)) == [
@@ -51,10 +51,10 @@ def test_start_argv():
 def test_exec_stop_list_watchdog_argv():
     assert exec_argv("apptainer", "me-s1", ["bash", "-c", "ls, -l"], cwd="/app",
                      env={"A": "1,2", "B": "x=y"}) == [
-        "apptainer", "exec", "--cleanenv", "--pwd", "/app", "instance://me-s1",
+        "apptainer", "--quiet", "exec", "--cleanenv", "--pwd", "/app", "instance://me-s1",
         "env", "A=1,2", "B=x=y", "bash", "-c", "ls, -l"]
     assert exec_argv("apptainer", "me-s1", ["true"], cwd="/", env={}, cpus=(1,)) == [
-        "taskset", "-c", "1", "apptainer", "exec", "--cleanenv", "--pwd", "/",
+        "taskset", "-c", "1", "apptainer", "--quiet", "exec", "--cleanenv", "--pwd", "/",
         "instance://me-s1", "true"]
     assert stop_argv("apptainer", "me-s1") == ["apptainer", "instance", "stop", "--force",
                                                 "me-s1"]

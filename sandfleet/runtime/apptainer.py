@@ -64,11 +64,14 @@ from sandfleet.runtime.apptainer_setup import (
     find_apptainer,
     make_overlay,
     probe,
+    unenforced_limits,
 )
+from sandfleet.runtime.apptainer_verify import verify_in_fresh_container
 from sandfleet.runtime.base import (
     NAME_RE,
     OWNER_RE,
     CommandRuntime,
+    ExecResult,
     SandboxSpec,
     check_name,
     default_owner,
@@ -79,6 +82,7 @@ from sandfleet.runtime.base import (
     read_small,
     write_json_atomic,
 )
+from sandfleet.verifier.plan import VERIFIER_TOOLS
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +102,7 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
     argv += ["--overlay", str(overlay)] if overlay else ["--writable-tmpfs"]
     argv += ["--containall", "--cleanenv", "--no-home", "--pid-file", str(pid_file),
              "--hostname", spec.hostname]
-    if rootless:
-        argv += ["--userns", "--fakeroot"]
+    argv += ["--userns", "--fakeroot"] if rootless else ["--userns"]
     if start_action:
         argv += ["--bind", f"{start_action}:/.singularity.d/actions/start:ro"]
     if not spec.network:
@@ -119,7 +122,7 @@ def exec_argv(apptainer: str, name: str, argv: Sequence[str], *, cwd: str,
     image's own environment (Apptainer 1.4 drops ``APPTAINERENV_*`` and ``--env`` for
     images without its ``/.singularity.d/env/99-*.sh`` scripts, such as TMax's)."""
     setenv = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-    return [*taskset(cpus), apptainer, "exec", "--cleanenv", "--pwd", cwd,
+    return [*taskset(cpus), apptainer, "--quiet", "exec", "--cleanenv", "--pwd", cwd,
             f"instance://{name}", *setenv, *argv]
 
 
@@ -240,14 +243,7 @@ class ApptainerRuntime(CommandRuntime):
 
     def unenforced(self) -> list[str]:
         """The spec's limits this runtime does not enforce per sandbox here."""
-        if self.cgroup_limits:
-            return []
-        memory = ("memory_mb (no cgroup limits for rootless --fakeroot instances: the "
-                  "Slurm job's cgroup bounds a worker's sandboxes together; OOM kills are "
-                  "not counted)")
-        cpus = ("cpus (pinned with taskset, not bounded: a process inside may widen its "
-                "affinity within the worker's CPUs)")
-        return [memory, cpus]
+        return unenforced_limits(self.cgroup_limits)
 
     def _name(self, sandbox_id: str) -> str:
         return self.prefix + check_name("sandbox id", sandbox_id)
@@ -333,7 +329,7 @@ class ApptainerRuntime(CommandRuntime):
         return path
 
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
-        name, home = self._name(sandbox_id), self._dir(sandbox_id)
+        home = self._dir(sandbox_id)
         try:
             sif.read_partition(spec.image)
         except sif.SifError as e:
@@ -354,43 +350,46 @@ class ApptainerRuntime(CommandRuntime):
             home.mkdir(parents=True)
             cpus = () if self.cgroup_limits else self._pick_cpus(spec.cpus)
             # claimed before the (slow) start, so parallel starts spread
-            InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(),
-                           time.time(), 0, (0, 0), cpus=cpus).save(home / "sandbox.json")
-        pid_file, logfile = home / "instance.pid", home / "start.log"
-        try:
-            overlay = home / "overlay.img"
-            make_overlay(overlay, spec.storage_mb, self.apptainer, fakeroot=info.rootless,
-                         timeout=self.start_timeout_s)
-            argv = start_argv(self.apptainer, spec, name, pid_file, overlay=overlay,
-                              start_action=self._start_action(), rootless=info.rootless,
-                              cgroup_limits=self.cgroup_limits, cpus=cpus)
-            code = self._call(argv, logfile, self.start_timeout_s)
-            pid = int(pid_file.read_text().strip()) if code == 0 and pid_file.exists() else 0
-            start = proc_start_time(pid) if pid else None
-            if start is None:
-                tail = logfile.read_text(errors="replace")[-1500:].strip()
-                raise SandboxStartError(sandbox_id, f"instance start failed ({code}): {tail}")
-            with open(home / "watchdog.log", "wb") as out:
-                dog = subprocess.Popen(
-                    watchdog_argv(self.apptainer, name, spec.max_lifetime_s, pid),
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    env=self._env, start_new_session=True)
-            now = time.time()
-            InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), now,
-                           now + spec.max_lifetime_s, (pid, start),
-                           (dog.pid, proc_start_time(dog.pid) or 0), cpus
+            InstanceRecord(sandbox_id, self.owner, os.getuid(), self._name(sandbox_id),
+                           spec.to_dict(), time.time(), 0, (0, 0), cpus=cpus
                            ).save(home / "sandbox.json")
+        try:
+            make_overlay(home / "overlay.img", spec.storage_mb, hide=(VERIFIER_TOOLS,),
+                         timeout=self.start_timeout_s)
+            self._launch(sandbox_id, spec, info, cpus, time.time() + spec.max_lifetime_s)
         except BaseException as e:
             self._destroy(sandbox_id, None)
             if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
                 raise
             raise SandboxStartError(sandbox_id, f"{type(e).__name__}: {e}") from e
 
-    def stop(self, sandbox_id: str) -> None:
-        with self._lock:
-            self._destroy(sandbox_id, self._record(sandbox_id))
+    def _launch(self, sandbox_id: str, spec: SandboxSpec, info: ApptainerInfo,
+                cpus: tuple[int, ...], deadline: float) -> None:
+        """Start the instance over the sandbox's overlay (made already), its watchdog set
+        for ``deadline``, and record both."""
+        name, home = self._name(sandbox_id), self._dir(sandbox_id)
+        pid_file, logfile = home / "instance.pid", home / "start.log"
+        pid_file.unlink(missing_ok=True)
+        argv = start_argv(self.apptainer, spec, name, pid_file, overlay=home / "overlay.img",
+                          start_action=self._start_action(), rootless=info.rootless,
+                          cgroup_limits=self.cgroup_limits, cpus=cpus)
+        code = self._call(argv, logfile, self.start_timeout_s)
+        pid = int(pid_file.read_text().strip()) if code == 0 and pid_file.exists() else 0
+        start = proc_start_time(pid) if pid else None
+        if start is None:
+            tail = logfile.read_text(errors="replace")[-1500:].strip()
+            raise SandboxStartError(sandbox_id, f"instance start failed ({code}): {tail}")
+        with open(home / "watchdog.log", "wb") as out:
+            dog = subprocess.Popen(
+                watchdog_argv(self.apptainer, name, max(deadline - time.time(), 0.1), pid),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self._env, start_new_session=True)
+        InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), time.time(),
+                       deadline, (pid, start), (dog.pid, proc_start_time(dog.pid) or 0), cpus
+                       ).save(home / "sandbox.json")
 
-    def _destroy(self, sandbox_id: str, record: InstanceRecord | None) -> None:
+    def _end_instance(self, sandbox_id: str, record: InstanceRecord | None) -> None:
+        """Stop the instance and its watchdog; its folder (overlay, record) stays."""
         self._oom_files.pop(sandbox_id, None)
         home = self._dir(sandbox_id)
         try:  # also when the record says dead: apptainer may still list it
@@ -409,7 +408,28 @@ class ApptainerRuntime(CommandRuntime):
             if record.watchdog[0] and \
                     proc_start_time(record.watchdog[0], zombie_ok=True) == record.watchdog[1]:
                 kill_group(record.watchdog[0])
-        shutil.rmtree(home, ignore_errors=True)
+
+    def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
+               timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,
+               agent_system: bool = False, user: str = "") -> ExecResult:
+        """The verifier in a fresh container of the sandbox's SIF over the agent's final
+        files, every agent process ended first (``apptainer_verify``). ``user`` is not
+        applied: the verifier runs as the instance's one user."""
+        if user:
+            log.warning("sandbox %s: the verifier runs as the instance's user, not as %r",
+                        sandbox_id, user)
+        with self._lock:
+            return verify_in_fresh_container(self, sandbox_id, list(command), tests=tests,
+                                             logs=logs, timeout=timeout, cwd=cwd, env=env,
+                                             agent_system=agent_system)
+
+    def stop(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._destroy(sandbox_id, self._record(sandbox_id))
+
+    def _destroy(self, sandbox_id: str, record: InstanceRecord | None) -> None:
+        self._end_instance(sandbox_id, record)
+        shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
 
     def _instances(self) -> dict[str, int] | None:
         try:

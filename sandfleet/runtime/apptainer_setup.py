@@ -11,8 +11,7 @@ fuse-overlayfs mount the image and the overlay).
 ``make_overlay`` makes a sandbox's writable layer: a sparse ext3 image with ``upper`` and
 ``work`` owned by (fake)root, as ``apptainer overlay create --fakeroot`` makes it, but in
 milliseconds whatever its size (that command writes its whole inode tables: 38 s and 69 MB
-for 10 GiB here) with ``mkfs.ext3`` and ``debugfs`` from e2fsprogs; without those, through
-``apptainer overlay create``.
+for 10 GiB here) with ``mkfs.ext3`` and ``debugfs`` from e2fsprogs (7.5 MB for 10 GiB).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.errors import SandboxStartError
+from sandfleet.runtime.apptainer_verify import NOT_GUARANTEED as VERIFIER_NOT_GUARANTEED
 
 MIN_VERSION = (1, 1, 0)
 """``instance start --pid-file``, ``--writable-tmpfs``/``--overlay`` with ``--fakeroot`` in
@@ -123,23 +123,59 @@ def _tool(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
 
 
-def make_overlay(path: Path, size_mb: int, apptainer: str, *, fakeroot: bool,
+def make_overlay(path: Path, size_mb: int, *, hide: tuple[str, ...] = (),
                  timeout: float = 300.0) -> None:
-    """A sparse ext3 overlay image of ``size_mb`` at ``path`` (see the module doc)."""
+    """A sparse ext3 overlay image of ``size_mb`` at ``path`` (see the module doc), with
+    a whiteout for each of ``hide`` (absolute paths one folder deep, as /.tmax/verifier):
+    the agent's view has no such entry, and nothing it can do brings the image's back."""
     mkfs, debugfs = _tool("mkfs.ext3"), _tool("debugfs")
-    if mkfs and debugfs:
-        with open(path, "wb") as f:
-            f.truncate(size_mb << 20)
-        steps = [[mkfs, "-q", "-F", "-b", "4096", "-J", "size=4", "-E", "root_owner=0:0",
-                  str(path)],
-                 [debugfs, "-w", "-R", "mkdir upper", str(path)],
-                 [debugfs, "-w", "-R", "mkdir work", str(path)]]
-    else:
-        steps = [[apptainer, "overlay", "create", *(["--fakeroot"] if fakeroot else []),
-                  "--size", str(size_mb), str(path)]]
-    for argv in steps:
+    if not (mkfs and debugfs):
+        raise OSError("the apptainer runtime makes each sandbox's overlay with mkfs.ext3 and "
+                      "debugfs: install e2fsprogs")
+    with open(path, "wb") as f:
+        f.truncate(size_mb << 20)
+    script = ["mkdir upper", "mkdir work"]
+    for hidden in hide:
+        parent = os.path.dirname(hidden.strip("/"))
+        script += [f"mkdir upper/{parent}"] if parent else []
+        script += [f"mknod upper/{hidden.strip('/')} c 0 0"]
+    steps = [([mkfs, "-q", "-F", "-b", "4096", "-J", "size=4", "-E", "root_owner=0:0",
+               str(path)], None),
+             ([debugfs, "-w", "-f", "-", str(path)], "\n".join(script) + "\n")]
+    for argv, stdin in steps:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL, check=False)
-        if out.returncode != 0:
+                             input=stdin, stdin=None if stdin else subprocess.DEVNULL,
+                             check=False)
+        if out.returncode != 0 or ("debugfs:" in out.stderr and "error" in out.stderr.lower()):
             raise OSError(f"{' '.join(argv)} failed ({out.returncode}): "
                           f"{(out.stdout + out.stderr)[-800:]}")
+
+
+def unenforced_limits(cgroup_limits: bool) -> list[str]:
+    """The spec's limits the apptainer runtime does not enforce per sandbox."""
+    if cgroup_limits:
+        return []
+    return [("memory_mb: no cgroup limits for rootless --fakeroot instances; the Slurm "
+             "job's cgroup bounds a worker's sandboxes together; OOM kills are not counted"),
+            ("cpus: pinned with taskset, not bounded: a process inside may widen its "
+             "affinity within the worker's CPUs")]
+
+
+NOT_GUARANTEED = [*VERIFIER_NOT_GUARANTEED,
+    ("user: an instance's commands all run as one user (root, or fakeroot rootless); a "
+     "task's [agent] or [verifier] user is not applied"),
+]
+"""What the apptainer runtime cannot give that the local runtime does, whoever runs it."""
+
+
+def report(name: str = "apptainer") -> dict:
+    """For ``sandfleet doctor``: the apptainer found, or why none is usable, and what it
+    does not enforce here."""
+    try:
+        info = probe(name, timeout=30)
+    except SandboxStartError as e:
+        return {"usable": False, "problem": e.reason}
+    return {"usable": True, "path": info.path, "version": ".".join(map(str, info.version)),
+            "rootless": info.rootless, "wrapper": info.wrapper,
+            "not_enforced": unenforced_limits(not info.rootless),
+            "not_guaranteed": NOT_GUARANTEED}

@@ -1,0 +1,206 @@
+"""The verifier on Apptainer: a fresh container of the sandbox's SIF over the agent's final
+files, with the image's system folders over the agent's.
+
+``verify_in_fresh_container`` (``ApptainerRuntime.verify``):
+
+1. The agent's instance is stopped: every agent process ends (none can watch, signal or
+   write to the verifier), its mounts go, its overlay is flushed and unmounted.
+2. The verifier is ``apptainer exec`` of the same SIF with the agent's overlay image as a
+   read-only layer under a tmpfs of its own (``--overlay <img>:ro --writable-tmpfs``), in
+   new pid, ipc, mount and user namespaces, the sandbox's network setting and limits. Over
+   that, read-only, from the image as built (``pristine_squashfs``: the SIF's squashfs as a
+   file of its own, since Apptainer binds ``image-src`` only from a data partition or a
+   plain image): each ``PRISTINE`` top-level folder (a link in the image, as merged-/usr's
+   /bin, gets the folder it names), the ``PRISTINE_ETC`` entries of /etc the image has,
+   empty files for the loader's ``LOADER_ETC`` files it lacks, and the verifier tools
+   (``VERIFIER_TOOLS``, which the agent's overlay hides by a whiteout). /tests is a
+   copy of the task's tests and /logs/verifier a folder, both on the host, private to this
+   call: only the verifier writes them; the reward is read from that folder.
+3. The instance is started again over the same overlay (the agent's files as it left them;
+   its processes, services included, are gone), with the sandbox's remaining lifetime.
+
+What it does not give, as the local runtime does (``NOT_GUARANTEED``): a service the agent
+left running is not there for the verifier (its processes end at step 1); the plan's PATH
+tool homes outside /usr (/opt/venv...), its PYTHONPATH guard and its uv installer stand-in
+are not applied; the verifier runs as the instance's one user, not the task's [verifier]
+user; an agent root of files set aside (a /conftest.py) is seen as the agent left it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sandfleet.runtime import sif
+from sandfleet.runtime.base import ExecResult, SandboxSpec, run_capture
+from sandfleet.verifier.plan import (
+    LOADER_ETC,
+    PRISTINE,
+    PRISTINE_ETC,
+    PRISTINE_ETC_PREFIXES,
+    VERIFIER_ENV,
+    VERIFIER_TOOLS,
+)
+
+NOT_GUARANTEED = [
+    ("verifier: a service the agent left running is not reachable (the agent's processes "
+    "all end before the verifier starts)"),
+    ("verifier: the image's tool homes outside /usr on PATH (/opt/venv, ~/.cargo), the "
+    "PYTHONPATH guard and the uv installer stand-in of sandfleet.verifier.plan are not "
+    "applied; files the agent left at / are not set aside"),
+]
+
+# Lists the image's entries the verifier takes from it: "<kind> <path> [<link target>]".
+ENTRIES_SH = r"""
+for p in "$@" /etc/python3.* /etc/ld-musl-*; do
+  if [ -L "$p" ]; then echo "link $p $(readlink "$p")"
+  elif [ -d "$p" ]; then echo "dir $p"
+  elif [ -e "$p" ]; then echo "file $p"
+  fi
+done
+"""
+
+
+def pristine_squashfs(cache: Path, image: Path) -> Path:
+    """The SIF's squashfs partition as a file of its own in ``cache``, made once per image
+    version (keyed by path, size and mtime)."""
+    part = sif.read_partition(image)
+    st = image.stat()
+    key = hashlib.sha1(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}:{part.offset}"
+                       .encode()).hexdigest()[:16]
+    dest = cache / f"{key}.sqfs"
+    if dest.exists():
+        return dest
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    with open(image, "rb") as src, open(tmp, "wb") as out:
+        offset, left = part.offset, part.size
+        while left:
+            n = os.copy_file_range(src.fileno(), out.fileno(), left, offset)
+            if n <= 0:
+                raise OSError(f"{image}: short read copying its squashfs")
+            offset, left = offset + n, left - n
+    os.replace(tmp, dest)
+    return dest
+
+
+def image_entries(apptainer: str, image: Path, cache: Path, env: dict[str, str],
+                  timeout: float) -> list[tuple[str, str, str]]:
+    """(kind, path, link target) of the image's PRISTINE and /etc entries and verifier
+    tools, read once per image version by running the image itself."""
+    squash = pristine_squashfs(cache, image)
+    listing = squash.with_suffix(".entries.json")
+    if listing.exists():
+        return [tuple(e) for e in json.loads(listing.read_text())]
+    paths = [f"/{name}" for name in PRISTINE] + [f"/etc/{name}" for name in PRISTINE_ETC] \
+        + [VERIFIER_TOOLS]
+    out = subprocess.run([apptainer, "exec", "--containall", "--no-home", "--userns",
+                          str(image), "sh", "-c", ENTRIES_SH, "sh", *paths],
+                         capture_output=True, text=True, env=env, timeout=timeout,
+                         stdin=subprocess.DEVNULL, check=False)
+    if out.returncode != 0:
+        raise OSError(f"listing {image} failed ({out.returncode}): {out.stderr[-800:]}")
+    entries = []
+    for line in out.stdout.splitlines():
+        kind, path, *target = line.split(" ", 2)
+        if kind in ("dir", "file", "link") and (
+                path in paths or path.startswith(tuple(f"/etc/{p}"
+                                                       for p in PRISTINE_ETC_PREFIXES))):
+            entries.append((kind, path, target[0] if target else ""))
+    tmp = listing.with_name(f".{listing.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(entries))
+    os.replace(tmp, listing)
+    return entries
+
+
+def pristine_binds(squash: Path, entries: list[tuple[str, str, str]], empty: Path,
+                   agent_system: bool) -> list[str]:
+    """``--bind`` arguments putting the image's entries over the agent's."""
+    binds, have = [], {path for _, path, _ in entries}
+    for kind, path, target in entries:
+        if path == VERIFIER_TOOLS or not agent_system:
+            # a link (merged-/usr's /bin -> usr/bin): the folder it names in the image
+            source = os.path.normpath(os.path.join(os.path.dirname(path), target)) \
+                if kind == "link" else path
+            binds += ["--bind", f"{squash}:{path}:image-src={source},ro"]
+    if not agent_system:
+        for name in LOADER_ETC:
+            if f"/etc/{name}" not in have:
+                binds += ["--bind", f"{empty}:/etc/{name}:ro"]
+    return binds
+
+
+def verify_argv(apptainer: str, spec: SandboxSpec, overlay: Path, binds: list[str],
+                tests: Path, logs: Path, command: list[str], *, cwd: str,
+                env: dict[str, str], rootless: bool, cgroup_limits: bool,
+                cpus: tuple[int, ...]) -> list[str]:
+    argv = (["taskset", "-c", ",".join(map(str, cpus))] if cpus else []) + [
+        apptainer, "--quiet", "exec", "--overlay", f"{overlay}:ro", "--writable-tmpfs", "--containall",
+        "--cleanenv", "--no-home", "--hostname", spec.hostname, "--pwd", cwd,
+        *(["--userns", "--fakeroot"] if rootless else ["--userns"])]
+    if not spec.network:
+        argv += ["--net", "--network", "none"]
+    if cgroup_limits:
+        argv += ["--cpus", str(spec.cpus), "--memory", f"{spec.memory_mb}M"]
+    argv += [*binds, "--bind", f"{tests}:/tests", "--bind", f"{logs}:/logs/verifier"]
+    setenv = ["env", *(f"{k}={v}" for k, v in env.items())]
+    return argv + [str(spec.image), *setenv, *command]
+
+
+def _copy_plain(src: Path, dest: Path) -> None:
+    """Regular files and folders of ``src`` into ``dest``; links and devices the verifier
+    left are skipped (never followed on the host)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in os.scandir(src):
+        target = dest / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            _copy_plain(Path(entry.path), target)
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copyfile(entry.path, target, follow_symlinks=False)
+
+
+def verify_in_fresh_container(runtime: Any, sandbox_id: str, command: list[str], *,
+                              tests: Path, logs: Path, timeout: float, cwd: str | None,
+                              env: dict[str, str] | None, agent_system: bool
+                              ) -> ExecResult:
+    """See the module doc; ``runtime`` is the ``ApptainerRuntime`` of the sandbox."""
+    record = runtime._live(sandbox_id)
+    spec = SandboxSpec.from_dict(record.spec)
+    info = runtime.info
+    home = runtime._dir(sandbox_id)
+    cache = runtime.state_dir / "pristine"
+    entries = image_entries(runtime.apptainer, spec.image, cache, runtime._env,
+                            runtime.start_timeout_s)
+    squash = pristine_squashfs(cache, spec.image)
+    runtime._end_instance(sandbox_id, record)
+    try:
+        with tempfile.TemporaryDirectory(prefix="verify-", dir=home) as tmp:
+            work = Path(tmp)
+            shutil.copytree(tests, work / "tests", symlinks=True)
+            (work / "logs").mkdir()
+            (work / "empty").write_text("")
+            for path in (work, work / "tests", work / "logs"):
+                path.chmod(0o755)
+            binds = pristine_binds(squash, entries, work / "empty", agent_system)
+            argv = verify_argv(runtime.apptainer, spec, home / "overlay.img", binds,
+                               work / "tests", work / "logs", command,
+                               cwd=cwd or spec.workdir,
+                               env={**VERIFIER_ENV, **spec.env, **(env or {})},
+                               rootless=info.rootless, cgroup_limits=runtime.cgroup_limits,
+                               cpus=record.cpus)
+            output, code, timed_out, seconds = run_capture(argv, timeout=timeout,
+                                                           env=runtime._env,
+                                                           limit=runtime.max_output_bytes)
+            logs = Path(logs)
+            if logs.exists():
+                shutil.rmtree(logs)
+            _copy_plain(work / "logs", logs)
+    finally:
+        runtime._launch(sandbox_id, spec, info, record.cpus, record.deadline)
+    return ExecResult(output, code, timed_out, False, seconds)

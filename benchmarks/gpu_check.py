@@ -1,18 +1,20 @@
-"""The GPU path end to end, on one machine with no internet: a small random-initialised model
-built here (no hub), served by vLLM with the FP32 LM head (or hf-server with --cpu), three
-DPPO steps on the DeepSpeed backend, a filesystem weight sync after each, and the
-trainer-vs-engine log-prob gap before and after each sync.
+"""The GPU training path end to end on one GPU, with no network and no vLLM: a small
+random-initialised model built here (no hub), served by ``tmax serve`` (hf-server) on the
+GPU, three DPPO steps on the DeepSpeed backend (ZeRO-3, bf16, NCCL, the model built under
+``zero.Init``, the chunked FP32 LM head, activation checkpointing), a weight sync after
+each step, and the trainer-vs-engine log-prob gap before and after each sync.
 
-    benchmarks/gpu_check.sh              # on a GPU node: vLLM + DeepSpeed (bf16, ZeRO-3)
-    python benchmarks/gpu_check.py --cpu # here: hf-server + DeepSpeed on CPU (gloo, fp32)
+    benchmarks/gpu_check.sh              # on a GPU machine (see there for the wheels)
+    python benchmarks/gpu_check.py --cpu # here: the same on CPU (gloo, fp32)
 
 Rollouts are synthetic (no sandboxes): a completion's reward is the share of its token ids
-divisible by 10 (an arbitrary rule a policy can learn), centred per prompt. What
-is measured is what the GPU path must get right: token ids and log-probs from the engine,
-the trainer's log-probs of the same tokens (the gap), the DPPO step, the versioned weights
-folder the engine loads, and the version it reports afterwards.
-The NCCL weight transfer is not exercised here (its request payloads are checked in
-tests/test_inference.py; the trainer-side broadcast is not written yet).
+divisible by 10 (an arbitrary rule a policy can learn), centred per prompt. What is
+measured is what the GPU path must get right: token ids and log-probs from the engine,
+the trainer's log-probs of the same tokens through its chunked head (the gap), the DPPO
+step, the weights the engine loads and the version it reports afterwards, and the NCCL
+sender's ZeRO-3 gather (``tmax.train.weight_sync.checkpoint_tensors``: every tensor it
+would broadcast equals the exported weights). vLLM's NCCL broadcast itself needs vLLM on
+both ends and is checked against vLLM's classes in tests/test_nccl_sync.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(REPO))
 PROMPTS = [f"Write the numbers from {i} to {i + 9}, separated by spaces." for i in range(8)]
 
 
-def build_model(work: Path, layers: int, width: int) -> Path:
+def build_model(work: Path, layers: int, width: int, dtype: torch.dtype) -> Path:
     from tmax.models.tiny import (
         build_tiny_model,
         build_tokenizer,
@@ -45,41 +47,47 @@ def build_model(work: Path, layers: int, width: int) -> Path:
 
     texts = corpus_texts(find_tasks(REPO / "examples" / "tasks")) + PROMPTS
     tokenizer = build_tokenizer(texts, 2048)
-    model = build_tiny_model(tokenizer, n_layers=layers, d_model=width, n_heads=max(1, width // 64),
-                             max_positions=2048, seed=0)
-    return save_pretrained_dir(model, tokenizer, work / "model")
+    model = build_tiny_model(tokenizer, n_layers=layers, d_model=width,
+                             n_heads=max(1, width // 64), max_positions=2048, seed=0)
+    return save_pretrained_dir(model.to(dtype), tokenizer, work / "model")
 
 
-def server_argv(args, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
-    if args.cpu:
-        from tmax.inference.process import hf_server_command
+def server_argv(args, model_dir: Path, port: int) -> list[str]:
+    from tmax.inference.process import hf_server_command
 
-        return hf_server_command(model_dir, port=port, max_batch=64, max_tokens=args.tokens,
-                                 temperature=1.0, served_model_name="check", seed=0), {}
-    from tmax.inference.vllm import VLLMConfig, vllm_env, vllm_serve_command
+    argv = hf_server_command(model_dir, port=port, max_batch=64, max_tokens=args.tokens,
+                             temperature=1.0, served_model_name="check", seed=0)
+    return argv if args.cpu else [*argv, "--device", "cuda"]
 
-    config = VLLMConfig(model=str(model_dir), served_model_name="check", port=port,
-                        host="127.0.0.1", dtype="bfloat16", fp32_head=True,
-                        gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True,
-                        weight_transfer="folder")
-    return vllm_serve_command(config), vllm_env(config)
+
+def trainer_config(args):
+    from tmax.train.config import load_train_config
+
+    gpu = not args.cpu
+    return load_train_config(None, [
+        "trainer.backend=deepspeed", "trainer.zero_stage=3",
+        f"trainer.device={'cuda' if gpu else 'cpu'}",
+        f"trainer.precision={'bf16' if gpu else 'fp32'}",
+        f"trainer.dist_backend={'nccl' if gpu else 'gloo'}",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        "trainer.activation_checkpointing=true", f"trainer.head_chunk={args.head_chunk}",
+        "trainer.param_persistence_threshold=0", "optim.lr=1e-4",
+        "optim.micro_batch_size=8", "rollout.temperature=1.0", "model.fp32_lm_head=true"])
 
 
 def trainer_logprobs(backend, samples) -> list[list[float]]:
-    """The trainer's log-probs of each sample's completion tokens (mask 1)."""
-    from tmax.train.trainer import sequence_logprobs
+    """The trainer's log-probs of each sample's completion tokens (mask 1), through the
+    trainer's own scoring head (chunked, float32)."""
+    from tmax.train.head import score_tokens
 
     out = []
     model = backend.model
     model.eval()
-    device = next(model.parameters()).device
+    device = backend.device
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.tokens], device=device)
-            # the deepspeed backend's head module computes in float32 itself (ZeRO-3
-            # gathers its weight there): no second upcast outside it
-            logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=1.0,
-                                        fp32_head=False)
+            logp, _ = score_tokens(model, ids, torch.ones_like(ids), temperature=1.0)
             out.append([float(x) for x, m in zip(logp[0].tolist(), s.mask[1:]) if m])
     return out
 
@@ -90,6 +98,21 @@ def gap(backend, samples) -> float:
     diffs = [abs(a - b) for s, mine in zip(samples, ours)
              for a, b in zip(mine, [x for x, m in zip(s.old_logp[1:], s.mask[1:]) if m])]
     return sum(diffs) / max(1, len(diffs))
+
+
+def sender_matches_export(backend) -> bool:
+    """The NCCL sender's gather (ZeRO-3, a layer at a time, every rank) yields exactly
+    the exported weights under the same names."""
+    from tmax.train.weight_sync import checkpoint_layout, checkpoint_tensors
+
+    ds = backend._ds
+    sent = dict(checkpoint_tensors(backend.model, rank=backend.rank, gathered=lambda ps: (
+        ds.zero.GatheredParameters(ps, modifier_rank=None))))
+    exported = backend.export_weights()
+    layout = {n: (d, s) for n, d, s in checkpoint_layout(backend.model)}
+    return backend.rank != 0 or (
+        set(sent) == set(layout) and set(sent) <= set(exported)
+        and all(torch.equal(t.cpu(), exported[n].cpu()) for n, t in sent.items()))
 
 
 async def sample(engine, group: int) -> tuple[list, float, int]:
@@ -117,26 +140,22 @@ async def sample(engine, group: int) -> tuple[list, float, int]:
 async def run(args) -> dict:
     from tmax.inference.http import HttpEngine
     from tmax.inference.process import ServerProcess, free_port
-    from tmax.models.tiny import load_pretrained_dir
     from tmax.train.backends import make_trainer
-    from tmax.train.config import load_train_config
+    from tmax.train.model_load import load_trainer_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="tmax-gpu-check-"))
     t_start = time.monotonic()
-    model_dir = build_model(work, args.layers, args.width)
+    config = trainer_config(args)
+    model_dir = build_model(work, args.layers, args.width, getattr(torch, config.model.dtype))
     port = free_port()
-    argv, env = server_argv(args, model_dir, port)
-    server = ServerProcess(argv, url=f"http://127.0.0.1:{port}", log_path=work / "server.log",
-                           env=env, name="vllm" if not args.cpu else "hf-server",
-                           start_timeout_s=600)
-    report: dict = {"engine": server.name, "work": str(work), "steps": []}
-    config = load_train_config(None, [
-        "trainer.backend=deepspeed", "trainer.zero_stage=3", "optim.lr=1e-4",
-        "optim.micro_batch_size=8", "rollout.temperature=1.0", "model.fp32_lm_head=true"])
-    model, tokenizer = load_pretrained_dir(model_dir)
-    if torch.cuda.is_available():
-        model = model.cuda()
+    server = ServerProcess(server_argv(args, model_dir, port), url=f"http://127.0.0.1:{port}",
+                           log_path=work / "server.log", name="hf-server", start_timeout_s=600)
+    model, tokenizer = load_trainer_model(config, model_dir)  # under zero.Init
     backend = make_trainer(config, model, pad_id=tokenizer.pad_token_id or 0, max_len=2048)
+    report: dict = {"engine": "hf-server", "device": str(backend.device),
+                    "precision": "bf16" if config.model.dtype == "bfloat16" else "fp32",
+                    "dist_backend": torch.distributed.get_backend(), "work": str(work),
+                    "steps": []}
     async with server:
         engine = HttpEngine(server.url, "check", temperature=1.0, max_tokens=args.tokens,
                             max_retries=1)
@@ -165,6 +184,7 @@ async def run(args) -> dict:
             report["steps"].append(row)
             print(json.dumps(row), flush=True)
         await engine.aclose()
+    report["nccl_sender_gather_matches_export"] = sender_matches_export(backend)
     report["total_seconds"] = time.monotonic() - t_start
     return report
 
@@ -177,6 +197,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48, help="max tokens per completion")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--head-chunk", type=int, default=64,
+                   help="positions per chunk of the LM head (small: several chunks)")
     p.add_argument("--work", help="folder for the model, weights and logs (default: a temp)")
     p.add_argument("--out", help="write the report as JSON here")
     p.add_argument("--max-gap", type=float, default=None, help="worst mean |trainer - "
@@ -188,6 +210,8 @@ def main() -> None:
     if args.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    elif not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no GPU (run with --cpu for the CPU variant)")
     from sandfleet import run_event_loop
 
     report = run_event_loop(run(args))
@@ -196,9 +220,14 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))
     worst = max(r["gap_after_sync"] for r in report["steps"])
     versions = [r["engine_version"] for r in report["steps"]]
-    ok = versions == list(range(1, args.steps + 1)) and worst < args.max_gap
-    print(f"{'OK' if ok else 'FAILED'}: engine versions {versions}, worst gap after sync "
-          f"{worst:.2e} (limit {args.max_gap:g})")
+    ok = versions == list(range(1, args.steps + 1)) and worst < args.max_gap \
+        and report["nccl_sender_gather_matches_export"]
+    last = report["steps"][-1]
+    print(f"{'OK' if ok else 'FAILED'}: engine versions {versions}, worst log-prob gap after "
+          f"sync {worst:.2e} (limit {args.max_gap:g}), generation "
+          f"{last['generation_tokens_per_s']:.0f} tokens/s, trainer "
+          f"{last['trainer_tokens_per_s']:.0f} tokens/s, sender gather "
+          f"{'ok' if report['nccl_sender_gather_matches_export'] else 'WRONG'}")
     sys.exit(0 if ok else 1)
 
 

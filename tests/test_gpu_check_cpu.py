@@ -1,5 +1,7 @@
-"""benchmarks/gpu_check.py on CPU (hf-server + the deepspeed backend): after every weight
-sync the engine reports the new version and its log-probs are the trainer's."""
+"""benchmarks/gpu_check.py on CPU (hf-server + the deepspeed backend under zero.Init, the
+chunked head): after every weight sync the engine reports the new version and its
+log-probs are the trainer's; the NCCL sender's ZeRO-3 gather is the exported weights; the
+shell wrapper names no bare `vllm`."""
 
 from __future__ import annotations
 
@@ -24,10 +26,21 @@ def test_weight_sync_makes_the_served_logprobs_the_trainers(tmp_path):
          "--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    steps = json.loads(out.read_text())["steps"]
+    report = json.loads(out.read_text())
+    assert report["dist_backend"] == "gloo" and report["precision"] == "fp32"
+    assert report["nccl_sender_gather_matches_export"] is True
+    steps = report["steps"]
     assert [s["engine_version"] for s in steps] == [1, 2]
     for s in steps:
         # the trainer stepped between sampling and the check: a sync that did not reach the
         # engine leaves a gap of the size of the update, far above float32 rounding
         assert s["gap_after_sync"] < 1e-4, s
         assert s["gap_without_sync"] > 100 * s["gap_after_sync"], s
+
+
+def test_the_gpu_check_script_needs_no_vllm():
+    script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    code = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("vllm" in line for line in code), "gpu_check.sh runs vllm"
+    check = (REPO / "benchmarks" / "gpu_check.py").read_text()
+    assert "import vllm" not in check and "vllm_serve_command" not in check

@@ -9,7 +9,7 @@
 # (pure Python, built with DS_BUILD_OPS=0: no compiled ops are used), transformers,
 # tokenizers, safetensors, huggingface-hub, and TMax's own dependencies (numpy, pydantic,
 # pyyaml, click, httpx, aiohttp, tqdm, ...). How they travel: as wheels, in a wheelhouse
-# folder inside the working tree that goes with it (about 40 MB):
+# folder inside the working tree that goes with it (size not measured yet):
 #   here:        bin/tmax-gpu-wheels .wheels --python-version 3.11   (pip download/wheel)
 #   GPU machine: TMAX_WHEELS=.wheels benchmarks/gpu_check.sh
 # which makes a venv over the machine's torch (--system-site-packages) and installs the

@@ -71,7 +71,8 @@ def _write_json(path: Path, data) -> None:
 @click.option("--tasks", "task_specs", multiple=True, required=True,
               help="A task folder, a folder of tasks, or a glob of them (repeatable).")
 @click.option("--policy", "policy_spec", required=True,
-              help="oracle | nop | scripted:FILE | openai:MODEL@URL | hf:PATH")
+              help="oracle | nop | scripted:FILE | openai:MODEL@URL | hf:PATH | vllm:PATH "
+                   "(a vLLM server TMax starts for the model folder and stops at the end)")
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1),
               help="Episodes per task.")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1),
@@ -124,6 +125,7 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
     )
     from tmax.eval.summary import format_tables, summarize
     from tmax.fleet import FleetUnavailable, open_fleet
+    from tmax.inference.base import EngineStartError
     from tmax.rollout.run import TaskImages
 
     tasks, invalid = resolve_tasks(task_specs)
@@ -165,19 +167,27 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
     async def go():
         cpus = max(t.config.environment.cpus for t in runnable)
         memory = max(t.config.environment.memory_mb for t in runnable)
-        async with open_fleet(fleet_dir, concurrency=concurrency, sandbox_cpus=cpus,
-                              sandbox_memory_mb=memory) as fleet:
-            return await run_eval(tasks, policy, fleet, images, config, trials=trials,
-                                  concurrency=concurrency, results_path=results,
-                                  max_infra_retries=max_infra_retries,
-                                  max_internal_errors=max_internal_errors,
-                                  progress=not no_progress, skipped=invalid, strict=strict)
+        start, stop = getattr(policy, "start", None), getattr(policy, "aclose", None)
+        try:
+            if start is not None:  # a server the policy owns (vllm:PATH)
+                await start()
+            async with open_fleet(fleet_dir, concurrency=concurrency, sandbox_cpus=cpus,
+                                  sandbox_memory_mb=memory) as fleet:
+                return await run_eval(tasks, policy, fleet, images, config, trials=trials,
+                                      concurrency=concurrency, results_path=results,
+                                      max_infra_retries=max_infra_retries,
+                                      max_internal_errors=max_internal_errors,
+                                      progress=not no_progress, skipped=invalid,
+                                      strict=strict)
+        finally:
+            if stop is not None:
+                await stop()
 
     from sandfleet import run_event_loop
 
     try:
         records = run_event_loop(go())
-    except (EvalError, FleetUnavailable) as e:
+    except (EvalError, FleetUnavailable, EngineStartError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted; the finished episodes are in {results}; run the same "

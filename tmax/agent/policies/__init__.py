@@ -1,5 +1,7 @@
 """Policies by name: ``make_policy("oracle")``, ``"nop"``, ``"scripted:FILE"``,
-``"openai:MODEL@URL"``, ``"hf:PATH"`` (a local transformers model). Imports lazily."""
+``"openai:MODEL@URL"``, ``"hf:PATH"`` (a local transformers model), ``"vllm:PATH"`` (a
+local model folder behind a vLLM server TMax starts: ``tmax.inference.served``; call its
+``start()`` before and ``aclose()`` after the episodes). Imports lazily."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ class PolicySpecError(ValueError):
     pass
 
 
-NAMES = ("oracle", "nop", "scripted:FILE", "openai:MODEL@URL", "hf:PATH")
+NAMES = ("oracle", "nop", "scripted:FILE", "openai:MODEL@URL", "hf:PATH", "vllm:PATH")
 
 
 def make_policy(spec: str, **options: Any):
@@ -35,4 +37,7 @@ def make_policy(spec: str, **options: Any):
     if kind == "hf" and arg:
         from tmax.agent.policies.hf import HFPolicy
         return HFPolicy.from_pretrained(arg, **options)
+    if kind == "vllm" and arg:
+        from tmax.inference.served import VLLMPolicy
+        return VLLMPolicy(arg, **options)
     raise PolicySpecError(f"unknown policy {spec!r}; choose one of: {', '.join(NAMES)}")

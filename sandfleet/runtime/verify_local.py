@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sandfleet.errors import SandboxLost, SandboxStartError
 from sandfleet.runtime.base import ExecResult, kill_group, proc_start_time, run_capture
@@ -108,6 +109,24 @@ Ids = tuple[int, int, list[int], str]
 class LocalVerifier:
     """``verify`` for ``LocalRuntime`` (a mixin: it uses the runtime's records, cgroups,
     mount points and entry commands)."""
+
+    if TYPE_CHECKING:  # what LocalRuntime (and CommandRuntime) give it
+        mnt: Path
+        cgroups: Cgroups
+        start_timeout_s: float
+        max_output_bytes: int
+        copy_timeout_s: float
+
+        def _live(self, sandbox_id: str) -> SandboxRecord: ...
+        def _check_alive(self, sandbox_id: str) -> None: ...
+        def _dir(self, sandbox_id: str) -> Path: ...
+        def _cgroup_name(self, sandbox_id: str) -> str: ...
+        def _procs_files(self, record: SandboxRecord, *, freezer: bool = True
+                         ) -> list[str]: ...
+        def _cpus(self, record: SandboxRecord) -> list[int] | None: ...
+        def _host_env(self) -> dict[str, str]: ...
+        def _userns_ready(self, info_r: int, block_w: int, uid_base: int,
+                          deadline: float) -> int | None: ...
 
     def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
                timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,

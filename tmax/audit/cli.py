@@ -119,8 +119,8 @@ def audit_cmd(ctx, task_specs, out_dir, shard, config_path, use_teacher, base_ur
               store, base_map, fleet_dir, jobs, output, no_progress, **_array) -> None:
     """Label every task of TASK_SPECS (task folders, folders of them, globs): the
     deterministic probes in real sandboxes of each task's image (nop, oracle, leak scan,
-    copy, replay, mutation, paths) and, with --teacher, the LLM auditor for what they cannot
-    prove. Without a teacher a task no probe faults stays unlabelled. Images must be built
+    copy, replay, mutation, paths, exploits: scripted reward hacks) and, with --teacher, the
+    LLM auditor for what they cannot prove. Without a teacher a task no probe faults stays unlabelled. Images must be built
     (`tmax images build`)."""
     from sandfleet import run_event_loop
     from tmax.audit.probes import Prober

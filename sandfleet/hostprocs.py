@@ -23,11 +23,11 @@ from typing import NamedTuple
 NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
 
 
-class Stat(NamedTuple):
-    """What ``shell.ProcStat`` holds, numbered as the sandbox's namespace numbers them."""
+class ProcStat(NamedTuple):
+    """A process as a sandbox's procfs shows it (``sandfleet.shell`` reads them too)."""
 
     state: str
-    ppid: int  # the host's number (not used to pick processes)
+    ppid: int  # (from the host's /proc here: the host's number; no caller picks by it)
     pgid: int
     sid: int
     start: int
@@ -127,23 +127,23 @@ class HostProcs:
     def pids(self) -> list[int]:
         return list(self._scan())
 
-    def stat(self, pid: int) -> Stat | None:
+    def stat(self, pid: int) -> ProcStat | None:
         got = self._scan().get(pid)
-        return None if got is None else Stat(got.state, got.ppid, got.pgid, got.sid,
+        return None if got is None else ProcStat(got.state, got.ppid, got.pgid, got.sid,
                                                  got.start)
 
     def snapshot(self) -> dict[int, tuple[int, int]]:
         return {pid: (s.start, s.pgid) for pid, s in self._scan().items()
                 if s.state not in ("Z", "X")}
 
-    def kill(self, chosen: Callable[[int, Stat], bool], sig: int = signal.SIGKILL, *,
+    def kill(self, chosen: Callable[[int, ProcStat], bool], sig: int = signal.SIGKILL, *,
              settle_s: float = 0.0) -> int:
         total, give_up, attempt = 0, time.monotonic() + settle_s, 0
         while True:
             hit = 0
             for pid, s in self._scan().items():
                 if s.state in ("Z", "X") or not chosen(
-                        pid, Stat(s.state, s.ppid, s.pgid, s.sid, s.start)):
+                        pid, ProcStat(s.state, s.ppid, s.pgid, s.sid, s.start)):
                     continue
                 try:
                     pidfd = os.pidfd_open(s.host_pid)

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple, Self, TypedDict, TypeVar
 
 from sandfleet.errors import SandboxLost, SandboxStartError
-from sandfleet.hostprocs import HostProcs
+from sandfleet.hostprocs import HostProcs, ProcStat
 from sandfleet.runtime.base import (
     MAX_OUTPUT_BYTES,
     TIMEOUT_EXIT_CODE,
@@ -94,14 +94,6 @@ readonly -f __tmax_pre __tmax_end
 COMMAND_LINE = ("__tmax_c=%s; __tmax_pre; "
                 '. /dev/stdin <<<"$__tmax_p$__tmax_c" >&$__tmax_o 2>&1 {__tmax_o}>&-; '
                 "{ __tmax_s=$? __tmax_in=; __tmax_end $__tmax_s %s; } 2>/dev/null\n")
-
-
-class ProcStat(NamedTuple):
-    state: str
-    ppid: int
-    pgid: int
-    sid: int
-    start: int
 
 
 def read_stat(dir_fd: int | None, path: str) -> ProcStat | None:
@@ -201,6 +193,10 @@ class SandboxProcs:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+Procs = SandboxProcs | HostProcs
+"""A sandbox's processes: through its own procfs, or the host's (see ``hostprocs``)."""
 
 
 def _children(pid: int) -> list[int]:
@@ -318,13 +314,13 @@ class _Bash:
         self.waiter: asyncio.Future | None = None  # wait()'s, woken by the readers
         self.exited = self.eof = self.stopping = self.discard = False
         self.pidfd: int | None = None
-        self.procs: SandboxProcs | HostProcs | None = None
+        self.procs: Procs | None = None
         self.pid = self.pgid = self.sid = 0  # bash's, in the sandbox's pid namespace
         self.watched: list[int] = []  # descriptors with a reader on the loop
         self._watch(self.out_fd, self._out_ready)
 
-    async def handshake(self, deadline: float, procs: SandboxProcs | None,
-                        blocking: Blocking) -> SandboxProcs:
+    async def handshake(self, deadline: float, procs: Procs | None,
+                        blocking: Blocking) -> Procs:
         """Feed bash its helpers and read its pid back; find it on the host, open its pidfd
         and (unless given one to check bash against) the sandbox's procfs, and watch the
         pidfd; the procfs handle. OSError if it fails."""
@@ -342,7 +338,7 @@ class _Bash:
         self._watch(self.pidfd, self._pid_ready)
         return procs
 
-    def _find(self, ns_pid: int, procs: SandboxProcs | None) -> SandboxProcs:
+    def _find(self, ns_pid: int, procs: Procs | None) -> Procs:
         """Blocking (walks the host's /proc): bash on the host, its pidfd and procfs."""
         host_pid = find_host_pid(self.proc.pid, ns_pid)
         if host_pid is None:
@@ -493,7 +489,7 @@ class _Bash:
     def alive(self) -> bool:
         return not (self.exited or self.eof)
 
-    def sandbox_procs(self) -> SandboxProcs:
+    def sandbox_procs(self) -> Procs:
         """The procfs handle of a started shell: set by the handshake, dropped only by
         ``stop``, which the session calls with its lock held (never while a command runs)."""
         assert self.procs is not None, "the shell has not started, or was stopped"
@@ -619,7 +615,7 @@ class AsyncShellSession:
         """Shells started after the first one (see "Shell restarts")."""
         self._bash: _Bash | None = None
         self._retired: list[_Bash] = []
-        self._procs: SandboxProcs | None = None  # opened by the first shell, kept
+        self._procs: Procs | None = None  # opened by the first shell, kept
         self._lock = asyncio.Lock()  # one command at a time
         self._closed = False
         self._lost: SandboxLost | None = None

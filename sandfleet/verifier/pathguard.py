@@ -12,6 +12,8 @@ nothing before it has; and ``importlib.metadata`` cannot read it (no entry-point
 the workdir). A script's folder stays where it is: /tests' scripts are the task's.
 
 Then the image's own ``sitecustomize``, if it has one, is imported as it would have been.
+Written for any Python the image may have (no annotations or f-strings; inert where there is
+no ``importlib.machinery``, as in Python 2).
 """
 
 import os
@@ -20,7 +22,7 @@ import sys
 MARK = "tmax-agent:"
 
 
-def _agent_entries() -> list[str]:
+def _agent_entries():
     try:
         cwd = os.getcwd()
     except OSError:
@@ -66,7 +68,7 @@ def _loaders():
             (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES)]
 
 
-def _chain() -> None:
+def _chain():
     """Import the image's own sitecustomize, which this one hides."""
     here = os.path.dirname(os.path.abspath(__file__))
     saved = list(sys.path)
@@ -78,8 +80,8 @@ def _chain() -> None:
         if mine is not None:
             sys.modules["sitecustomize"] = mine
     except Exception as e:  # noqa: BLE001 (as site.py reports a failing sitecustomize)
-        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{e!r}",
-              file=sys.stderr)
+        sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                         + repr(e) + "\n")
     finally:
         sys.path[:] = [e for e in saved if os.path.abspath(e or ".") != here]
 

@@ -44,7 +44,9 @@ API (runtime-neutral):
   file in that tools view), ``file:<name>`` (``files[name]``), ``dir:<name>``
   (``dirs[name]``: file name -> text), ``empty`` (an empty file), ``logs`` (the
   verifier's own empty /logs/verifier, writable by all). Each ``dest`` exists in the
-  agent's tree once the fixes ran (a folder for a folder, a file for a file).
+  agent's tree once the fixes ran (a folder for a folder, a file for a file), but one whose
+  top-level folder the agent has not (``PYTHON_DIR`` where there is no /.tmax; root
+  "entries" only): the runtime makes that folder in the verifier's own root.
 - ``root``: "entries" (the verifier's / is a folder of its own holding ``entries``: the
   agent's top-level ``(name, kind, target)`` after the fixes, "dir"/"file" bound, "link"
   made anew; /tests is the verifier's plain folder there) or "whole" (more than

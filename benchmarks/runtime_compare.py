@@ -9,7 +9,9 @@ this, through bin/tmax-apptainer where no apptainer is on PATH):
   folder each time: the local runtime unpacks the image, the apptainer one has nothing to
   reuse) and ``acquire_seen`` with the image seen before (same folders), p50 and p99
   (nearest rank: with 15 starts p99 is the slowest);
-- ``run_true``: ``exec(["true"])`` p50 in a running sandbox;
+- ``shell_run_true``: ``run("true")`` p50 through the persistent shell (what
+  ``lease.run`` goes through on the worker), and ``exec_true``: a one-off
+  ``exec(["true"])`` (a new ``apptainer exec`` each time on Apptainer);
 - ``verify``: the sandbox's verifier on a trivial test.sh (writes reward 1), first in a
   fresh folder and then p50 of the next ones;
 - ``disk_per_lease``: bytes allocated in the runtime's folders while one lease (default
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import SandboxSpec
+from sandfleet.shell import ShellSession
 
 TEST_SH = "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\n"
 
@@ -86,7 +89,7 @@ def bench(name: str, image: Path, n_new: int, n_seen: int, tmp: Path) -> dict:
     runtime = make(name, tmp / f"{name}-seen")
     runtime.start("warm", spec)
     runtime.stop("warm")
-    seen, true = [], []
+    seen, true, shell_true = [], [], []
     for i in range(n_seen):
         t0 = time.perf_counter()
         runtime.start(f"s{i}", spec)
@@ -96,6 +99,13 @@ def bench(name: str, image: Path, n_new: int, n_seen: int, tmp: Path) -> dict:
                 t1 = time.perf_counter()
                 runtime.exec("s0", ["true"], timeout=60)
                 true.append(time.perf_counter() - t1)
+            shell = ShellSession(runtime, "s0")  # what lease.run goes through
+            shell.start()
+            for _ in range(50):
+                t1 = time.perf_counter()
+                shell.run("true", 60)
+                shell_true.append(time.perf_counter() - t1)
+            shell.close()
         runtime.stop(f"s{i}")
     tests = tmp / "tests"
     tests.mkdir(exist_ok=True)
@@ -124,7 +134,8 @@ def bench(name: str, image: Path, n_new: int, n_seen: int, tmp: Path) -> dict:
         "acquire_new_p50_ms": ms(percentile(new, 50)), "acquire_new_p99_ms": ms(max(new)),
         "acquire_seen_p50_ms": ms(percentile(seen, 50)),
         "acquire_seen_p99_ms": ms(percentile(seen, 99)),
-        "run_true_p50_ms": ms(percentile(true, 50)),
+        "exec_true_p50_ms": ms(percentile(true, 50)),
+        "shell_run_true_p50_ms": round(percentile(shell_true, 50) * 1000, 2),
         "verify_first_ms": ms(verifies[0]), "verify_p50_ms": ms(percentile(verifies[1:], 50)),
         "verify_rewards": sorted(set(rewards)),
         "disk_allocated_per_lease_bytes": during,

@@ -74,7 +74,9 @@ def launch_plan(config: TrainConfig) -> dict[str, Any]:
     if config.trainer.backend == "deepspeed":
         from tmax.train.backends.config import build_deepspeed_config, uses_bf16
 
-        bf16 = uses_bf16(config.trainer, cuda=config.engine == "vllm")  # vLLM: GPU nodes
+        t = config.trainer  # on the trainer's nodes: GPUs when asked for, or a vLLM run's
+        bf16 = uses_bf16(t, cuda=t.device == "cuda" or (t.device == "auto"
+                                                       and config.engine == "vllm"))
         plan["trainer"]["deepspeed_config"] = build_deepspeed_config(
             config.trainer, config.optim, bf16=bf16)
         plan["trainer"]["precision"] = "bf16" if bf16 else "fp32"

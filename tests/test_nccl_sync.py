@@ -252,3 +252,19 @@ def test_a_pool_of_8_gpu_servers_lays_its_ranks_out_after_the_trainer():
     infos = nccl_group([8, 8], "10.1.2.3", 29500)  # checked by vLLM above
     assert infos == [nccl_init_info("10.1.2.3", 29500, rank_offset=o, world_size=17)
                      for o in (1, 9)]
+
+
+def test_weight_transfer_nccl_selects_the_broadcast_on_both_sides(tmp_path):
+    from tmax.train.config import load_train_config
+    from tmax.train.handover import Handover
+    from tmax.train.processes import nccl_coordinator
+    from tmax.train.trainer_rank import nccl_sender
+
+    nccl = load_train_config(None, ["engine=vllm", "vllm.weight_transfer=nccl",
+                                    "vllm.data_parallel_size=4"])
+    coordinator = nccl_coordinator(nccl, tmp_path, lambda: True)
+    assert isinstance(coordinator, NcclCoordinator) and coordinator.gpus == 4
+    assert isinstance(nccl_sender(nccl, tmp_path, 0, Handover(tmp_path)), NcclSender)
+    for folder in (load_train_config(None, ["engine=vllm"]), load_train_config(None)):
+        assert nccl_coordinator(folder, tmp_path, lambda: True) is None
+        assert nccl_sender(folder, tmp_path, 0, Handover(tmp_path)) is None

@@ -123,6 +123,11 @@ def case_shell(runtime: ApptainerRuntime, image: Path) -> dict:
                 "sleep 102" not in inside, inside
             assert shell.run("kill -0 $(cat /tmp/server.pid) && echo alive", 30).output == \
                 "alive\n"
+            # a process in a pid namespace of its own is still the command's
+            nested = shell.run("unshare --pid --fork sleep 103 & sleep 104", 1)
+            assert nested.timed_out
+            inside = run(runtime, "sh", "ps -eo args").output
+            assert "sleep 103" not in inside and "sleep 104" not in inside, inside
             assert shell.run("exit 7", 30).exit_code == 7
             assert shell.run("echo fresh", 30).output.endswith("fresh\n")
         finally:

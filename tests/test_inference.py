@@ -493,3 +493,23 @@ def test_a_tied_head_is_served_untied_and_written_under_its_own_name(tiny, tmp_p
     assert serving_dir(tmp_path / "absent") == tmp_path / "absent"
     server = VLLMServer(VLLMConfig(model=str(model_dir), port=8003), log_path=tmp_path / "l")
     assert server.process.argv[2] == str(served)
+
+
+def test_the_vllm_policy_names_its_server_and_refuses_a_folder_without_a_model(tiny, tmp_path,
+                                                                              monkeypatch):
+    from tmax.agent.policies import make_policy
+    from tmax.models.tiny import save_pretrained_dir
+
+    monkeypatch.setenv("TMAX_VLLM_PYTHON", "/venv/bin/python")
+    monkeypatch.setenv("TMAX_VLLM_DEVICE", "cpu")
+    folder = save_pretrained_dir(tiny, build_tokenizer(corpus_texts(find_tasks(EXAMPLES))),
+                                 tmp_path / "m")
+    policy = make_policy(f"vllm:{folder}", temperature=0.5, max_tokens=32)
+    assert policy.name == f"vllm:{folder}" and policy.server.engine.name == policy.name
+    argv, env = policy.server.process.argv, policy.server.process.env
+    assert argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+                        "--model", str(tmp_path / "m.vllm-untied")]
+    assert argv[argv.index("--dtype") + 1] == "auto" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert policy.server.engine.policy.temperature == 0.5
+    with pytest.raises(ValueError, match="no config.json"):
+        make_policy(f"vllm:{tmp_path}")

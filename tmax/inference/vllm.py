@@ -281,8 +281,8 @@ class VLLMServer:
                                      url=config.url, log_path=log_path, env=vllm_env(config),
                                      name=f"vllm:{config.served_model_name}@{config.port}",
                                      start_timeout_s=start_timeout_s)
-        self.engine = HttpEngine(config.url, config.served_model_name,
-                                 name=self.process.name, **engine_options)
+        engine_options.setdefault("name", self.process.name)
+        self.engine = HttpEngine(config.url, config.served_model_name, **engine_options)
 
     async def start(self) -> HttpEngine:
         await self.process.start()

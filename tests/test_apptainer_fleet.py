@@ -35,7 +35,7 @@ def test_every_example_task_scores_through_an_apptainer_fleet(
         policy, reward, example_store, apptainer_fleet, tmp_path):
     tasks = [load_task(p) for p in find_tasks(EXAMPLES)]
     records = evaluate(policy, tasks, example_store, apptainer_fleet, tmp_path / "r.jsonl",
-                       concurrency=2)
+                       concurrency=4)
     assert sorted(r.task for r in records) == sorted(t.task_id for t in tasks)
     wrong = {r.task: (r.reward, r.infra_failure, r.verifier_error, r.verifier_output[-300:])
              for r in records if r.reward != reward}

@@ -49,12 +49,12 @@ HACKS = ("uv-env", "python-m", "top-venv")
 PYTEST = ("--with pytest==8.4.1 --with pytest-json-ctrf==0.3.5")
 PYTHON_M_SH = f"""\
 #!/bin/bash
-uv run --no-project {PYTEST} python -m pytest /tests/test_outputs.py -rA
+uv run --no-project {PYTEST} python -m pytest /tests -rA
 if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 VENV_SH = """\
 #!/bin/bash
-pytest /tests/test_outputs.py -rA
+pytest /tests -rA
 if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 VENV_PYTEST = f"#!/bin/sh\nexec /.tmax/verifier/bin/uvx {PYTEST} pytest \"$@\"\n"

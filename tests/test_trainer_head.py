@@ -171,3 +171,29 @@ def test_outside_scoring_the_head_gives_float32_logits():
     assert logp.dtype == torch.float32 and logp.shape == (1, 2)
     assert torch.allclose(logp, out[:, :-1].log_softmax(-1).gather(
         -1, ids[:, 1:, None]).squeeze(-1), atol=1e-5)
+
+
+def test_a_copy_of_the_model_and_another_thread_get_logits_of_their_own():
+    import copy
+    import threading
+
+    from tmax.train.head import scoring
+
+    model = tiny_llama()
+    install_scoring_head(model)
+    twin = copy.deepcopy(model)  # the in-process engine's copy of a one-process run
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.mul_(2)
+    ids = torch.tensor([[1, 2, 3]])
+    seen = {}
+    with scoring(model, ids[:, 1:], 1.0):
+        seen["scoring"] = model(input_ids=ids).logits.shape
+        seen["twin"] = twin(input_ids=ids).logits
+        thread = threading.Thread(target=lambda: seen.update(other=model(input_ids=ids).logits))
+        thread.start()
+        thread.join()
+    assert seen["scoring"] == (1, 2, 2)
+    assert seen["other"].shape == seen["twin"].shape == (1, 3, 97)
+    hidden = twin.get_decoder()(input_ids=ids).last_hidden_state
+    expected = hidden @ twin.get_output_embeddings().weight.T  # the twin's own (doubled) head
+    assert torch.allclose(seen["twin"], expected, atol=1e-5)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,57 +138,63 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None,
 # --------------------------------------------------------------------------- the head module
 
 
-class _Scoring(threading.local):
-    """What the head computes while a ``scoring`` context is open, per thread: an
-    inference engine sharing the model (the in-process engine of a one-process run)
-    generates from another thread and must keep getting logits."""
+_ACTIVE = threading.local()
+"""Per thread: id(head) -> (targets, temperature) of each open ``scoring`` context. Per
+thread because an inference engine sharing the model (the in-process engine of a
+one-process run) generates from another thread and must keep getting logits; by id so a
+copy of the model (``copy.deepcopy``) is never scoring."""
 
-    def __init__(self) -> None:
-        self.targets: Tensor | None = None
-        self.temperature = 1.0
+
+def _open(head: Any) -> dict[int, tuple[Tensor, float]]:
+    if not hasattr(_ACTIVE, "heads"):
+        _ACTIVE.heads = {}
+    return _ACTIVE.heads
+
+
+def _head_forward(self: Any, hidden: Tensor) -> Tensor:
+    """The installed forward of the LM head module (bound to it: a deep copy of the model
+    gets one bound to its own copy)."""
+    fp32, chunk = self._tmax_head
+    bias = getattr(self, "bias", None)
+    scoring_as = _open(self).get(id(self))
+    if scoring_as is None:
+        if fp32:
+            return F.linear(hidden.float(), self.weight.float(),
+                            None if bias is None else bias.float())           # [B,T,V]
+        return F.linear(hidden, self.weight, bias)
+    targets, temperature = scoring_as                                         # [B,T-1]
+    logp, entropy = chunked_token_logprobs(
+        hidden[:, :targets.shape[1]], self.weight, bias, targets,
+        temperature=temperature, chunk=chunk, fp32=fp32)                      # [B,T-1]
+    return torch.stack([logp, entropy], dim=-1)                               # [B,T-1,2]
 
 
 def install_scoring_head(model: torch.nn.Module, *, fp32: bool = True,
                          chunk: int = DEFAULT_CHUNK) -> torch.nn.Module:
-    """Replace the forward of ``model``'s output-embedding module (see the module
-    docstring); returns the head. Idempotent in effect (a second call re-installs)."""
+    """Make the forward of ``model``'s output-embedding module the scoring head (see the
+    module docstring); returns the head. Calling it again re-installs."""
     head = model.get_output_embeddings()  # type: ignore[operator]
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__}: no output embeddings (an LM head with a "
                          "weight) to compute log-probs with")
-    state = _Scoring()
-
-    def forward(hidden: Tensor) -> Tensor:
-        bias = getattr(head, "bias", None)
-        if state.targets is None:
-            if fp32:
-                return F.linear(hidden.float(), head.weight.float(),
-                                None if bias is None else bias.float())       # [B,T,V]
-            return F.linear(hidden, head.weight, bias)
-        targets = state.targets                                               # [B,T-1]
-        logp, entropy = chunked_token_logprobs(
-            hidden[:, :targets.shape[1]], head.weight, bias, targets,
-            temperature=state.temperature, chunk=chunk, fp32=fp32)            # [B,T-1]
-        return torch.stack([logp, entropy], dim=-1)                           # [B,T-1,2]
-
-    head.forward = forward
-    head._tmax_scoring = state
+    head._tmax_head = (fp32, int(chunk))
+    head.forward = types.MethodType(_head_forward, head)
     return head
 
 
 @contextlib.contextmanager
 def scoring(model: torch.nn.Module, targets: Tensor, temperature: float) -> Iterator[None]:
-    """While open, ``model(...).logits`` is ``[B, T-1, 2]`` (log-prob of ``targets``
-    [B, T-1] = input_ids[:, 1:], entropy) from the installed scoring head."""
+    """While open (in this thread), ``model(...).logits`` is ``[B, T-1, 2]`` (log-prob of
+    ``targets`` [B, T-1] = input_ids[:, 1:], entropy) from the installed scoring head."""
     head = model.get_output_embeddings()  # type: ignore[operator]
-    state = getattr(head, "_tmax_scoring", None)
-    if state is None:
+    if not hasattr(head, "_tmax_head"):
         raise RuntimeError("scoring: call install_scoring_head(model) first")
-    state.targets, state.temperature = targets, temperature
+    heads = _open(head)
+    heads[id(head)] = (targets, temperature)
     try:
         yield
     finally:
-        state.targets = None
+        heads.pop(id(head), None)
 
 
 def score_tokens(model: Any, input_ids: Tensor, attention_mask: Tensor, *,

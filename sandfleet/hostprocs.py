@@ -98,6 +98,7 @@ class HostProcs:
         if ino is None:
             raise OSError(f"cannot read the pid namespace of host pid {host_pid}")
         self.ns = ino
+        self._known: dict[tuple[int, int], bool] = {}  # (pid, start) -> in the sandbox
 
     def check(self, host_pid: int, ns_pid: int) -> None:
         ids = _status_ids(host_pid)
@@ -105,23 +106,39 @@ class HostProcs:
                 _ns_at(host_pid, 0) != self.ns:
             raise OSError(f"host pid {host_pid} is not pid {ns_pid} of this sandbox")
 
+    def _member(self, host_pid: int) -> tuple[list[int], list[int], list[int]] | None:
+        """The process's ids if it is in this sandbox's pid namespace or one below it."""
+        ids = _status_ids(host_pid)
+        if ids is None or len(ids[0]) < self.depth or \
+                _ns_at(host_pid, len(ids[0]) - self.depth) != self.ns:
+            return None
+        return ids
+
     def _scan(self) -> dict[int, Seen]:
-        seen = {}
+        """One pass over the host's /proc: a stat read per process; whether a process is
+        the sandbox's is looked up once per (pid, start time) and kept."""
+        seen, known = {}, {}
+        level = self.depth - 1
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
             host_pid = int(name)
-            ids = _status_ids(host_pid)
-            if ids is None or len(ids[0]) < self.depth:
-                continue
-            if _ns_at(host_pid, len(ids[0]) - self.depth) != self.ns:
-                continue
             st = _stat(host_pid)
             if st is None:
                 continue
-            level = self.depth - 1
+            key = (host_pid, st[2])
+            member = self._known.get(key)
+            if member is None:
+                member = self._member(host_pid) is not None
+            known[key] = member
+            if not member:
+                continue
+            ids = _status_ids(host_pid)  # its group and session may have changed
+            if ids is None or len(ids[0]) < self.depth:
+                continue
             seen[ids[0][level]] = Seen(host_pid, st[0], st[1], ids[1][level], ids[2][level],
                                        st[2])
+        self._known = known
         return seen
 
     def pids(self) -> list[int]:

@@ -52,7 +52,7 @@ from sandfleet.config import FleetConfig, fleet_config_of, fleet_key
 from sandfleet.discovery import read_controller_info, write_private
 from sandfleet.errors import BadRequest, InfraError, RemoteError, SandboxLost, UnknownLease
 from sandfleet.runtime import get_runtime
-from sandfleet.runtime.base import ExecResult, SandboxSpec, proc_start_time
+from sandfleet.runtime.base import ExecResult, SandboxSpec, cap_output, proc_start_time
 from sandfleet.shell import AsyncShellSession
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES
 from sandfleet.wire.messages import (
@@ -81,6 +81,9 @@ from sandfleet.wire.messages import (
 from sandfleet.wire.transport import Connection, Peer, Server, parse_address, run_event_loop
 
 log = logging.getLogger(__name__)
+VERIFY_OUTPUT_BYTES = 65536
+"""What a verify reply keeps of test.sh's output: its head and tail (a grader reads both:
+the tools the script set up first, the test runner's summary last)."""
 
 
 @dataclass
@@ -512,7 +515,7 @@ class Worker:
         result, data = await self._pinned(held, work)
         reply = VerifyReply(exit_code=result.exit_code, timed_out=result.timed_out,
                             oom=result.oom, duration_s=result.duration_s,
-                            output=result.output[-65536:])
+                            output=cap_output(result.output.encode(), VERIFY_OUTPUT_BYTES))
         return reply, data
 
     def _xfer_dir(self) -> Path:

@@ -129,6 +129,21 @@ def test_a_timeout_scores_0_whatever_the_output_shows(tmp_path):
     assert g.note.startswith(f"the output shows: {NEEDS_NETWORK}: Temporary failure")
 
 
+def test_a_long_output_is_read_as_a_fleets_verify_reply_keeps_it(tmp_path):
+    """Checks read the runtime's output, rollouts the fleet's reply (head and tail within
+    64 KiB): both are read through the same window, so they grade alike."""
+    from sandfleet.runtime.base import cap_output
+    from sandfleet.worker import VERIFY_OUTPUT_BYTES
+
+    middle = "E   AssertionError: a long traceback line of a failing test\n" * 4000
+    full = OFFLINE_SETUP + FAILING.replace("=" * 30 + " FAILURES", middle + "= FAILURES")
+    reply = cap_output(full.encode(), VERIFY_OUTPUT_BYTES)
+    assert len(reply) < len(full) and "bytes cut" in reply
+    direct, fleet = grade(tmp_path, full, "0"), grade(tmp_path, reply, "0")
+    assert direct == fleet and direct.reward == 0.0
+    assert direct.note.startswith(f"the output shows: {NEEDS_NETWORK}: ")  # from the head
+
+
 def test_what_shows_a_runner_ran():
     assert runner_ran(FAILING) and runner_ran(PASSING)
     assert runner_ran("....\n----------------------------------------------------------"

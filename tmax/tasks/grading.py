@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandfleet.runtime.base import cap_output
 from tmax.tasks.reports import contradiction
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 
@@ -52,6 +53,10 @@ VERIFIER_TIMEOUT = "verifier_timeout"
 CONTRADICTED = "contradicted_reward"
 """``policy_failure`` of a rollout whose reward of 1 its test report contradicts (scored 0)."""
 OUTPUT_TAIL = 4000
+GRADE_WINDOW = 65536
+"""What of test.sh's output is read: its head and tail within this many bytes, as a fleet's
+verify reply keeps it (``sandfleet.worker``), so a check that reads the runtime's output
+directly reads the same evidence as a rollout through the fleet."""
 
 
 @dataclass
@@ -115,6 +120,8 @@ def decide(task_id: str, *, output: str, exit_code: int, timed_out: bool, timeou
     ``exit_code`` and ``timed_out`` (after ``timeout_s``), the host copy of the
     /logs/verifier it left (``logs``), whether the task has the network, and the tests/
     it ran (``tests``: where test.sh says which reports it asked for)."""
+    if len(output.encode()) > GRADE_WINDOW + 64:  # a capped reply is left as it is
+        output = cap_output(output.encode(), GRADE_WINDOW)
     tail = output[-OUTPUT_TAIL:]
     if timed_out:
         note = grade_problem(output, network=network)

@@ -123,6 +123,7 @@ async def start_servers(n: int) -> tuple[list[Recorder], list[HttpEngine], list[
     return recorders, engines, runners
 
 
+@pytest.mark.slow  # the vLLM venv's python imports vLLM (~40 s)
 def test_one_broadcast_reaches_every_server_and_a_replacement_rebuilds_the_group(
         qwen35, tmp_path, monkeypatch):
     model, _ = qwen35
@@ -152,9 +153,15 @@ def test_one_broadcast_reaches_every_server_and_a_replacement_rebuilds_the_group
             await asyncio.gather(coordinator.replace(pool, engines[2]),
                                  asyncio.to_thread(sender.publish, backend, 2),
                                  until_served(pool, 2, engines[2]))
-            return recorders, {"first": first, "versions": versions,
-                               "live": [e.name for e in pool.live],
-                               "served": [e.version for e in pool.live]}
+            live, served = [e.name for e in pool.live], [e.version for e in pool.live]
+            # the trainer restarts (from its checkpoint at step 1): a group for the new one
+            restarted = NcclSender(tmp_path, rank=0, timeout_s=60,
+                                   orchestrator_alive=lambda: True, host="127.0.0.1")
+            await asyncio.gather(asyncio.to_thread(restarted.publish, backend, 1),
+                                 until_served(pool, 1))
+            return recorders, {"first": first, "versions": versions, "live": live,
+                               "served": served, "after_restart": [e.version
+                                                                   for e in pool.live]}
         finally:
             for e in engines:
                 await e.aclose()
@@ -164,20 +171,23 @@ def test_one_broadcast_reaches_every_server_and_a_replacement_rebuilds_the_group
     recorders, seen = asyncio.run(go())
     assert seen["first"] == 0 and seen["versions"] == [1, 1]
     assert seen["live"] == ["server-0", "server-2"] and seen["served"] == [2, 2]
-    # two groups: 1 trainer rank + 2 servers x 2 GPUs, the second after the replacement
-    (h1, p1, r1, w1), (h2, p2, r2, w2) = wire.groups
-    assert (h1, r1, w1) == (h2, r2, w2) == ("127.0.0.1", 0, 5) and p1 != p2
+    assert seen["after_restart"] == [1, 1]
+    # three groups of 1 trainer rank + 2 servers x 2 GPUs: the first, one after the
+    # replacement, one for the restarted trainer
+    (h1, p1, r1, w1), (h2, p2, r2, w2), (h3, p3, r3, w3) = wire.groups
+    assert (h1, r1, w1) == (h2, r2, w2) == (h3, r3, w3) == ("127.0.0.1", 0, 5)
+    assert len({p1, p2, p3}) == 3
     inits = {i: [body["init_info"] for _, route, body in r.calls
                  if route == "/init_weight_transfer_engine"] for i, r in enumerate(recorders)}
-    assert [i["master_port"] for i in inits[0]] == [p1, p2]
-    assert [i["rank_offset"] for i in inits[0]] == [1, 1]
+    assert [i["master_port"] for i in inits[0]] == [p1, p2, p3]
+    assert [i["rank_offset"] for i in inits[0]] == [1, 1, 1]
     assert [i["rank_offset"] for i in inits[1]] == [3]
-    assert [(i["rank_offset"], i["master_port"]) for i in inits[2]] == [(3, p2)]
+    assert [(i["rank_offset"], i["master_port"]) for i in inits[2]] == [(3, p2), (3, p3)]
     assert all(i["packed"] is True for v in inits.values() for i in v)
     # every version, one broadcast, under the checkpoint's names, in update_info's order
     layout = checkpoint_layout(model)
     update_info = nccl_update_info(layout)
-    assert len(wire.sent) == 3
+    assert len(wire.sent) == 4
     for sent in wire.sent:
         assert [n for n, _ in sent] == update_info["names"]
     for i, recorder in enumerate(recorders):
@@ -187,7 +197,7 @@ def test_one_broadcast_reaches_every_server_and_a_replacement_rebuilds_the_group
                    for _, route, body in recorder.calls if route == "/update_weights")
         finished = [body["weight_version"] for _, route, body in recorder.calls
                     if route == "/finish_weight_update"]
-        assert finished == {0: ["0", "1", "2"], 1: ["0", "1"], 2: ["2"]}[i]
+        assert finished == {0: ["0", "1", "2", "1"], 1: ["0", "1"], 2: ["2", "1"]}[i]
     # the payloads as vLLM itself reads them
     group = json.loads((tmp_path / "nccl" / "group.json").read_text())
     vllm_accepts(inits[0] + inits[2] + nccl_group([8, 8], "10.1.2.3", 29500),

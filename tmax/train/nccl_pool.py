@@ -10,7 +10,8 @@ to every member at once: each server pauses, starts the update and posts
 go, and once it has sent, each server finishes the update as that version and resumes.
 No folder path is ever posted. A replaced server means a new group (``replace``): the
 trainer joins it at its next publish, and the newcomer enters the pool once it serves
-the version the others do.
+the version the others do. A restarted trainer (a new ``hello.json``) gets a new group
+too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class NcclCoordinator:
         self.pending: list[Any] = []
         """Members not yet in the pool (replacements waiting for their first version)."""
         self.handled: set[tuple[int, int]] = set()
+        self.trainer_id = ""
+        """The trainer process the current group was made for (its hello)."""
 
     async def _wait(self, name: str) -> dict[str, Any]:
         return await asyncio.to_thread(self.files.wait, name, timeout_s=self.timeout_s,
@@ -54,12 +57,15 @@ class NcclCoordinator:
 
     async def build(self, engines: list[Any]) -> None:
         """A new transfer group of the trainer's rank 0 and every worker of ``engines``."""
+        hello = await self._wait("hello.json")
+        self.trainer_id = str(hello["id"])
         self.generation += 1
         g = self.generation
         world = 1 + self.gpus * len(engines)
         self.members = list(engines)
         self.files.write("group.json", {
-            "generation": g, "world_size": world, "servers": [e.name for e in engines],
+            "generation": g, "trainer": self.trainer_id, "world_size": world,
+            "servers": [e.name for e in engines],
             "packed_buffer_size_bytes": PACKED_BUFFER_SIZE_BYTES,
             "packed_num_buffers": PACKED_NUM_BUFFERS})
         log.info("weight sync: NCCL group %d over %d server(s), %d ranks; waiting for the "
@@ -141,7 +147,11 @@ class NcclCoordinator:
                 return int(offer["version"])
 
     async def follow(self, pool: Any) -> None:
-        """Serve the trainer's newest offer if it is new."""
+        """A new group for a restarted trainer; serve the trainer's newest offer if new."""
+        hello = self.files.read("hello.json")
+        if hello is not None and hello.get("id") != self.trainer_id:
+            log.warning("weight sync: the trainer restarted; a new NCCL group for it")
+            await self.build([e for e in self.members if e in pool.live or e in self.pending])
         offer = self.latest_offer()
         if offer is not None and (int(offer["version"]), int(offer["generation"])) \
                 not in self.handled:

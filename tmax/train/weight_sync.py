@@ -15,11 +15,12 @@ once. ``checkpoint_layout`` gives the same names, dtypes and shapes without gath
 
 **The group.** One NCCL group spans the trainer's rank 0 (group rank 0, the TCPStore
 master) and every worker of every server, so one broadcast reaches all servers at once.
-The orchestrator asks for a group (``group.json``: generation G, world size, the packed
-wire parameters); trainer rank 0 answers with its endpoint (``endpoint-G.json``) and
-opens it with vLLM's ``stateless_init_process_group`` while the orchestrator posts each
-server's ``/init_weight_transfer_engine``. A replaced server means a new generation: the
-next publish joins the new group first.
+Trainer rank 0 says hello when it starts (``hello.json``: an id of this process); the
+orchestrator asks for a group for it (``group.json``: generation G, the trainer's id,
+world size, the packed wire parameters); rank 0 answers with its endpoint
+(``endpoint-G.json``) and opens it with vLLM's ``stateless_init_process_group`` while the
+orchestrator posts each server's ``/init_weight_transfer_engine``. A replaced server or a
+restarted trainer (a new hello) means a new generation: the next publish joins it first.
 
 **One version.** After step k, rank 0 offers version k (``offer-k.json``: the generation
 and the ``update_info``), waits for the orchestrator's ``go-k`` (it has paused every
@@ -166,8 +167,13 @@ class SyncFolder:
         return self.read("group.json")
 
     def latest_offer(self) -> dict[str, Any] | None:
-        offers = sorted(self.path.glob("offer-*.json"))
-        return self.read(offers[-1].name) if offers else None
+        offers = []
+        for f in self.path.glob("offer-*.json"):
+            try:
+                offers.append((f.stat().st_mtime_ns, f.name))
+            except OSError:
+                continue  # pruned meanwhile
+        return self.read(max(offers)[1]) if offers else None
 
     def wait_offer(self, timeout_s: float, alive: Callable[[], bool]) -> dict[str, Any]:
         """The newest offer, once there is one."""
@@ -226,6 +232,11 @@ class NcclSender:
         self.generation = 0
         self.group: Any = None
         self.wire: dict[str, Any] = {}
+        self.hello = ""
+        if rank == 0:  # a (re)started trainer: the orchestrator makes a group for it
+            self.files.prune(1 << 62)  # a previous trainer's offers are void
+            self.hello = f"{self.host}:{os.getpid()}:{time.time():.6f}"
+            self.files.write("hello.json", {"id": self.hello})
 
     def _join(self, request: dict[str, Any]) -> None:
         """Open rank 0's endpoint of the group ``request`` asks for (the servers join it
@@ -246,6 +257,20 @@ class NcclSender:
         self.wire = {k: request[k] for k in ("packed_buffer_size_bytes",
                                               "packed_num_buffers")}
 
+    def _my_group(self) -> dict[str, Any]:
+        """The newest group the orchestrator made for this trainer process (one made for
+        a trainer that has since restarted waits for none of its ranks)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            request = self.files.wait("group.json", timeout_s=self.timeout_s,
+                                      alive=self.alive)
+            if request.get("trainer") == self.hello:
+                return request
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"{self.files.path}/group.json: no group for this "
+                                        f"trainer ({self.hello}) after {self.timeout_s:.0f} s")
+            time.sleep(0.1)
+
     def publish(self, backend: Any, version: int) -> None:
         """Broadcast weights ``version`` to every server (collective over the trainer's
         ranks: ZeRO-3 gathers each layer on all of them)."""
@@ -261,8 +286,7 @@ class NcclSender:
             return
         info, go = update_info_of(model), f"go-{version:08d}.json"
         while True:  # until the orchestrator says go for the group rank 0 is in
-            request = self.files.wait("group.json", timeout_s=self.timeout_s,
-                                      alive=self.alive)
+            request = self._my_group()
             if int(request["generation"]) != self.generation:
                 self._join(request)
             self.files.write(offer_name(version), {"version": version,

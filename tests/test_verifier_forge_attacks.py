@@ -160,3 +160,59 @@ def test_a_top_level_venv_on_path_is_the_images(attack, runtime, make, forge_sif
     result, reward = verify(runtime, sid, tmp_path, RUNNER_SH,
                             env={"PATH": f"/venv/bin:{HOST_PATH}"})
     assert (result.exit_code, reward) == (0, "0.25"), result.output
+
+
+@pytest.fixture(scope="module")
+def uv_sif(base_sif, tmp_path_factory) -> Path:
+    """The base image plus the real uv (PyPI's wheel, cached per node) in its verifier
+    tools, offline as an image build leaves them."""
+    import os
+    import shutil
+
+    from sandfleet.runtime import sif
+    from tmax.images.verifier_tools import DEFAULT_UV, stage_uv
+
+    cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
+    root = tmp_path_factory.mktemp("uv-image") / "root"
+    sif.extract(base_sif, root)
+    tools = stage_uv(DEFAULT_UV, cache, root.parent / "uv.log", 600) / ".tmax" / "verifier"
+    shutil.copytree(tools / "bin", root / ".tmax" / "verifier" / "bin")
+    (root / ".tmax" / "verifier" / "env").write_text(
+        "PATH=/.tmax/verifier/bin:$PATH\nUV_CACHE_DIR=/.tmax/verifier/cache\nUV_OFFLINE=1\n"
+        "UV_PYTHON_DOWNLOADS=never\nUV_NO_PROGRESS=1\n")
+    return sif.pack(root, root.parent / "uv.sif")
+
+
+UV_RUN_SH = """\
+cd /app
+uv run --no-project python -m unittest discover -s /tests -p 'test_*.py'
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+# a uv-managed Python of the agent's: a copy of the image's interpreter and standard library
+# whose sitecustomize ends any test run with status 0
+UV_PYTHON_ATTACK = (
+    'P=$(readlink -f "$(command -v python3)"); V=$(basename "$P"); '
+    "M=/root/.local/share/uv/python/cpython-$($P -c 'import platform; "
+    "print(platform.python_version())')-linux-$(uname -m)-gnu; "
+    'mkdir -p $M/bin $M/lib && cp "$P" $M/bin/ && ln -s $V $M/bin/python3 && '
+    "cp -a /usr/lib/$V $M/lib/ && rm -f $M/lib/$V/sitecustomize.py && "
+    + write_file("$M/lib/$V/sitecustomize.py",
+                 "import os, sys\nif 'unittest' in sys.orig_argv: os._exit(0)\n"))
+
+
+@pytest.mark.sandbox
+def test_uv_never_runs_a_python_the_agent_installed_for_it(runtime, make, uv_sif, tmp_path):
+    """uv tries the Pythons it installed ($HOME/.local/share/uv/python) before PATH, offline
+    and with downloads off: it ran the agent's, which passed every test run (forged 1).
+    Now the verifier's uv sees the image's installed Pythons only (here none)."""
+    sid = make(image=uv_sif, workdir="/app")
+    run(runtime, sid, write_file("/app/solution.py", "def answer():\n    return 41\n")
+        + " && " + UV_PYTHON_ATTACK)
+    result, reward = verify(runtime, sid, tmp_path, UV_RUN_SH,
+                            files={"test_solution.py": TEST_SOLUTION})
+    assert reward == "0" and "41 != 42" in result.output, result.output
+    # the same tests, the agent's module right, through the image's Python: they pass
+    run(runtime, sid, write_file("/app/solution.py", "def answer():\n    return 6 * 7\n"))
+    result, reward = verify(runtime, sid, tmp_path, UV_RUN_SH,
+                            files={"test_solution.py": TEST_SOLUTION})
+    assert reward == "1", result.output

@@ -203,3 +203,25 @@ def test_the_guard_imports_the_images_own_sitecustomize(tmp_path):
                          env={**os.environ, "PYTHONPATH": f"{guard}:{image}"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", str(image / "sitecustomize.py")], out.stderr
+
+
+def test_uv_finds_only_the_images_installed_pythons_never_the_agents():
+    """uv tries the Pythons it installed ($HOME/.local/share/uv/python) before PATH, offline
+    too: an agent's there would run ``uvx ... pytest`` with a sitecustomize of its own."""
+    agent = {**IMAGE, "/root/.local/share/uv/python/cpython-3.11.7-linux-x86_64-gnu/bin/"
+                      "python3": "file"}
+    p = plan(IMAGE, agent, home="/root")  # the image has none: uv finds none
+    env = p.env({"PATH": "/usr/bin", "HOME": "/root"})
+    assert env["UV_PYTHON_INSTALL_DIR"] == f"{PYTHON_DIR}/no-uv-pythons"
+    assert not [m for m in p.mounts if "/.local/share" in m.dest]
+    # the image's (uv python install at build time): its copy, the verifier's own layer
+    image = {**IMAGE, "/root/.local/share/uv/python/cpython-3.12.3-linux-x86_64-gnu/bin/"
+                      "python3": "file"}
+    p = plan(image, {**agent, "/root/.local/share": "link:/tmp"}, home="/root")
+    assert sources(p)["/root/.local/share/uv/python"] == "overlay:/root/.local/share/uv/python"
+    assert p.env({"PATH": "/usr/bin"})["UV_PYTHON_INSTALL_DIR"] == "/root/.local/share/uv/python"
+    assert [f.op for f in p.fixes if f.path == "/root/.local/share"] == ["set_aside", "mkdir"]
+    # a task's own setting stands; the agent's system opted in: nothing planned
+    assert p.env({"UV_PYTHON_INSTALL_DIR": "/opt/py"})["UV_PYTHON_INSTALL_DIR"] == "/opt/py"
+    own = plan(IMAGE, agent, home="/root", agent_system=True)
+    assert "UV_PYTHON_INSTALL_DIR" not in own.env({"PATH": "/usr/bin"})

@@ -20,6 +20,8 @@ configuration and test runner, over the agent's files:
   only; where they hold uv, the offline stand-in for uv's installer leaves what the real
   one leaves in ``$HOME/.local/bin`` (uv, uvx, env), over whatever the agent put there
   (``INSTALLER_FILES``), so ``source $HOME/.local/bin/env`` reads TMax's file.
+- uv's installed Pythons (``UV_PYTHONS`` in ``$HOME``, which uv tries before PATH) are the
+  image's copy, or none (``UV_PYTHON_INSTALL_DIR``): never an interpreter the agent left.
 - Python imports the image's modules before the agent's: ``PYTHONPATH`` names
   ``PYTHON_DIR``, whose ``sitecustomize`` moves the working directory (``python -m pytest``
   in /app) to the end of ``sys.path``, where it can add modules but never replace one the
@@ -123,6 +125,14 @@ case ":${PATH}:" in
         ;;
 esac
 """
+UV_PYTHONS = ".local/share/uv/python"
+"""Where uv finds the Pythons it installed, below ``$HOME`` (unless ``UV_PYTHON_INSTALL_DIR``
+says otherwise), and tries before any on PATH, even offline with downloads off: an agent's
+copy of the image's interpreter there, with a ``sitecustomize`` of its own in its standard
+library, would run ``uvx ... pytest`` and choose its exit status. The verifier's uv reads
+the image's folder (its copy, as a PATH folder's) or ``NO_UV_PYTHONS``."""
+NO_UV_PYTHONS = f"{PYTHON_DIR}/no-uv-pythons"
+"""A folder nobody can make (in TMax's read-only ``PYTHON_DIR``): uv finds no Python there."""
 SET_ASIDE = ".tmax-set-aside-"
 
 
@@ -162,6 +172,8 @@ class VerifierPlan:
     installer: str = ""
     """``$HOME/.local/bin`` where the installer stand-in leaves its files ("" none)."""
     agent_system: bool = False
+    uv_pythons: str = ""
+    """``UV_PYTHON_INSTALL_DIR`` for the verifier where neither base nor tools set one."""
 
     def mount_dests(self) -> list[str]:
         return [m.dest for m in self.mounts]
@@ -180,6 +192,8 @@ class VerifierPlan:
             if any(m.dest == PYTHON_DIR for m in self.mounts):
                 env["PYTHONPATH"] = ":".join(
                     [PYTHON_DIR] + [p for p in env.get("PYTHONPATH", "").split(":") if p])
+            if self.uv_pythons:
+                env.setdefault("UV_PYTHON_INSTALL_DIR", self.uv_pythons)
         return env
 
 
@@ -292,6 +306,7 @@ def plan_view(image: Tree, agent: Tree, *, path: str | None, workdir: str,
                 plan.mounts.append(Mount(f"overlay:{found}", found, writable=True))
         plan.dirs["python"] = {"sitecustomize.py": pathguard_source()}
         plan.mounts.append(Mount("dir:python", PYTHON_DIR))
+        _uv_pythons(plan, image, fix, home)
         if plan.tools_uv and home:
             _installer(plan, fix, home)
     for sub in ("/dev", "/proc", "/tests", "/logs", "/logs/verifier"):  # the verifier's
@@ -371,6 +386,22 @@ def _installer(plan: VerifierPlan, fix: _Edited, home: str) -> None:
         fix.empty_file(f"{folder}/{name}")
     plan.installer = folder
     plan.files["installer-env"] = INSTALLER_ENV
+
+
+def _uv_pythons(plan: VerifierPlan, image: Tree, fix: _Edited, home: str | None) -> None:
+    """uv's installed Pythons for the verifier: the image's ``home``/``UV_PYTHONS`` (its copy,
+    under a writable layer of the verifier's), else none (``NO_UV_PYTHONS``)."""
+    plan.uv_pythons = NO_UV_PYTHONS
+    parts = [p for p in (home or "").split("/") if p not in ("", ".")] + UV_PYTHONS.split("/")
+    folder = "/" + "/".join(parts)
+    if not (home or "").startswith("/") or ".." in parts or \
+            not OVERLAY_SAFE.fullmatch(folder) or parts[0] in PATH_KEEP + (".tmax",) or \
+            not all(image.kind(step) == "dir" for step in _prefixes(folder)):
+        return
+    plan.uv_pythons = folder
+    if not any(_within(folder, m.dest) for m in plan.mounts):  # (else the image's already)
+        fix.real_dirs(folder)
+        plan.mounts.append(Mount(f"overlay:{folder}", folder, writable=True))
 
 
 def trusted_first(path: str, trusted: Iterable[str]) -> str:

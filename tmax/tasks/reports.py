@@ -129,8 +129,8 @@ def _junit(text: str) -> str | None:
 
 def _int(value: object) -> int:
     try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        return int(value) if isinstance(value, (int, float, str)) else 0
+    except (ValueError, OverflowError):  # "x", nan, inf
         return 0
 
 

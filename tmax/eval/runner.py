@@ -199,7 +199,8 @@ def preflight(tasks: Sequence[Task], images: TaskImages, policy: Policy | None =
     runnable, skipped = [], []
     for task in tasks:
         where = str(task.root)
-        if getattr(policy, "needs_solution", False) and not _has_solution(task):
+        if policy is not None and getattr(policy, "needs_solution", False) and \
+                not _has_solution(task):
             skipped.append(Skipped(task.task_id, "no_solution",
                                    f"{policy.name}: the task has no reference solution "
                                    "(solution/solve.sh, or one per step)", where))
@@ -368,7 +369,8 @@ async def run_eval(tasks: Sequence[Task], policy: Policy, fleet: Any, images: Ta
         everything = asyncio.gather(*jobs)
         everything.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [everything, stopped]
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if stop.is_set():
             raise InternalErrors(len(internal), internal[0], results_path)

@@ -216,3 +216,25 @@ def test_uv_never_runs_a_python_the_agent_installed_for_it(runtime, make, uv_sif
     result, reward = verify(runtime, sid, tmp_path, UV_RUN_SH,
                             files={"test_solution.py": TEST_SOLUTION})
     assert reward == "1", result.output
+
+
+APT_SH = """\
+apt-get update >/dev/null 2>&1
+uvx --with pytest==8.4.1 pytest /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+@pytest.mark.sandbox
+def test_apt_runs_no_hook_of_the_agents(runtime, make, forge_sif, tmp_path):
+    """Harbor's boilerplate runs ``apt-get update`` as root; apt runs the commands its
+    configuration names (``APT::Update::Pre-Invoke``) even offline. From the agent's
+    /etc/apt, one replaced the verifier's uvx in its own tools layer (forged 1). Now /etc/apt
+    (and dpkg's configuration) is the image's for the verifier."""
+    sid = make(image=forge_sif)
+    run(runtime, sid, write_file("/root/hook.sh", "cp /root/uvx /.tmax/verifier/bin/uvx\n", "755")
+        + " && " + write_file("/root/uvx", "#!/bin/sh\nexit 0\n", "755") + " && "
+        + write_file("/etc/apt/apt.conf.d/00forge",
+                     'APT::Update::Pre-Invoke { "/root/hook.sh"; };\n'))
+    result, reward = verify(runtime, sid, tmp_path, APT_SH)
+    assert reward == "0" and "image-uvx --with pytest==8.4.1" in result.output, result.output

@@ -84,10 +84,12 @@ PYTHON_DIR = "/.tmax/python"
 PRISTINE = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 """Top-level entries the verifier gets from the image as built, not from the agent."""
 PRISTINE_ETC = ("alternatives", "ld.so.preload", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-                "python3", "perl", "bash.bashrc", "environment", "profile", "profile.d")
+                "python3", "perl", "bash.bashrc", "environment", "profile", "profile.d",
+                "apt", "dpkg")
 PRISTINE_ETC_PREFIXES = ("python3.", "ld-musl-")
 """Entries of /etc that decide which program or library runs (the loader's cache and
-preload list, the alternatives' links, interpreters' site customisation): the image's."""
+preload list, the alternatives' links, interpreters' site customisation, the commands
+apt and dpkg run as hooks: Harbor's test.sh runs ``apt-get update`` as root): the image's."""
 LOADER_ETC = ("ld.so.preload", "ld.so.cache")
 """Files in /etc glibc's dynamic loader reads on its own: where the image has none, the
 verifier gets an empty one, so one the agent writes while it runs is never read. (Not

@@ -122,7 +122,7 @@ def test_the_agents_links_on_the_way_to_a_mount_point_are_set_aside_top_down():
     assert opt[0].target.startswith("/.tmax-set-aside-opt-N")
     ops = [(f.op, f.path) for f in p.fixes]
     assert ops.index(("set_aside", "/root/.local")) < ops.index(("mkdir", "/root/.local"))
-    guarded = [g for g in p.guarded if g.startswith(("/opt", "/root"))]
+    guarded = [g for g in p.guarded if g.startswith(("/opt", "/root/.local"))]
     assert guarded[:4] == ["/opt/venv", "/root/.local", "/root/.local/bin", "/root/.local/bin/uv"]
 
 
@@ -225,3 +225,19 @@ def test_uv_finds_only_the_images_installed_pythons_never_the_agents():
     assert p.env({"UV_PYTHON_INSTALL_DIR": "/opt/py"})["UV_PYTHON_INSTALL_DIR"] == "/opt/py"
     own = plan(IMAGE, agent, home="/root", agent_system=True)
     assert "UV_PYTHON_INSTALL_DIR" not in own.env({"PATH": "/usr/bin"})
+
+
+def test_curls_configuration_in_the_verifiers_home_is_the_images_or_empty():
+    """An agent's ~/.curlrc (``url = "file:///root/x.sh"``) turned Harbor's
+    ``curl -LsSf .../install.sh | sh`` into its own script run by the verifier, offline."""
+    agent = {**IMAGE, "/root/.curlrc": 'file:url = "file:///root/x.sh"'}
+    p = plan(IMAGE, agent, home="/root")
+    assert sources(p)["/root/.curlrc"] == "empty" and "/root/.curlrc" in p.guarded
+    assert [f.op for f in p.fixes if f.path == "/root/.curlrc"] == ["set_aside", "touch"]
+    image = {**IMAGE, "/root/.curlrc": "file:--retry 3"}
+    assert sources(plan(image, agent, home="/root"))["/root/.curlrc"] == "image:/root/.curlrc"
+    # a home nobody made (the image's nobody): made, the user's, with an empty one
+    p = plan(IMAGE, IMAGE, home="/nonexistent")
+    assert sources(p)["/nonexistent/.curlrc"] == "empty"
+    assert Fix("mkdir", "/nonexistent", user=True) in p.fixes
+    assert "/root/.curlrc" not in sources(plan(IMAGE, agent, home="/root", agent_system=True))

@@ -20,6 +20,7 @@ configuration and test runner, over the agent's files:
   only; where they hold uv, the offline stand-in for uv's installer leaves what the real
   one leaves in ``$HOME/.local/bin`` (uv, uvx, env), over whatever the agent put there
   (``INSTALLER_FILES``), so ``source $HOME/.local/bin/env`` reads TMax's file.
+- ``HOME_CONFIG`` files in ``$HOME`` (curl's) are the image's, or empty.
 - uv's installed Pythons (``UV_PYTHONS`` in ``$HOME``, which uv tries before PATH) are the
   image's copy, or none (``UV_PYTHON_INSTALL_DIR``): never an interpreter the agent left.
 - Python imports the image's modules before the agent's: ``PYTHONPATH`` names
@@ -133,6 +134,11 @@ says otherwise), and tries before any on PATH, even offline with downloads off: 
 copy of the image's interpreter there, with a ``sitecustomize`` of its own in its standard
 library, would run ``uvx ... pytest`` and choose its exit status. The verifier's uv reads
 the image's folder (its copy, as a PATH folder's) or ``NO_UV_PYTHONS``."""
+HOME_CONFIG = (".curlrc",)
+"""Files in the verifier's ``$HOME`` whose settings make an image's program run the agent's
+code: curl's can add a ``file://`` URL, so Harbor's ``curl -LsSf .../install.sh | sh``
+would pipe the agent's script to the verifier's shell, offline too. The image's copy, or an
+empty file (held: the agent, thawed, cannot add one while the verifier runs)."""
 NO_UV_PYTHONS = f"{PYTHON_DIR}/no-uv-pythons"
 """A folder nobody can make (in TMax's read-only ``PYTHON_DIR``): uv finds no Python there."""
 SET_ASIDE = ".tmax-set-aside-"
@@ -309,6 +315,7 @@ def plan_view(image: Tree, agent: Tree, *, path: str | None, workdir: str,
         plan.dirs["python"] = {"sitecustomize.py": pathguard_source()}
         plan.mounts.append(Mount("dir:python", PYTHON_DIR))
         _uv_pythons(plan, image, fix, home)
+        _home_config(plan, image, fix, home)
         if plan.tools_uv and home:
             _installer(plan, fix, home)
     for sub in ("/dev", "/proc", "/tests", "/logs", "/logs/verifier"):  # the verifier's
@@ -404,6 +411,27 @@ def _uv_pythons(plan: VerifierPlan, image: Tree, fix: _Edited, home: str | None)
     if not any(_within(folder, m.dest) for m in plan.mounts):  # (else the image's already)
         fix.real_dirs(folder)
         plan.mounts.append(Mount(f"overlay:{folder}", folder, writable=True))
+
+
+def _home_config(plan: VerifierPlan, image: Tree, fix: _Edited, home: str | None) -> None:
+    """``HOME_CONFIG`` in ``home``: the image's files, else empty ones."""
+    parts = [p for p in (home or "").split("/") if p not in ("", ".")]
+    if not parts or not (home or "").startswith("/") or ".." in parts or \
+            not OVERLAY_SAFE.fullmatch(home or "") or \
+            parts[0] in PRISTINE + PATH_KEEP + (".tmax",):
+        return
+    folder = "/" + "/".join(parts)
+    for name in HOME_CONFIG:
+        path = f"{folder}/{name}"
+        if any(_within(path, m.dest) for m in plan.mounts):
+            continue  # (an image folder already)
+        fix.real_dirs(folder, user_below=folder)
+        if image.kind(path) == "file" and all(image.kind(s) == "dir" for s in _prefixes(folder)):
+            fix.like(image, path)
+            plan.mounts.append(Mount(f"image:{path}", path))
+        else:
+            fix.empty_file(path)
+            plan.mounts.append(Mount("empty", path))
 
 
 def trusted_first(path: str, trusted: Iterable[str]) -> str:

@@ -241,3 +241,18 @@ def test_curls_configuration_in_the_verifiers_home_is_the_images_or_empty():
     assert sources(p)["/nonexistent/.curlrc"] == "empty"
     assert Fix("mkdir", "/nonexistent", user=True) in p.fixes
     assert "/root/.curlrc" not in sources(plan(IMAGE, agent, home="/root", agent_system=True))
+
+
+def test_the_guard_never_imports_a_sitecustomize_from_the_working_directory(tmp_path):
+    """A test.sh that adds the workdir to PYTHONPATH after the verifier's (``export
+    PYTHONPATH=$PYTHONPATH:/app``): the agent's sitecustomize.py there ran as the image's."""
+    guard, work = tmp_path / "guard", tmp_path / "work"
+    guard.mkdir()
+    work.mkdir()
+    (guard / "sitecustomize.py").write_text(pathguard_source())
+    (work / "sitecustomize.py").write_text("import os\nos._exit(0)\n")
+    (work / "solution.py").write_text("ANSWER = 41\n")
+    out = subprocess.run([sys.executable, "-c", "import solution; raise SystemExit(solution.ANSWER)"],
+                         cwd=work, env={**os.environ, "PYTHONPATH": f"{guard}:{work}"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 41, out.stderr  # the agent's module still imports

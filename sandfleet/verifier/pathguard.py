@@ -69,10 +69,12 @@ def _loaders():
 
 
 def _chain():
-    """Import the image's own sitecustomize, which this one hides."""
+    """Import the image's own sitecustomize, which this one hides (never one in the working
+    directory, which a test.sh may have put on PYTHONPATH: ``PYTHONPATH=$PYTHONPATH:/app``)."""
     here = os.path.dirname(os.path.abspath(__file__))
     saved = list(sys.path)
-    sys.path[:] = [e for e in sys.path if os.path.abspath(e or ".") != here]
+    agent = _agent_entries()
+    sys.path[:] = [e for e in sys.path if os.path.abspath(e or ".") != here and e not in agent]
     mine = sys.modules.pop("sitecustomize", None)
     try:
         import sitecustomize  # noqa: F401  (the image's, if any)

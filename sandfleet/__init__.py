@@ -10,7 +10,8 @@ The public API, what other packages (tmax among them) may import::
 - errors: ``SandfleetError`` (the root), ``InfraError`` (infrastructure, never the agent's
   fault: masked in training), ``ImageMissing`` and the rest of ``sandfleet.errors``;
 - sandboxes without a fleet, for tools that start one on this machine (image checks):
-  ``get_runtime``, ``Runtime``, ``SandboxSpec``, ``ExecResult``, ``proc_start_time``;
+  ``get_runtime``, ``Runtime``, ``SandboxSpec``, ``ExecResult``, ``proc_start_time``,
+  ``cap_output`` (a verifier's output as a fleet's verify reply keeps it: head and tail);
 - ``sif`` (SIF files: pack, extract, read_partition, SifError) and ``BwrapSpec`` /
   ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks.
 
@@ -41,6 +42,7 @@ _EXPORTS = {
     "SandboxSpec": "sandfleet.runtime.base",
     "ExecResult": "sandfleet.runtime.base",
     "proc_start_time": "sandfleet.runtime.base",
+    "cap_output": "sandfleet.runtime.base",
     "BwrapSpec": "sandfleet.runtime.bwrap",
     "host_root": "sandfleet.runtime.bwrap",
     "sif": "sandfleet.runtime.sif",
@@ -65,6 +67,7 @@ __all__ = [  # noqa: RUF022 - grouped as above
     "SandboxSpec",
     "ExecResult",
     "proc_start_time",
+    "cap_output",
     "BwrapSpec",
     "host_root",
     "sif",

@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandfleet.runtime.base import cap_output
+from sandfleet import cap_output
 from tmax.tasks.reports import contradiction
 from tmax.tasks.reward import VerifierError, read_metrics, read_reward
 

@@ -287,6 +287,77 @@ def case_verifier_seal(runtime: ApptainerRuntime, image: Path) -> dict:
     return got
 
 
+# issue 33's forgeries (tests/test_verifier_forge_attacks.py has the local runtime's), on
+# the image of its ``forge_sif``: a top-level /venv whose runner writes 0.25, verifier tools
+# whose uvx exits 1 (the tests ran and failed). attack -> (agent's commands, test.sh,
+# verifier env, expected reward)
+def forge_attacks() -> dict:
+    from tests.test_seal import HOST_PATH, write_file
+    from tests.test_verifier_forge_attacks import HARBOR_SH, RUNNER_SH, UNITTEST_SH
+
+    wrong = write_file("/app/solution.py", "def answer():\n    return 41\n")
+    pytest_sh = ("cd /app\npython3 -m pytest /tests -q\nif [ $? -eq 0 ]; then echo 1 > "
+                 "/logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    return {
+        "uvx-function-env": (write_file("/root/answer.txt", "agent-answer\n") + " && "
+                             + write_file("/root/.local/bin/env", "uvx() { return 0; }\n"),
+                             HARBOR_SH, {}, "0"),
+        "pytest-py-in-workdir": (wrong + " && " + write_file("/app/pytest.py",
+                                                           "import sys\nsys.exit(0)\n"),
+                                 pytest_sh, {}, "0"),
+        "unittest-py-in-workdir": (wrong + " && " + write_file("/app/unittest.py",
+                                                             "import sys\nsys.exit(0)\n"),
+                                   UNITTEST_SH, {}, "0"),
+        "top-level-venv": (write_file("/tmp/forge", FORGE_SH, "755")
+                           + " && cp /tmp/forge /venv/bin/runner", RUNNER_SH,
+                           {"PATH": f"/venv/bin:{HOST_PATH}"}, "0.25"),
+        "apt-hook": (write_file("/root/hook.sh", "echo 1 > /logs/verifier/reward.txt; "
+                                "cp /root/uvx /.tmax/verifier/bin/uvx\n", "755") + " && "
+                     + write_file("/root/uvx", "#!/bin/sh\nexit 0\n", "755") + " && "
+                     + write_file("/etc/apt/apt.conf.d/00forge",
+                                  'APT::Update::Pre-Invoke { "/root/hook.sh"; };\n'),
+                     ("apt-get update >/dev/null 2>&1\nuvx pytest\nif [ $? -eq 0 ]; then echo 1 "
+                      "> /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"),
+                     {}, "0"),
+    }
+
+
+def case_verifier_forges(runtime: ApptainerRuntime, image: Path) -> dict:
+    """Each of ``forge_attacks`` in a sandbox of the forge image, then its verifier: the
+    reward it wrote, per attack; the legitimate path (the agent's module right, imported
+    from the workdir) still scores 1."""
+    from tests.test_seal import write_file
+    from tests.test_verifier_forge_attacks import TEST_SOLUTION
+
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (attack, (commands, test_sh, env, _)) in enumerate(forge_attacks().items()):
+            tests = Path(tmp, f"tests-{n}")
+            tests.mkdir()
+            (tests / "test.sh").write_text(test_sh)
+            (tests / "test_solution.py").write_text(TEST_SOLUTION)
+            sid = f"forge{n}"
+            runtime.start(sid, SandboxSpec(image=image, workdir="/app", storage_mb=256))
+            try:
+                run(runtime, sid, f"mkdir -p /app && {commands}")
+                logs = Path(tmp, f"logs-{n}")
+                result = runtime.verify(sid, ["bash", "/tests/test.sh"], tests=tests,
+                                        logs=logs, env=env, timeout=120)
+                got[attack] = (logs / "reward.txt").read_text().strip() \
+                    if (logs / "reward.txt").exists() else result.output[-400:]
+                if attack == "unittest-py-in-workdir" and got[attack] == "0":
+                    run(runtime, sid, "rm /app/unittest.py && " + write_file(
+                        "/app/solution.py", "def answer():\n    return 6 * 7\n"))
+                    result = runtime.verify(sid, ["bash", "/tests/test.sh"], tests=tests,
+                                            logs=logs, timeout=120)
+                    got["legitimate-import-from-workdir"] = \
+                        (logs / "reward.txt").read_text().strip()
+            finally:
+                runtime.stop(sid)
+    no_leftovers(runtime)
+    return got
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from sandfleet.runtime.apptainer import ApptainerRuntime
 
 pytest.register_assert_rewrite("tests.apptainer_cases")
 from tests import apptainer_cases  # noqa: E402
+from tests.test_verifier_forge_attacks import forge_sif  # noqa: E402, F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_USER = "tmax-apptainer-test"
@@ -79,9 +81,13 @@ def user(shared):
     as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "instance", "stop", "--all",
                     "--force"], timeout=120)
     as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "--tmax-release"], timeout=60)
-    ps = subprocess.run(["ps", "-u", str(entry.pw_uid), "-o", "pid=,stat=,args="],
-                        capture_output=True, text=True, check=False).stdout
-    left = [line for line in ps.splitlines() if line.split()[1][0] != "Z"]  # (reaped later)
+    for _ in range(50):  # (the holder's `sleep` released just now may still be exiting)
+        ps = subprocess.run(["ps", "-u", str(entry.pw_uid), "-o", "pid=,stat=,args="],
+                            capture_output=True, text=True, check=False).stdout
+        left = [line for line in ps.splitlines() if line.split()[1][0] != "Z"]  # (reaped later)
+        if not left:
+            break
+        time.sleep(0.2)
     assert not left, f"processes of {TEST_USER} left: {left}"
 
 
@@ -118,8 +124,9 @@ def as_user(entry, argv: list[str], timeout: float, cwd: str = "/tmp",
                           stdin=subprocess.DEVNULL, check=False)
 
 
-def run_case(name: str, who: str, shared, user, tmp_path) -> dict:
-    root, image = shared
+def run_case(name: str, who: str, shared, user, tmp_path, image: Path | None = None) -> dict:
+    root, base = shared
+    image = image or base
     if who == "root":
         if os.geteuid() != 0:
             pytest.fail("the root cases need root", pytrace=False)
@@ -176,3 +183,38 @@ def test_the_verifier_gets_its_own_reward_under_every_attack(who, shared, user, 
     reward loses to the verifier's (tests/apptainer_cases.SEAL_ATTACKS)."""
     got = run_case("verifier_seal", who, shared, user, tmp_path)
     assert got == dict.fromkeys(apptainer_cases.SEAL_ATTACKS, "0.25")
+
+
+PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py")
+
+
+@pytest.fixture(scope="module")
+def forge_image(forge_sif, shared, tmp_path_factory) -> Path:  # noqa: F811
+    """tests/test_verifier_forge_attacks.py's image plus this venv's pytest (pure Python,
+    the image's 3.11) in the image's dist-packages, where every user can read it."""
+    from sandfleet.runtime import sif
+
+    root = tmp_path_factory.mktemp("forge-pytest") / "root"
+    sif.extract(forge_sif, root)
+    site = Path(pytest.__file__).resolve().parents[1]
+    dest = root / "usr" / "lib" / "python3" / "dist-packages"
+    for name in PYTEST_PACKAGES:
+        (shutil.copytree if (site / name).is_dir() else shutil.copyfile)(site / name,
+                                                                         dest / name)
+    image = sif.pack(root, shared[0] / "forge.sif")
+    image.chmod(0o644)
+    return image
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_verifier_is_not_forged_by_issue_33s_attacks(who, shared, user, forge_image,
+                                                          tmp_path):
+    """The uv installer's env file defining ``uvx() { return 0; }``, ``python3 -m pytest``
+    (and unittest) with the agent's module of that name in the workdir, an agent's program
+    in the image's top-level /venv, an apt hook: each forged reward 1 on Apptainer before
+    the verifier applied the plan's stand-in, PYTHONPATH guard and PATH folders; now each
+    gets the verifier's own (tests/apptainer_cases.forge_attacks), and tests that import
+    the agent's module from the workdir still pass."""
+    got = run_case("verifier_forges", who, shared, user, tmp_path, image=forge_image)
+    want = {a: expected for a, (*_, expected) in apptainer_cases.forge_attacks().items()}
+    assert got == {**want, "legitimate-import-from-workdir": "1"}

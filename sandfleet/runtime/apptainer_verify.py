@@ -16,14 +16,19 @@ files, with the image's system folders over the agent's.
    (``VERIFIER_TOOLS``, which the agent's overlay hides by a whiteout). /tests is a
    copy of the task's tests and /logs/verifier a folder, both on the host, private to this
    call: only the verifier writes them; the reward is read from that folder.
+   Over those, the plan's view as far as ``--bind`` and the ``env`` prefix give it
+   (``apptainer_plan``): the image's PATH folders outside /usr (a top-level venv too),
+   read-only; TMax's PYTHONPATH guard; uv's installer stand-in over $HOME/.local/bin;
+   uv's installed Pythons and curl's configuration the image's or none.
 3. The instance is started again over the same overlay (the agent's files as it left them;
    its processes, services included, are gone), with the sandbox's remaining lifetime.
 
 What it does not give, as the local runtime does (``NOT_GUARANTEED``): a service the agent
-left running is not there for the verifier (its processes end at step 1); the plan's PATH
-tool homes outside /usr (/opt/venv...), its PYTHONPATH guard and its uv installer stand-in
-are not applied; the verifier runs as the instance's one user, not the task's [verifier]
-user; an agent root of files set aside (a /conftest.py) is seen as the agent left it.
+left running is not there for the verifier (its processes end at step 1); the image's
+PATH folders are read-only, not under a writable layer of the verifier's; the agent's
+other files in $HOME/.local/bin are hidden from the verifier; the verifier runs as the
+instance's one user, not the task's [verifier] user; an agent root of files set aside (a
+/conftest.py) is seen as the agent left it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sandfleet.runtime import sif
+from sandfleet.runtime.apptainer_plan import probe, verifier_view
 from sandfleet.runtime.base import ExecResult, SandboxSpec, run_capture
 from sandfleet.verifier.plan import (
     LOADER_ETC,
@@ -51,9 +57,12 @@ from sandfleet.verifier.plan import (
 NOT_GUARANTEED = [
     ("verifier: a service the agent left running is not reachable (the agent's processes "
     "all end before the verifier starts)"),
-    ("verifier: the image's tool homes outside /usr on PATH (/opt/venv, ~/.cargo), the "
-    "PYTHONPATH guard and the uv installer stand-in of sandfleet.verifier.plan are not "
-    "applied; files the agent left at / are not set aside"),
+    ("verifier: the image's PATH folders outside /usr (/opt/venv, a top-level /venv) are "
+     "bound read-only (a pip install into them fails); files the agent left at / (a "
+     "/conftest.py) are not set aside; the agent's own files in $HOME/.local/bin are hidden "
+     "where the uv installer stand-in is bound; a link the agent left at $HOME, "
+     "$HOME/.local/bin or a PATH folder's place is followed by the binds (the verifier "
+     "reads the bound files through it)"),
 ]
 
 # Lists the image's entries the verifier takes from it: "<kind> <path> [<link target>]".
@@ -95,11 +104,12 @@ def image_entries(apptainer: str, image: Path, cache: Path, env: dict[str, str],
     """(kind, path, link target) of the image's PRISTINE and /etc entries and verifier
     tools, read once per image version by running the image itself."""
     squash = pristine_squashfs(cache, image)
-    listing = squash.with_suffix(".entries.json")
-    if listing.exists():
-        return [tuple(e) for e in json.loads(listing.read_text())]
     paths = [f"/{name}" for name in PRISTINE] + [f"/etc/{name}" for name in PRISTINE_ETC] \
         + [VERIFIER_TOOLS]
+    key = hashlib.sha1("\0".join(paths + list(PRISTINE_ETC_PREFIXES)).encode()).hexdigest()
+    listing = squash.with_suffix(f".entries-{key[:8]}.json")  # (a new PRISTINE_ETC: anew)
+    if listing.exists():
+        return [tuple(e) for e in json.loads(listing.read_text())]
     out = subprocess.run([apptainer, "exec", "--containall", "--no-home", "--userns",
                           str(image), "sh", "-c", ENTRIES_SH, "sh", *paths],
                          capture_output=True, text=True, env=env, timeout=timeout,
@@ -188,10 +198,14 @@ def verify_in_fresh_container(runtime: Any, sandbox_id: str, command: list[str],
             for path in (work, work / "tests", work / "logs"):
                 path.chmod(0o755)
             binds = pristine_binds(squash, entries, work / "empty", agent_system)
-            argv = verify_argv(runtime.apptainer, spec, home / "overlay.img", binds,
+            view, verifier_env = verifier_view(
+                lambda paths: probe(runtime.apptainer, spec.image, squash, runtime._env,
+                                    runtime.start_timeout_s, paths),
+                squash, work, {**VERIFIER_ENV, **spec.env, **(env or {})},
+                workdir=spec.workdir, cwd=cwd, agent_system=agent_system)
+            argv = verify_argv(runtime.apptainer, spec, home / "overlay.img", binds + view,
                                work / "tests", work / "logs", command,
-                               cwd=cwd or spec.workdir,
-                               env={**VERIFIER_ENV, **spec.env, **(env or {})},
+                               cwd=cwd or spec.workdir, env=verifier_env,
                                rootless=info.rootless, cgroup_limits=runtime.cgroup_limits,
                                cpus=record.cpus)
             output, code, timed_out, seconds = run_capture(argv, timeout=timeout,

@@ -158,7 +158,10 @@ TIED_HEAD_FILE = "tied-head.safetensors"
 
 def tied_head_name(model: Any) -> str | None:
     """The state-dict name of ``model``'s LM head weight when it is tied to the input
-    embeddings (the same tensor), else None."""
+    embeddings (the same tensor), else None (also for a model without transformers'
+    embedding accessors: nothing of it can be tied)."""
+    if not (hasattr(model, "get_output_embeddings") and hasattr(model, "get_input_embeddings")):
+        return None
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embed is None or head.weight is not embed.weight:
         return None

@@ -81,7 +81,9 @@ def user(shared):
     as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "instance", "stop", "--all",
                     "--force"], timeout=120)
     as_user(entry, [str(REPO / "bin" / "tmax-apptainer"), "--tmax-release"], timeout=60)
-    for _ in range(50):  # (the holder's `sleep` released just now may still be exiting)
+    # (the holder's `sleep` released just now may still be exiting, and on a loaded machine
+    # a release's `instance stop` and its watchdog's end can take a while: poll, bounded)
+    for _ in range(300):
         ps = subprocess.run(["ps", "-u", str(entry.pw_uid), "-o", "pid=,stat=,args="],
                             capture_output=True, text=True, check=False).stdout
         left = [line for line in ps.splitlines() if line.split()[1][0] != "Z"]  # (reaped later)

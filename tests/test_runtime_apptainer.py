@@ -81,6 +81,31 @@ def test_instance_names_are_keyed_by_the_state_folder(tmp_path):
     assert one.prefix == ApptainerRuntime(tmp_path / "w1", owner="me").prefix
 
 
+def test_concurrent_starts_share_one_start_action(tmp_path):
+    """Sandboxes start from several threads of one worker: each gets the start action,
+    none fails on another's temporary file (an eval at concurrency 4 lost a start so)."""
+    import threading
+    for round_ in range(20):
+        runtime = ApptainerRuntime(tmp_path / f"w{round_}", owner="me")
+        runtime.state_dir.mkdir(parents=True)
+        gate, errors, paths = threading.Barrier(4), [], []
+
+        def start(runtime=runtime, gate=gate, errors=errors, paths=paths):
+            gate.wait()
+            try:
+                paths.append(runtime._start_action())
+            except OSError as e:
+                errors.append(e)
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(paths) == 4 and paths[0].read_text().startswith("#!")
+        assert [p.name for p in runtime.state_dir.iterdir()] == ["start-action.sh"]
+
+
 def test_parse_version():
     assert parse_version("apptainer version 1.4.5") == (1, 4, 5)
     assert parse_version("apptainer version 1.2.5-1.el8") == (1, 2, 5)

@@ -321,11 +321,12 @@ class ApptainerRuntime(CommandRuntime):
 
     def _start_action(self) -> Path:
         path = self.state_dir / "start-action.sh"
-        if not path.exists() or path.read_text() != START_ACTION:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(START_ACTION)
-            tmp.chmod(0o755)
-            os.replace(tmp, path)
+        with self._lock:  # a worker starts sandboxes from several threads of one process
+            if not path.exists() or path.read_text() != START_ACTION:
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+                tmp.write_text(START_ACTION)
+                tmp.chmod(0o755)
+                os.replace(tmp, path)
         return path
 
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:

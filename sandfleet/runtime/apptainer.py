@@ -223,6 +223,7 @@ class ApptainerRuntime(CommandRuntime):
         self._env = {k: v for k, v in os.environ.items()
                      if not k.startswith(("APPTAINERENV_", "SINGULARITYENV_"))}
         self._lock = threading.Lock()
+        self._action_lock = threading.Lock()  # the start action's file
         self._oom_files: dict[str, str] = {}  # sandbox id -> its OOM counter ("": none)
         self._info: ApptainerInfo | None = None
 
@@ -321,7 +322,9 @@ class ApptainerRuntime(CommandRuntime):
 
     def _start_action(self) -> Path:
         path = self.state_dir / "start-action.sh"
-        with self._lock:  # a worker starts sandboxes from several threads of one process
+        # a worker starts sandboxes from several threads of one process; its own lock, as
+        # verify (holding self._lock) starts the instance again through _launch
+        with self._action_lock:
             if not path.exists() or path.read_text() != START_ACTION:
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
                 tmp.write_text(START_ACTION)

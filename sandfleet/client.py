@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -163,15 +163,18 @@ class AsyncFleetClient:
                       ttl_s: float | None = None, network: bool = False,
                       wait_s: float | None = None, env: dict[str, str] | None = None,
                       workdir: str = "/", max_lifetime_s: float | None = None,
-                      storage_mb: int | None = None, user: str = "") -> AsyncLease:
+                      storage_mb: int | None = None, user: str = "",
+                      allowed_hosts: Sequence[str] = ()) -> AsyncLease:
         """A lease on a fresh sandbox of ``image``, once one is ready (queues when full);
-        its commands run as ``user`` (Docker's USER syntax; "" is root)."""
+        its commands run as ``user`` (Docker's USER syntax; "" is root). ``allowed_hosts``:
+        the allowlist network (``SandboxSpec.allowed_hosts``)."""
         wait = self.config.acquire_wait_s if wait_s is None else wait_s
         message = Acquire(id=new_id("a"), image=os.path.abspath(image), cpus=cpus,  # noqa: ASYNC240 - getcwd only
                           memory_mb=memory_mb, storage_mb=storage_mb, ttl_s=ttl_s,
                           network=network, wait_s=wait,
                           client=self.client_id, env=env or {}, workdir=workdir,
-                          max_lifetime_s=max_lifetime_s, user=user)
+                          max_lifetime_s=max_lifetime_s, user=user,
+                          allowed_hosts=tuple(allowed_hosts))
         timeout = wait + self.config.sandbox_start_timeout_s + 30
         result = await self.request(message, timeout=timeout, retry_s=max(self.retry_s, 5))
         lease = AsyncLease(self, parse_result(Grant, result))  # unknown fields kept

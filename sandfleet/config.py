@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sandfleet.netproxy import parse_upstream
 from sandfleet.runtime.base import default_owner
 from sandfleet.wire.transport import IDLE_TIMEOUT_S, WireLimits
 
@@ -110,6 +111,10 @@ class FleetConfig(Strict):
     from it)."""
     storage_mb: int = Field(default=10240, ge=16)
     """Default disk quota of a sandbox's writable layer (a lease may ask for another)."""
+    proxy_upstream: str = ""
+    """Where the allowlist network's proxy sends what it lets through (``host:port`` of an
+    HTTP proxy the nodes reach: a cluster's squid or registry mirror); "" connects from the
+    node directly (``sandfleet.netproxy``)."""
     conn_auth_timeout_s: float = Field(default=5.0, gt=0)
     """A connection to the controller or a worker must present the fleet token (a complete
     frame header) this soon after it opens, or it is closed."""
@@ -137,6 +142,7 @@ class FleetConfig(Strict):
             raise ValueError(f"min_nodes {self.min_nodes} > max_nodes {self.max_nodes}")
         if self.lost_after_s < self.heartbeat_s * 2:
             raise ValueError("lost_after_s must be at least two heartbeat periods")
+        parse_upstream(self.proxy_upstream)  # ValueError saying how to write it
         return self
 
     def wire_limits(self) -> WireLimits:

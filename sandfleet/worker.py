@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import os
@@ -40,20 +39,21 @@ import shutil
 import signal
 import socket
 import subprocess
-import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from sandfleet.config import FleetConfig, fleet_config_of, fleet_key
 from sandfleet.discovery import read_controller_info, write_private
 from sandfleet.errors import BadRequest, InfraError, RemoteError, SandboxLost, UnknownLease
+from sandfleet.netproxy import ProxyPool
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import ExecResult, SandboxSpec, cap_output, proc_start_time
 from sandfleet.shell import AsyncShellSession
+from sandfleet.transfer import tar_bounded, unpack_checked
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES
 from sandfleet.wire.messages import (
     Exec,
@@ -117,37 +117,6 @@ def address_towards(host: str) -> str:
         return socket.gethostname()
 
 
-def tar_bounded(path: Path, name: str, limit: int) -> bytes:
-    """``path`` as a tar stream named ``name``, links stored as links (never followed);
-    BadRequest past ``limit`` bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(path, arcname=name)
-    if buf.tell() > limit:
-        raise BadRequest(f"{path.name} is over {limit >> 20} MiB as a tar stream")
-    return buf.getvalue()
-
-
-def unpack_checked(data: bytes, name: str, dest: Path) -> Path:
-    """Unpack a put's tar into ``dest``; every member must lie under ``name``."""
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            members = tar.getmembers()
-            if not members:
-                raise BadRequest("put: empty archive")
-            for member in members:
-                parts = PurePosixPath(member.name).parts
-                if member.name.startswith("/") or ".." in parts or not parts \
-                        or parts[0] != name:
-                    raise BadRequest(f"put: member {member.name!r} escapes {name!r}")
-            tar.extractall(dest, members=members, filter="data")
-    except tarfile.FilterError as e:
-        raise BadRequest(f"put: unsafe archive: {e}") from None
-    except tarfile.TarError as e:
-        raise BadRequest(f"put: not a tar archive: {e}") from None
-    return dest / name
-
-
 class Worker:
     """One worker process (see the module doc). ``await Worker(...).run()``."""
 
@@ -165,7 +134,7 @@ class Worker:
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
             runtime = get_runtime(config.runtime, **kwargs)
-        self.runtime = runtime
+        self.runtime, self.proxies = runtime, ProxyPool(config.proxy_upstream)
         self.leases: dict[str, Held] = {}
         self.lost: dict[str, str] = {}
         self.executor = ThreadPoolExecutor(max_workers=max(16, 4 * config.cpus_per_node),
@@ -388,6 +357,7 @@ class Worker:
         self.leases[req.lease_id] = held
         try:
             await self._call(self.runtime.start, req.lease_id, spec)
+            await self.proxies.open(req.lease_id, self.runtime, spec.allowed_hosts)
             shell = AsyncShellSession(self.runtime, req.lease_id, cwd=spec.workdir,
                                       executor=self.executor)
             await shell.start()
@@ -395,6 +365,7 @@ class Worker:
             self.leases.pop(req.lease_id, None)
             ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
             ready.exception()
+            await self.proxies.close(req.lease_id)
             await self._call(self.runtime.stop, req.lease_id)
             raise
         held.shell = shell
@@ -415,6 +386,7 @@ class Worker:
         await self._teardown(held)
 
     async def _teardown(self, held: Held) -> None:
+        await self.proxies.close(held.lease_id)
         if held.shell is not None:
             with contextlib.suppress(Exception):
                 await held.shell.close()
@@ -500,6 +472,7 @@ class Worker:
             raise BadRequest(f"verify: bad name {req.name!r}")
         held = self._held(req.lease_id)
         held.touch()
+        await self.proxies.close(req.lease_id)  # the verifier keeps its own (offline) policy
 
         def work() -> tuple[ExecResult, bytes]:
             with tempfile.TemporaryDirectory(dir=self._xfer_dir()) as tmp:

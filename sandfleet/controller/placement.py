@@ -50,7 +50,7 @@ def sandbox_spec(req: Acquire, config: FleetConfig) -> dict:
     return {"image": req.image, "cpus": req.cpus, "memory_mb": req.memory_mb,
             "storage_mb": req.storage_mb or config.storage_mb, "network": req.network,
             "max_lifetime_s": max_life, "env": dict(req.env), "workdir": req.workdir,
-            "hostname": "sandbox", "user": req.user}
+            "hostname": "sandbox", "user": req.user, "allowed_hosts": req.allowed_hosts}
 
 
 def too_big(req: Acquire, config: FleetConfig) -> str | None:

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from sandfleet.netproxy import HostAllowlist, proxy_env
+
 log = logging.getLogger(__name__)
 
 MAX_OUTPUT_BYTES = 1 << 20
@@ -70,6 +72,11 @@ class SandboxSpec:
     ``:group``; looked up in the sandbox's /etc/passwd and /etc/group): what exec and popen
     start, the shell among them. "" is root. File copies and the verifier run as root.
     The local runtime applies it; Apptainer's commands run as the calling user."""
+    allowed_hosts: tuple[str, ...] = ()
+    """The allowlist network: with hosts (names, ``*.domain``, IPs or CIDR ranges, each
+    optionally ``:port``), the sandbox keeps its private network with only ``lo`` and may reach
+    these hosts over http(s) through the worker's proxy (``sandfleet.netproxy``), nothing else;
+    ``env`` then names the proxy (``http_proxy``...). Empty: ``network`` alone decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image", Path(self.image))
@@ -81,9 +88,19 @@ class SandboxSpec:
         if self.user and not USER_RE.fullmatch(self.user):
             raise ValueError(f"user must be a name or uid, optionally :group, got "
                              f"{self.user!r}")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        if self.allowed_hosts:
+            if self.network:
+                raise ValueError("allowed_hosts with network=True: the allowlist is a private "
+                                 "network with a proxy; ask for one or the other")
+            HostAllowlist(self.allowed_hosts)  # ValueError naming a bad entry
+            object.__setattr__(self, "env", {**self.env, **proxy_env()})
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "image": str(self.image)}
+        data = {**asdict(self), "image": str(self.image)}
+        if not self.allowed_hosts:  # as on the wire: absent when empty
+            del data["allowed_hosts"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxSpec:

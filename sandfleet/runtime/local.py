@@ -243,6 +243,10 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
     def _check_alive(self, sandbox_id: str) -> None:
         self._live(sandbox_id)
 
+    def netns_pid(self, sandbox_id: str) -> int:
+        """A process in the sandbox's network namespace: pid 1 (``sandfleet.netproxy``)."""
+        return self._live(sandbox_id).init_pid()
+
     def oom_kills(self, sandbox_id: str) -> int | None:
         """From the sandbox's memory cgroup (None without one). Read before and after every
         shell command: the file's path is worked out once."""

@@ -43,8 +43,17 @@ import os
 import random
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    model_serializer,
+    model_validator,
+)
 
+from sandfleet.netproxy import HostAllowlist
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,21 @@ PAYLOAD_BYTES: dict[str, int] = {"put": MAX_PAYLOAD_BYTES, "verify": MAX_PAYLOAD
 
 
 R = TypeVar("R", bound="Result")
+
+
+def _check_hosts(hosts: tuple[str, ...]) -> tuple[str, ...]:
+    HostAllowlist(hosts)  # ValueError naming a bad entry
+    return hosts
+
+
+AllowedHosts = Annotated[tuple[str, ...], Field(max_length=1024), AfterValidator(_check_hosts)]
+
+
+def _omit_empty(data: Any, key: str) -> Any:
+    """A field added to a request after others: left out while it has its empty default."""
+    if isinstance(data, dict) and not data.get(key):
+        data.pop(key, None)
+    return data
 
 
 class Message(BaseModel):
@@ -275,6 +299,14 @@ class Acquire(Request):
     user: str = Field(default="", max_length=65,
                       pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?)?$")
     """Who the sandbox's commands run as (Docker's USER; "" is root): ``SandboxSpec.user``."""
+    allowed_hosts: AllowedHosts = ()
+    """The allowlist network (``SandboxSpec.allowed_hosts``). Sent only when not empty, so a
+    request without it is the bytes it was before and an older server still reads it; one
+    with it gets BadRequest from a server that cannot enforce it."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_hosts(self, handler):
+        return _omit_empty(handler(self), "allowed_hosts")
 
 
 class Renew(Request):
@@ -358,6 +390,14 @@ class SandboxSpecModel(Message):
     workdir: str = "/"
     hostname: str = "sandbox"
     user: str = Field(default="", max_length=65)
+    allowed_hosts: AllowedHosts = ()
+    """The allowlist network (``SandboxSpec.allowed_hosts``). Sent only when not empty, so a
+    request without it is the bytes it was before and an older server still reads it; one
+    with it gets BadRequest from a server that cannot enforce it."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_hosts(self, handler):
+        return _omit_empty(handler(self), "allowed_hosts")
 
 
 class StartSandbox(Request):

@@ -271,6 +271,10 @@ class ApptainerRuntime(CommandRuntime):
     def _check_alive(self, sandbox_id: str) -> None:
         self._live(sandbox_id)
 
+    def netns_pid(self, sandbox_id: str) -> int:
+        """A process in the instance's network namespace: its init (``sandfleet.netproxy``)."""
+        return self._live(sandbox_id).instance[0]
+
     def _host_env(self) -> dict[str, str]:
         return self._env
 

@@ -5,6 +5,10 @@
   to hold the answer is found among environment/'s files by its content, moved into
   tests/ (which reaches the sandbox only after the agent), its COPY/ADD (or %files) line
   removed, and the verifier's references to its image path rewritten to /tests/<name>;
+- ``verifier_too_weak`` found by the exploit probes alone: hardened without an LLM where a
+  sound mechanical fix exists (``tmax.audit.harden``: grading from pytest's report rather
+  than its exit status, the runner isolated from the working directory), else the teacher
+  (when there is one) or dropped with the reason;
 - ``verifier_too_weak``, ``instruction_verifier_mismatch``: the teacher rewrites tests/
   (and the instruction), with the reason of a rejected attempt sent back, for
   ``rounds`` attempts; with no teacher they are dropped;
@@ -33,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tmax.audit import harden
 from tmax.audit.labels import FIXABLE
 from tmax.audit.probes import Prober
 from tmax.audit.run import AuditRecord, append_record_line, cut_torn_tail
@@ -241,6 +246,13 @@ class Repairer:
             record = RepairRecord(task.task_id, audit.digest, label, "dropped",
                                   reason=f"{label}: not repaired (only "
                                          f"{', '.join(FIXABLE)} are)")
+        elif label == "verifier_too_weak" and harden.exploit_only(audit):
+            record = await self._harden(task, audit)  # mechanical first: no teacher needed
+            if record.action == "dropped" and self.teacher is not None:
+                mechanical = record.reason
+                record = await self._repair(task, audit)
+                if record.action == "dropped":
+                    record.reason = f"{mechanical}; the teacher's: {record.reason}"
         elif label in TEACHER_LABELS and self.teacher is None:
             record = RepairRecord(task.task_id, audit.digest, label, "dropped",
                                   reason=f"{label}: needs a teacher to repair (--config "
@@ -291,6 +303,67 @@ class Repairer:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         return record
+
+    async def _harden(self, task: Task, audit: AuditRecord) -> RepairRecord:
+        """Harden ``task``'s verifier mechanically (``tmax.audit.harden``): repaired and
+        published when the oracle still scores 1, the untouched environment 0 and no probe
+        (the exploits included) finds anything; else dropped with the reason, the original
+        untouched and still labelled."""
+        record = RepairRecord(task.task_id, audit.digest, audit.label, "dropped", attempts=1)
+        hacks = harden.working_hacks(audit)
+        work = Path(tempfile.mkdtemp(prefix=f"{task.task_id}-", dir=self.work))
+        root = work / task.task_id
+        try:
+            shutil.copytree(task.root, root, symlinks=True)
+            tests = root / "tests"
+            fixes = harden.plan(tests, hacks, steps=bool(task.steps))
+            changes: list[str] = []
+            if "isolate" in fixes:
+                changes += harden.isolate(tests)
+            if "report" in fixes:
+                changes += harden.add_report(tests)
+                changes.append(harden.set_counts(tests, *await self._reference_counts(root)))
+            record.changes = changes
+            await self._check(root, record, audit)
+            entry = self.builds.store.read().tasks.get(task.task_id)
+            nop = entry.checks.nop_reward if entry is not None and entry.checks else None
+            if nop != 0.0:
+                raise RepairFailed(f"the untouched environment scores {nop} after the "
+                                   "hardening, not 0")
+            await asyncio.to_thread(self._publish, root, task.task_id)
+            record.action, record.reason = "repaired", ""
+        except harden.NotHardened as e:
+            record.after = audit.label
+            record.reason = (f"verifier_too_weak ({', '.join(hacks) or 'exploit'}): no "
+                             f"mechanical hardening: {e}")
+        except RepairFailed as e:
+            record.after = audit.label
+            record.reason = f"the hardening did not hold (the original is kept): {e.reason}"
+        except RepairUnfinished as e:
+            record.action, record.reason = "error", f"{e.reason}; rerun to try again"
+        except (OSError, shutil.Error) as e:
+            record.reason = f"the task's files: {e}"
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return record
+
+    async def _reference_counts(self, root: Path) -> tuple[int, int]:
+        """Build the gated copy (counts 0); the reference run's ``(tests, passed)`` from its
+        build-time checks' oracle run."""
+        try:
+            gated = load_task(root)
+        except TaskError as e:
+            raise RepairFailed(f"the hardened task does not validate: {e}") from None
+        built = await asyncio.to_thread(self.builds.build, gated)
+        if built.status == "failed":
+            raise RepairFailed(f"the hardened image does not build: {built.error}")
+        checks = built.checks or {}
+        if not checks.get("ok", False) or not checks.get("log"):
+            raise RepairFailed("the hardened task fails its build-time checks: "
+                               f"{checks.get('reason') or 'no checks log'}")
+        text = await asyncio.to_thread(
+            self.builds.store.path(checks["log"]).read_text, errors="replace")
+        return harden.reference_counts(text)
 
     async def _teacher_repair(self, task: Task, audit: AuditRecord, root: Path,
                               feedback: str | None) -> list[str]:

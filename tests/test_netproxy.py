@@ -163,7 +163,7 @@ def test_an_allowed_name_reaches_the_upstream_and_others_get_403(loop, upstream)
 
 def test_a_parent_proxy_gets_what_the_allowlist_lets_through(loop, upstream):
     """proxy_upstream: the child proxy forwards allowed requests to a parent (here another
-    AllowlistProxy allowing everything under test) in absolute form and as CONNECT."""
+    AllowlistProxy) in absolute form and as CONNECT."""
     port, seen = upstream
     parent = AllowlistProxy(HostAllowlist([f"localhost:{port}"]))
     psock = socket.create_server(("127.0.0.1", 0))
@@ -176,6 +176,7 @@ def test_a_parent_proxy_gets_what_the_allowlist_lets_through(loop, upstream):
     try:
         reply = _ask(at, f"GET http://localhost:{port}/via HTTP/1.1\r\n\r\n".encode())
         assert reply.endswith(b"hi to /via") and parent.stats.allowed == 1
+        assert seen[-1].startswith(b"GET /via HTTP/1.1\r\n")
         reply = _ask(at, f"CONNECT localhost:{port} HTTP/1.1\r\n\r\nECHO\r\n".encode())
         assert reply.endswith(b"echo:ECHO\r\n") and parent.stats.allowed == 2
         assert _ask(at, b"CONNECT example.com:443 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 403")

@@ -18,14 +18,17 @@ What holds, run as root and as an ordinary user (tested both ways with Apptainer
 - As an ordinary user (no setuid starter): ``--userns --fakeroot``, so commands run as
   root inside a user namespace mapping only that user; the image and overlay are mounted
   with squashfuse, fuse2fs and fuse-overlayfs.
-- Limits, as root: ``--cpus`` and ``--memory`` through Apptainer's cgroups (cgroupfs on
-  v1, systemd on v2); OOM kills are counted from the instance's memory cgroup. As an
-  ordinary user Apptainer applies no cgroup limits in ``--fakeroot`` mode (nor without
-  systemd on v2): the CPUs are pinned instead (the instance and every exec run under
-  ``taskset`` on ``spec.cpus`` CPUs of the worker's, the least used first; a process inside
-  may widen its own affinity within the worker's), and ``memory_mb`` is NOT enforced per
-  sandbox: the Slurm job's cgroup bounds all of a worker's sandboxes together, and
-  ``ExecResult.oom`` is always False (``oom_kills`` is None). ``unenforced()`` says so.
+- Limits, as root (and as an ordinary user on cgroup v2 with a systemd user session that
+  delegates memory and cpu): ``--cpus`` and ``--memory`` through Apptainer's cgroups
+  (cgroupfs on v1, systemd on v2); OOM kills are counted from the instance's memory cgroup.
+  Otherwise (an ordinary user on cgroup v1, the cluster case) Apptainer applies no cgroup
+  limits: the CPUs are pinned instead (the instance and every exec run under ``taskset`` on
+  ``spec.cpus`` CPUs of the worker's, the least used first; a process inside may widen its
+  own affinity within the worker's), and ``memory_mb`` is enforced by polling: the
+  runtime's ``apptainer_memory.MemoryWatcher`` sums each instance's PSS and tmpfs files
+  every 0.25 s and past the limit kills every process but its pid 1 (``oom_kills`` counts
+  those kills), each command entering with RLIMIT_DATA at ``memory_mb``. What that leaves
+  open: ``unenforced()``.
 - Max lifetime: a detached watchdog (``sleep; apptainer instance stop --force``) in its
   own session per sandbox, which outlives the worker; if it is killed too, the Slurm job's
   walltime still ends the instance with the job.
@@ -58,6 +61,7 @@ from pathlib import Path
 
 from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
 from sandfleet.runtime import sif
+from sandfleet.runtime.apptainer_memory import MemoryWatcher, cgroup_v2_delegated, data_rlimit_argv
 from sandfleet.runtime.apptainer_setup import (
     START_ACTION,
     ApptainerInfo,
@@ -213,7 +217,8 @@ class ApptainerRuntime(CommandRuntime):
 
     def __init__(self, state_dir: Path, owner: str | None = None,
                  apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
-                 start_timeout_s: float = 300.0, call_timeout_s: float = 60.0):
+                 start_timeout_s: float = 300.0, call_timeout_s: float = 60.0,
+                 data_rlimit: bool = True):
         self.state_dir = Path(state_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
         self.prefix = f"{self.owner}-{state_key(self.state_dir)}-"
@@ -226,6 +231,8 @@ class ApptainerRuntime(CommandRuntime):
         self._action_lock = threading.Lock()  # the start action's file
         self._oom_files: dict[str, str] = {}  # sandbox id -> its OOM counter ("": none)
         self._info: ApptainerInfo | None = None
+        self._memory = MemoryWatcher()  # memory_mb without cgroups (apptainer_memory)
+        self._data_rlimit = data_rlimit  # and RLIMIT_DATA on each command then
 
     @property
     def info(self) -> ApptainerInfo:
@@ -237,9 +244,10 @@ class ApptainerRuntime(CommandRuntime):
 
     @property
     def cgroup_limits(self) -> bool:
-        """Whether Apptainer applies ``--cpus``/``--memory`` (default: when run as root)."""
+        """Whether Apptainer applies ``--cpus``/``--memory`` (default: as root, or on cgroup
+        v2 with a delegating systemd user session); without, ``memory_mb`` is watched."""
         if self._cgroup_limits is None:
-            return os.geteuid() == 0
+            self._cgroup_limits = os.geteuid() == 0 or cgroup_v2_delegated() is None
         return self._cgroup_limits
 
     def unenforced(self) -> list[str]:
@@ -282,6 +290,8 @@ class ApptainerRuntime(CommandRuntime):
         """With ``cgroup_limits``, from the memory cgroup Apptainer put the instance in
         (found once, through the instance's pid); None without, or when that cgroup is one
         this worker shares with every sandbox (the job's)."""
+        if not self.cgroup_limits:
+            return self._memory.kills(sandbox_id)
         path = self._oom_files.get(sandbox_id)
         if path is None:
             record = self._record(sandbox_id) if self.cgroup_limits else None
@@ -299,8 +309,11 @@ class ApptainerRuntime(CommandRuntime):
         # an instance's commands run as its one user (root, or fakeroot): neither ``root``
         # nor the spec's ``user`` changes that
         record = self._live(sandbox_id)
-        return exec_argv(self.apptainer, record.name, argv, cwd=cwd or record.spec["workdir"],
-                         env={**record.spec["env"], **(env or {})}, cpus=record.cpus)
+        limit = data_rlimit_argv(record.spec["memory_mb"]) \
+            if self._data_rlimit and not self.cgroup_limits else []
+        return limit + exec_argv(self.apptainer, record.name, argv,
+                                 cwd=cwd or record.spec["workdir"],
+                                 env={**record.spec["env"], **(env or {})}, cpus=record.cpus)
 
     def _call(self, argv: list[str], logfile: Path, timeout: float) -> int:
         """Run an apptainer command with its output in ``logfile``; its exit status."""
@@ -395,10 +408,13 @@ class ApptainerRuntime(CommandRuntime):
         InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), time.time(),
                        deadline, (pid, start), (dog.pid, proc_start_time(dog.pid) or 0), cpus
                        ).save(home / "sandbox.json")
+        if not self.cgroup_limits:
+            self._memory.watch(sandbox_id, pid, spec.memory_mb)
 
     def _end_instance(self, sandbox_id: str, record: InstanceRecord | None) -> None:
         """Stop the instance and its watchdog; its folder (overlay, record) stays."""
         self._oom_files.pop(sandbox_id, None)
+        self._memory.forget(sandbox_id)
         home = self._dir(sandbox_id)
         try:  # also when the record says dead: apptainer may still list it
             self._call(stop_argv(self.apptainer, self._name(sandbox_id)),
@@ -437,7 +453,12 @@ class ApptainerRuntime(CommandRuntime):
 
     def _destroy(self, sandbox_id: str, record: InstanceRecord | None) -> None:
         self._end_instance(sandbox_id, record)
+        self._memory.drop(sandbox_id)
         shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
+
+    def close(self) -> None:
+        """End the memory watcher's thread (it also ends by itself once nothing runs)."""
+        self._memory.close()
 
     def _instances(self) -> dict[str, int] | None:
         try:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet.errors import SandboxStartError
+from sandfleet.runtime.apptainer_memory import NOTE as MEMORY_NOTE
+from sandfleet.runtime.apptainer_memory import cgroup_v2_delegated
 from sandfleet.runtime.apptainer_verify import NOT_GUARANTEED as VERIFIER_NOT_GUARANTEED
 
 MIN_VERSION = (1, 1, 0)
@@ -155,8 +157,7 @@ def unenforced_limits(cgroup_limits: bool) -> list[str]:
     """The spec's limits the apptainer runtime does not enforce per sandbox."""
     if cgroup_limits:
         return []
-    return [("memory_mb: no cgroup limits for rootless --fakeroot instances; the Slurm "
-             "job's cgroup bounds a worker's sandboxes together; OOM kills are not counted"),
+    return [MEMORY_NOTE,
             ("cpus: pinned with taskset, not bounded: a process inside may widen its "
              "affinity within the worker's CPUs")]
 
@@ -177,5 +178,6 @@ def report(name: str = "apptainer") -> dict:
         return {"usable": False, "problem": e.reason}
     return {"usable": True, "path": info.path, "version": ".".join(map(str, info.version)),
             "rootless": info.rootless, "wrapper": info.wrapper,
-            "not_enforced": unenforced_limits(not info.rootless),
+            "not_enforced": unenforced_limits(not info.rootless
+                                              or cgroup_v2_delegated() is None),
             "not_guaranteed": NOT_GUARANTEED}

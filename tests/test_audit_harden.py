@@ -250,7 +250,6 @@ def _repair(builds, fleet, pairs, clean):
 
 
 @pytest.mark.sandbox
-@pytest.mark.slow
 def test_repair_hardens_a_pytest_verifier_the_exit_hack_forged_and_keeps_a_unittest_one_labelled(
         harden_store, example_fleet, tmp_path):
     from tmax.tasks.native import load_task

@@ -317,6 +317,7 @@ for fd in map(int, sys.argv[3:]):
         e = ctypes.get_errno()
         sys.exit("setns(%s): %s" % (os.readlink("/proc/self/fd/%d" % fd), os.strerror(e)))
 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", port))
 s.listen(128)
 socket.send_fds(socket.socket(fileno=chan), [b"ok"], [s.fileno()])
@@ -369,7 +370,7 @@ class ProxyPool:
 
     async def open(self, lease_id: str, runtime, allowed_hosts: Iterable[str]) -> None:
         hosts = tuple(allowed_hosts)
-        if not hosts:
+        if not hosts or lease_id in self.proxies:
             return
         pid_of = getattr(runtime, "netns_pid", None)
         if pid_of is None:
@@ -383,6 +384,14 @@ class ProxyPool:
         proxy = AllowlistProxy(HostAllowlist(hosts), upstream=self.upstream, name=lease_id)
         await proxy.start(sock)
         self.proxies[lease_id] = proxy
+
+    async def reopen(self, lease_id: str, runtime, allowed_hosts: Iterable[str]) -> None:
+        """``open`` again after a verifier (the agent's turn is back: a multi-step task);
+        a failure leaves the sandbox offline, logged."""
+        try:
+            await self.open(lease_id, runtime, allowed_hosts)
+        except SandboxStartError as e:
+            log.warning("proxy %s not reopened after its verifier: %s", lease_id, e.reason)
 
     async def close(self, lease_id: str) -> None:
         proxy = self.proxies.pop(lease_id, None)

@@ -96,6 +96,7 @@ class Held:
     ready: asyncio.Future | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: int = 0
+    ops: int = 0  # operations begun (``running`` counts those not yet ended)
     last_activity: float = field(default_factory=time.monotonic)
     lost: str | None = None
 
@@ -292,7 +293,11 @@ class Worker:
                 await asyncio.wait_for(self._stopping.wait(), self.config.heartbeat_s)
 
     async def _check_sandboxes(self) -> None:
-        """Report leases whose sandbox died (max lifetime, killed processes)."""
+        """Report leases whose sandbox died (max lifetime, killed processes). Only those
+        with no operation under way while the list was taken: one may take the sandbox down
+        for a while (Apptainer's verify stops the agent's instance and starts it again), and
+        an operation that fails reports its own loss (``_lost_or``)."""
+        quiet = {lid: held.ops for lid, held in self.leases.items() if held.running == 0}
         try:
             running = set(await self._call(self.runtime.list_running))
         except Exception as e:  # noqa: BLE001 - a runtime hiccup must not end the loop
@@ -300,7 +305,8 @@ class Worker:
             return
         for lease_id, held in list(self.leases.items()):
             if held.ready is not None and held.ready.done() and not held.ready.exception() \
-                    and lease_id not in running and lease_id not in self.lost:
+                    and lease_id not in running and lease_id not in self.lost \
+                    and held.running == 0 and quiet.get(lease_id) == held.ops:
                 held.lost = self.lost[lease_id] = "the sandbox is no longer running"
 
     def _spawn(self, coro) -> None:
@@ -396,6 +402,7 @@ class Worker:
         held = self._held(req.lease_id)
         async with held.lock:
             held.running += 1
+            held.ops += 1
             held.touch()
             try:
                 result: ExecResult = await held.shell.run(req.command, req.timeout)
@@ -413,6 +420,7 @@ class Worker:
         (no expiry while it runs); an infrastructure error as ``_lost_or`` explains it."""
         async with held.lock:
             held.running += 1
+            held.ops += 1
             try:
                 return await self._call(work)
             except InfraError as e:
@@ -486,6 +494,7 @@ class Worker:
                 return result, tar_bounded(logs, "verifier", MAX_PAYLOAD_BYTES)
 
         result, data = await self._pinned(held, work)
+        await self.proxies.reopen(req.lease_id, self.runtime, held.spec.allowed_hosts)
         reply = VerifyReply(exit_code=result.exit_code, timed_out=result.timed_out,
                             oom=result.oom, duration_s=result.duration_s,
                             output=cap_output(result.output.encode(), VERIFY_OUTPUT_BYTES))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import socket
 import threading
 import time
@@ -326,3 +327,43 @@ def test_pip_and_apt_install_through_the_registries_allowlist(runtime, python_si
     finally:
         loop.run(pool.close("reg1"))
         runtime.stop("reg1")
+
+
+# ---- through a fleet: the wire, the worker's proxy, the verifier offline
+
+VERIFIER_PROBE = """#!/bin/bash
+mkdir -p /logs/verifier
+if python3 -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=10)' "$URL"
+then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+@needs_root
+@pytest.mark.sandbox
+def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, base_sif, upstream):
+    from sandfleet.client import FleetClient
+    from tests.test_fleet import Fleet
+
+    port, _ = upstream
+    name = socket.gethostname()
+    url = f"http://{name}:{port}/fleet"
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text(VERIFIER_PROBE)
+    fetch = f"python3 -c {shlex.quote(URLOPEN)}"
+    with Fleet(tmp_path / "fleet", tmp_path / "cache", min_nodes=1).running() as fleet, \
+            FleetClient(fleet.state) as client, \
+            client.lease(base_sif, ttl_s=60, allowed_hosts=[f"{name}:{port}"]) as lease:
+        got = lease.run(f"{fetch} {url}")
+        assert got.exit_code == 0 and "hi to /fleet" in got.output, got.output
+        got = lease.run(f"{fetch} https://example.com/")
+        assert got.exit_code == 3 and "403" in got.output, got.output
+        result, logs = lease.verify(tests, ["bash", "/tests/test.sh"], timeout=60,
+                                    dest=tmp_path / "logs", env={
+                                        "URL": url, "http_proxy": f"http://127.0.0.1:{PROXY_PORT}"})
+        assert (logs / "reward.txt").read_text().strip() == "0", result.output
+        got = lease.run(f"{fetch} {url}")  # the agent's turn again
+        assert got.exit_code == 0 and "hi to /fleet" in got.output, got.output
+        # the controller refuses a bad list before any worker sees it
+        with pytest.raises(Exception, match="allowed host"):
+            client.lease(base_sif, allowed_hosts=["http://pypi.org/"]).__enter__()

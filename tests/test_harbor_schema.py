@@ -354,10 +354,29 @@ def test_verifier_network_override_is_a_warning(tmp_path):
     assert "verifier.network_mode" in {w.field for w in warnings(path)}
 
 
-def test_allowed_hosts_kept_with_a_warning_that_they_are_not_enforced(tmp_path):
+def test_an_allowlist_is_the_agents_lease_network_and_needs_no_warning(tmp_path):
     path = make_task(tmp_path, HARBOR_TOML["1.3"])
-    (w,) = [w for w in warnings(path) if w.field == "environment.allowed_hosts"]
-    assert "not enforced" in w.message and "pypi.org" in w.message
+    assert "environment.allowed_hosts" not in {w.field for w in warnings(path)}
+    hosts = ("pypi.org", "*.pythonhosted.org", "10.0.0.0/8")
+    assert load_task(path).config.agent_network() == (False, hosts)
+    assert load_task(path).config.agent_network("registries") == (False, hosts)
+
+
+def test_the_agent_network_of_each_policy(tmp_path):
+    from sandfleet.netproxy import REGISTRY_HOSTS
+
+    def net(toml: str, unsaid: str = "registries"):
+        return config(tmp_path, toml).agent_network(unsaid)
+
+    assert net('schema_version = "1.4"\n') == (False, REGISTRY_HOSTS)  # Harbor: says nothing
+    assert net('schema_version = "1.4"\n', "offline") == (False, ())
+    assert net('schema_version = "1.3"\n[environment]\nnetwork_mode = "no-network"\n') == \
+        (False, ())
+    assert net('schema_version = "1.3"\n[environment]\nnetwork_mode = "public"\n') == (True, ())
+    assert net('schema_version = "1.3"\n[agent]\nnetwork_mode = "allowlist"\n'
+               'allowed_hosts = ["a.example"]\n[environment]\nnetwork_mode = "public"\n') == \
+        (False, ("a.example",))
+    assert net('[metadata]\ndomain = "x"\n') == (False, ())  # TMax's own: off unless said
 
 
 def test_no_network_policy_in_a_harbor_file_says_the_defaults_differ(tmp_path):

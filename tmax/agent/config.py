@@ -64,6 +64,12 @@ class AgentConfig(BaseModel):
     verify_unfinished: bool = Field(
         False, description="Run the verifier after a step-limit or time-budget end too "
         "(Terminal-Bench style); default: such episodes score 0 without verifying.")
+    agent_network: Literal["offline", "registries"] = Field(
+        "registries", description="The agent's network for a Harbor task that says nothing "
+        "about it (Harbor runs those online): registries = the package registries only "
+        "(Debian and Ubuntu archives, PyPI, npm) through the fleet's proxy; offline = none. "
+        "Tasks that say what they need get that (an allowlist is enforced the same way); the "
+        "verifier is offline either way.")
 
     @property
     def submit_command(self) -> str:

@@ -97,6 +97,11 @@ def _write_json(path: Path, data) -> None:
               help="Override the agent config's step_limit.")
 @click.option("--command-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Override the agent config's command_timeout_s (seconds).")
+@click.option("--agent-network", type=click.Choice(["offline", "registries"]), default=None,
+              help="The agent's network for Harbor tasks that say nothing about it (Harbor "
+                   "runs them online): the package registries only (Debian/Ubuntu archives, "
+                   "PyPI, npm) through the fleet's proxy, or none. Default: the agent "
+                   "config's agent_network (registries).")
 @click.option("--threshold", default=1.0, show_default=True,
               help="A trial passes when its reward is at least this.")
 @click.option("--strict", is_flag=True,
@@ -106,7 +111,7 @@ def _write_json(path: Path, data) -> None:
 @base_map_option
 def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, agent_config,
              out_dir, max_infra_retries, max_internal_errors, step_limit, command_timeout,
-             threshold, strict, no_progress, base_map) -> None:
+             agent_network, threshold, strict, no_progress, base_map) -> None:
     """Run a policy on tasks through a sandbox fleet; write every episode to
     OUT/results.jsonl, the statistics to OUT/summary.json, and print them. Infra-failed
     episodes are re-run; running again with the same --out resumes. Tasks that are invalid,
@@ -130,7 +135,8 @@ def eval_cmd(task_specs, policy_spec, trials, concurrency, fleet_dir, store, age
 
     tasks, invalid = resolve_tasks(task_specs)
     overrides = {k: v for k, v in (("step_limit", step_limit),
-                                   ("command_timeout_s", command_timeout)) if v is not None}
+                                   ("command_timeout_s", command_timeout),
+                                   ("agent_network", agent_network)) if v is not None}
     try:
         config = load_agent_config(agent_config, **overrides)
     except AgentConfigError as e:

@@ -191,11 +191,12 @@ async def rollout(task: Task, policy: Policy, fleet: Any, images: TaskImages,
         sif, workdir = await asyncio.to_thread(images.resolve, task)
         traj.image = sif
         env = task.config.environment
+        network, hosts = task.config.agent_network(config.agent_network)
         t_ask = time.monotonic()
         async with fleet.lease(sif, cpus=env.cpus, memory_mb=env.memory_mb,
-                               storage_mb=env.storage_mb, network=env.network,
+                               storage_mb=env.storage_mb, network=network,
                                ttl_s=lease_ttl_s, workdir=workdir,
-                               user=images.user(task)) as lease:
+                               user=images.user(task), allowed_hosts=hosts) as lease:
             granted = time.monotonic()
             traj.node = lease.grant.node
             traj.timings["queue"] = round(lease.grant.queued_s, 4)

@@ -214,7 +214,8 @@ def _check_hosts(hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
 
 def phase_network(mode: str | None, hosts: tuple[str, ...] | None) -> bool | None:
     """Whether a Harbor network policy gives network at all (None: no policy given).
-    An allowlist with hosts means network; per-host filtering is not enforced yet."""
+    An allowlist with hosts means network here (build-time checks get the whole network);
+    an agent's lease gets only those hosts (``TaskConfig.agent_network``)."""
     if mode is None:
         return None
     return mode == "public" or (mode == "allowlist" and bool(hosts))
@@ -224,7 +225,8 @@ class _NetworkPolicy(_Harbor):
     network_mode: NetworkMode | None = None
     """Harbor 1.3+: no-network | public | allowlist."""
     allowed_hosts: tuple[str, ...] | None = None
-    """Hosts reachable with ``network_mode = "allowlist"`` (kept; not enforced yet)."""
+    """Hosts reachable with ``network_mode = "allowlist"`` (the agent's, through the fleet's
+    proxy: ``TaskConfig.agent_network``)."""
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -446,6 +448,32 @@ class TaskConfig(_Harbor):
         elif harbor is not None:
             object.__setattr__(env, "network", harbor)  # derived: not recorded as given
         return self
+
+    @property
+    def network_unsaid(self) -> bool:
+        """A Harbor task file that says nothing about the network (Harbor runs its agent
+        online; ``agent_network`` decides what TMax gives it)."""
+        given = {"network", "network_mode", "allow_internet", "allowed_hosts"} & \
+            self.environment.model_fields_set
+        return bool(self.schema_version or self.version or self.task) and not given \
+            and self.agent.network_mode is None
+
+    def agent_network(self, unsaid: Literal["offline", "registries"] = "offline",
+                      ) -> tuple[bool, tuple[str, ...]]:
+        """The agent's sandbox network as a lease asks for it: (whole network, allowed
+        hosts). An allowlist ([agent]'s, else [environment]'s) is only those hosts, through
+        the fleet's proxy; a task that says nothing (``network_unsaid``) gets ``unsaid``:
+        offline, or the package registries (``sandfleet.netproxy.REGISTRY_HOSTS``)."""
+        policy = self.agent if self.agent.network_mode is not None else self.environment
+        if policy.network_mode == "allowlist":
+            return False, tuple(policy.allowed_hosts or ())
+        if self.environment.network:
+            return True, ()
+        if unsaid == "registries" and self.network_unsaid:
+            from sandfleet.netproxy import REGISTRY_HOSTS
+
+            return False, REGISTRY_HOSTS
+        return False, ()
 
     @property
     def verifier_resources(self) -> Environment:

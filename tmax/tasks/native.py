@@ -345,26 +345,20 @@ def config_problems(task_id: str, config: TaskConfig) -> list[Problem]:
     if config.environment.os.lower() != "linux":
         note("environment.os", f"os {config.environment.os!r}: TMax runs Linux sandboxes only",
              "use a Linux image", "error")
-    for section in ("environment", "agent", "verifier"):
-        hosts = getattr(config, section).allowed_hosts
-        if hosts:
-            note(f"{section}.allowed_hosts",
-                 f"per-host network policy is not enforced yet: the sandbox gets the whole "
-                 f"network, not only {', '.join(hosts)}", "kept as written; nothing to do "
-                 "unless the task must not reach other hosts")
+    if config.verifier.allowed_hosts:  # the agent's allowlist is enforced (fleet's proxy)
+        note("verifier.allowed_hosts", "the verifier runs offline: its allowed_hosts are "
+             "not applied", "prepare what test.sh needs when the image is built")
     env = config.environment
     verifier_net = phase_network(config.verifier.network_mode, config.verifier.allowed_hosts)
     if verifier_net is not None and verifier_net != env.network:
         note("verifier.network_mode", "a network policy of the verifier's own is not "
              f"supported: tests/test.sh runs with the sandbox's network "
              f"({'on' if env.network else 'off'})", "set the policy in [environment]")
-    given = {"network", "network_mode", "allow_internet", "allowed_hosts"} & \
-        env.model_fields_set
-    harbor_file = config.schema_version or config.version or config.task
-    if harbor_file and not given and config.agent.network_mode is None:
+    if config.network_unsaid:
         note("environment.network_mode", "no network policy given: Harbor's default is "
-             "network on (public), TMax's is off", 'say what the task needs: network_mode = '
-             '"no-network" or "public" in [environment]')
+             "network on (public); TMax's agent gets the package registries only "
+             "(--agent-network registries, the default) or none (offline)", 'say what the '
+             'task needs: network_mode = "no-network", "allowlist" or "public"')
     dumped = config.model_dump(exclude_unset=True)
     for field, instead in _NOT_APPLIED.items():
         section, _, key = field.rpartition(".")

@@ -358,6 +358,57 @@ def case_verifier_forges(runtime: ApptainerRuntime, image: Path) -> dict:
     return got
 
 
+GROW = ("import time\nb = []\ntry:\n    while len(b) < {n}: b.append(bytearray(16 << 20))\n"
+        "except MemoryError:\n    pass\nopen('/tmp/grown', 'w').write(str(len(b)))\n"
+        "time.sleep(300)\n")
+"""Touches 16 MiB chunks up to ``n``, holds what it got (RLIMIT_DATA may stop it first)."""
+
+
+def case_memory(runtime: ApptainerRuntime, image: Path) -> dict:
+    """memory_mb without cgroups (rootless on cgroup v1: apptainer_memory's watcher): one
+    process growing to 3x the limit, four each under it but together over it, both killed
+    with the sandbox's other processes (a sleeping job), reported as oom, through exec and
+    through the persistent shell; under the limit a command runs as usual."""
+    from sandfleet.shell import ShellSession
+
+    spec = SandboxSpec(image=image, cpus=1, memory_mb=256, storage_mb=64)
+    runtime.start("mem", spec)
+    seen: dict = {"cgroup_limits": runtime.cgroup_limits, "rootless": runtime.info.rootless}
+    try:
+        under = run(runtime, "mem", "python3 -c 'print(len(bytearray(150 << 20)))'")
+        assert (under.output, under.exit_code, under.oom) == (f"{150 << 20}\n", 0, False)
+        assert runtime.oom_kills("mem") == 0
+        grow = run(runtime, "mem", f"sleep 301 & python3 -c {shlex.quote(GROW.format(n=48))}")
+        assert (grow.exit_code, grow.oom) == (137, True), grow
+        seen["grow_peak_mb"] = runtime._memory.peaks["mem"] >> 20
+        inside = run(runtime, "mem", "ps -eo args").output
+        assert inside.split("\n")[1:] == ["appinit", "ps -eo args", ""], inside
+        bomb = run(runtime, "mem", "sleep 302 & for i in 1 2 3 4; do python3 -c "
+                   f"{shlex.quote(GROW.format(n=6))} & done; wait")
+        assert (bomb.exit_code, bomb.oom) == (137, True), bomb
+        seen["group_peak_mb"] = runtime._memory.peaks["mem"] >> 20
+        assert run(runtime, "mem", "ps -eo args").output.split("\n")[1:] == [
+            "appinit", "ps -eo args", ""]
+        shell = ShellSession(runtime, "mem")
+        shell.start()
+        try:
+            assert shell.run("cd /tmp; echo ok", 30).output == "ok\n"
+            hog = shell.run(f"python3 -c {shlex.quote(GROW.format(n=48))}", 60)
+            assert hog.oom and "a new shell was started" in hog.output, hog
+            after = shell.run("echo fine; pwd", 30)
+            assert (after.output, after.oom) == ("fine\n/\n", False), after
+        finally:
+            shell.close()
+        seen["oom_kills"] = runtime.oom_kills("mem")
+        assert seen["oom_kills"] == 3, seen
+        assert runtime.list_running() == ["mem"]
+    finally:
+        runtime.stop("mem")
+    assert runtime._memory.kills("mem") is None
+    no_leftovers(runtime)
+    return seen
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

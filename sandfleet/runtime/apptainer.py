@@ -25,7 +25,7 @@ What holds, run as root and as an ordinary user (tested both ways with Apptainer
   limits: the CPUs are pinned instead (the instance and every exec run under ``taskset`` on
   ``spec.cpus`` CPUs of the worker's, the least used first; a process inside may widen its
   own affinity within the worker's), and ``memory_mb`` is enforced by polling: the
-  runtime's ``apptainer_memory.MemoryWatcher`` sums each instance's PSS and tmpfs files
+  runtime's ``apptainer_memory.MemoryWatcher`` sums the PSS of each instance's processes
   every 0.25 s and past the limit kills every process but its pid 1 (``oom_kills`` counts
   those kills), each command entering with RLIMIT_DATA at ``memory_mb``. What that leaves
   open: ``unenforced()``.

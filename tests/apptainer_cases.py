@@ -409,6 +409,56 @@ def case_memory(runtime: ApptainerRuntime, image: Path) -> dict:
     return seen
 
 
+def case_allowlist(runtime: ApptainerRuntime, image: Path) -> dict:
+    """The allowlist network: the worker's proxy (sandfleet.netproxy) listening in the
+    instance's private network (as an ordinary user: through the instance's user namespace),
+    an upstream on this host reached by an allowed name, everything else refused."""
+    import asyncio
+    import socket
+    import threading
+
+    from sandfleet.netproxy import ProxyPool
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nupstream")
+        await writer.drain()
+        writer.close()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    server = on_loop(asyncio.start_server(serve, "0.0.0.0", 0))
+    port, name = server.sockets[0].getsockname()[1], socket.gethostname()
+    hosts, pool = (f"{name}:{port}",), ProxyPool()
+    fetch = ("import sys, urllib.request as u\ntry: print(u.urlopen(sys.argv[1], timeout=20)"
+             ".read().decode())\nexcept Exception as e: print('FAILED', e)\n")
+    dial = ("import socket, sys\ntry: socket.create_connection((sys.argv[1], int(sys.argv[2])),"
+            " timeout=5); print('CONNECTED')\nexcept OSError as e: print('FAILED', e)\n")
+    runtime.start("net", SandboxSpec(image=image, allowed_hosts=hosts))
+    try:
+        on_loop(pool.open("net", runtime, hosts))
+        seen = {
+            "allowed": run(runtime, "net", ["python3", "-c", fetch, f"http://{name}:{port}/"]
+                           ).output.strip(),
+            "refused": run(runtime, "net", ["python3", "-c", fetch, "https://example.com/"]
+                           ).output.strip(),
+            "direct": run(runtime, "net", ["python3", "-c", dial, "1.1.1.1", "443"]
+                          ).output.strip(),
+        }
+        seen["stats"] = vars(pool.proxies["net"].stats)
+    finally:
+        on_loop(pool.close("net"))
+        runtime.stop("net")
+        server.close()
+        loop.call_soon_threadsafe(loop.stop)
+    no_leftovers(runtime)
+    return seen
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -178,6 +178,15 @@ def test_memory_limit_of_an_ordinary_users_instance(shared, user, tmp_path):
 
 
 @pytest.mark.parametrize("who", WHO)
+def test_the_allowlist_network_reaches_its_hosts_and_nothing_else(who, shared, user, tmp_path):
+    seen = run_case("allowlist", who, shared, user, tmp_path)
+    assert seen["allowed"] == "upstream", seen
+    assert seen["refused"].startswith("FAILED") and "403" in seen["refused"], seen
+    assert seen["direct"].startswith("FAILED") and "unreachable" in seen["direct"], seen
+    assert (seen["stats"]["allowed"], seen["stats"]["refused"]) == (1, 1), seen
+
+
+@pytest.mark.parametrize("who", WHO)
 def test_persistent_shell(who, shared, user, tmp_path):
     run_case("shell", who, shared, user, tmp_path)
 

@@ -48,6 +48,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     model_serializer,
     model_validator,
@@ -305,7 +306,7 @@ class Acquire(Request):
     with it gets BadRequest from a server that cannot enforce it."""
 
     @model_serializer(mode="wrap")
-    def _omit_no_hosts(self, handler):
+    def _omit_no_hosts(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _omit_empty(handler(self), "allowed_hosts")
 
 
@@ -396,7 +397,7 @@ class SandboxSpecModel(Message):
     with it gets BadRequest from a server that cannot enforce it."""
 
     @model_serializer(mode="wrap")
-    def _omit_no_hosts(self, handler):
+    def _omit_no_hosts(self, handler: SerializerFunctionWrapHandler) -> Any:
         return _omit_empty(handler(self), "allowed_hosts")
 
 

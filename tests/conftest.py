@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ def local_slurm_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
-def local_slurm(tmp_path_factory: pytest.TempPathFactory):
+def local_slurm():
     path = f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/local/sbin:/sbin"
     missing = [b for b in SLURM_BINARIES if shutil.which(b, path=path) is None]
     if missing:
@@ -47,10 +48,15 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory):
             "(it installs slurm-wlm and munge)",
             pytrace=False,
         )
-    root = tmp_path_factory.mktemp("local-slurm")
+    # Not under pytest's tmp root (0700, and made so again by every pytest that starts):
+    # like a real cluster's, its munge socket and slurm.conf serve other users' jobs too
+    # (tests/test_apptainer_slurm.py submits as an ordinary user).
+    root = Path(tempfile.mkdtemp(prefix="tmax-local-slurm-", dir="/tmp"))
+    root.chmod(0o755)
     up = local_slurm_cmd("up", "--dir", str(root), "--nodes", "3", "--cpus", "2")
     if up.returncode != 0:
         local_slurm_cmd("down", "--dir", str(root))
+        shutil.rmtree(root, ignore_errors=True)
         pytest.fail(f"tmax-local-slurm up failed ({up.returncode}):\n{up.stderr}", pytrace=False)
     conf = root / "etc" / "slurm.conf"
     old = os.environ.get("SLURM_CONF")
@@ -64,6 +70,7 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory):
             os.environ["SLURM_CONF"] = old
         down = local_slurm_cmd("down", "--dir", str(root))
         assert down.returncode == 0, f"tmax-local-slurm down failed:\n{down.stderr}"
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

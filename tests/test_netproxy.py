@@ -71,6 +71,17 @@ def test_specs_and_acquire_carry_hosts_and_refuse_bad_ones():
         FleetConfig(proxy_upstream="squid.lan")
 
 
+def test_the_verifier_does_not_take_the_leases_proxy_for_the_images_environment():
+    import base64
+
+    from tmax.tasks.environment import parse_probe
+
+    raw = (f"A=1\0https_proxy=http://127.0.0.1:{PROXY_PORT}\0no_proxy=localhost,127.0.0.1,::1\0"
+           "HTTP_PROXY=http://squid.lan:3128\0").encode()
+    assert parse_probe(base64.b64encode(raw).decode()) == {
+        "A": "1", "HTTP_PROXY": "http://squid.lan:3128"}  # an image's own is kept
+
+
 # ---- the proxy against a local upstream (on the host)
 
 class Loop:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 
+from sandfleet.netproxy import proxy_env
+
 PROBE = "env -0 | base64 -w0"
 """Prints the environment NUL-separated, base64-encoded (no byte of it can break the
 transport)."""
@@ -18,6 +20,9 @@ DROPPED = frozenset({"PWD", "OLDPWD", "SHLVL", "_",  # the probing shell's own
                      "LD_PRELOAD", "LD_AUDIT",  # code injected into every verifier process
                      "UV_NO_CONFIG", "PIP_CONFIG_FILE"})  # the runtime's: no agent-written
 """Variables the verifier does not take from the image."""  # tool config
+LEASE_PROXY = proxy_env()
+"""The allowlist network's variables (``sandfleet.netproxy``): the agent's lease's, not the
+image's; the verifier runs offline, and a proxy it cannot reach would hide why."""
 
 
 def parse_probe(output: str) -> dict[str, str]:
@@ -31,8 +36,10 @@ def parse_probe(output: str) -> dict[str, str]:
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
         name = key.decode("utf-8", "replace")
-        if sep and name and name not in DROPPED and "\n" not in name:
-            env[name] = value.decode("utf-8", "replace")
+        text = value.decode("utf-8", "replace")
+        if sep and name and name not in DROPPED and "\n" not in name \
+                and LEASE_PROXY.get(name) != text:
+            env[name] = text
     return env
 
 

@@ -292,7 +292,7 @@ def case_verifier_seal(runtime: ApptainerRuntime, image: Path) -> dict:
 # whose uvx exits 1 (the tests ran and failed). attack -> (agent's commands, test.sh,
 # verifier env, expected reward)
 def forge_attacks() -> dict:
-    from tests.test_seal import HOST_PATH, write_file
+    from tests.seal_helpers import HOST_PATH, write_file
     from tests.test_verifier_forge_attacks import HARBOR_SH, RUNNER_SH, UNITTEST_SH
 
     wrong = write_file("/app/solution.py", "def answer():\n    return 41\n")
@@ -326,7 +326,7 @@ def case_verifier_forges(runtime: ApptainerRuntime, image: Path) -> dict:
     """Each of ``forge_attacks`` in a sandbox of the forge image, then its verifier: the
     reward it wrote, per attack; the legitimate path (the agent's module right, imported
     from the workdir) still scores 1."""
-    from tests.test_seal import write_file
+    from tests.seal_helpers import write_file
     from tests.test_verifier_forge_attacks import TEST_SOLUTION
 
     got = {}

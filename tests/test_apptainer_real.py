@@ -28,6 +28,7 @@ from sandfleet.runtime.apptainer import ApptainerRuntime
 
 pytest.register_assert_rewrite("tests.apptainer_cases")
 from tests import apptainer_cases  # noqa: E402
+from tests.seal_helpers import apptainer  # noqa: E402, F401  (a fixture)
 from tests.test_verifier_forge_attacks import forge_sif  # noqa: E402, F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,19 +38,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def apptainer():
-    """Apptainer on PATH, or the sid root made ready (bin/tmax-setup-apptainer)."""
-    if shutil.which("apptainer") is None:
-        setup = subprocess.run([str(REPO / "bin" / "tmax-setup-apptainer")],
-                               capture_output=True, text=True, timeout=900, check=False)
-        assert setup.returncode == 0, f"tmax-setup-apptainer failed:\n{setup.stderr}"
-    from sandfleet.runtime.apptainer_setup import probe
-
-    return probe()
-
-
-@pytest.fixture(scope="module")
-def shared(base_sif, apptainer):
+def shared(base_sif, apptainer):  # noqa: F811
     """A folder every user can read, holding the base SIF (a hard link, else a copy)."""
     root = Path(tempfile.mkdtemp(prefix="tmax-apptainer-", dir="/tmp"))
     root.chmod(0o755)
@@ -203,8 +192,9 @@ def test_worker_death_then_reap(who, shared, user, tmp_path):
 
 @pytest.mark.parametrize("who", WHO)
 def test_the_verifier_gets_its_own_reward_under_every_attack(who, shared, user, tmp_path):
-    """The seal attacks of tests/test_seal.py, at the runtime, on Apptainer: each forged
-    reward loses to the verifier's (tests/apptainer_cases.SEAL_ATTACKS)."""
+    """The seal attacks of tests/test_seal_rollout.py (there through an apptainer fleet as
+    root), at the runtime, as root and as an ordinary user: each forged reward loses to the
+    verifier's (tests/apptainer_cases.SEAL_ATTACKS)."""
     got = run_case("verifier_seal", who, shared, user, tmp_path)
     assert got == dict.fromkeys(apptainer_cases.SEAL_ATTACKS, "0.25")
 

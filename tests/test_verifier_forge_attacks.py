@@ -21,14 +21,14 @@ scores. The image: the Debian base plus a top-level venv and prepared verifier t
 prepare, which the Harbor examples' tests cover).
 """
 
-# ruff: noqa: F811  (the fixtures imported from tests.test_seal are parameters here)
+# ruff: noqa: F811  (the fixtures imported from tests.seal_helpers are parameters here)
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tests.test_seal import (  # noqa: F401  (fixtures)
+from tests.seal_helpers import (  # noqa: F401  (fixtures)
     FORGE_SH,
     HOST_PATH,
     dirs,

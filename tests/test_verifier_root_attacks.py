@@ -21,10 +21,10 @@ import textwrap
 
 import pytest
 
-import tests.test_seal as seal
-from tests.test_seal import FORGE_PY, daemon, run, verify, write_file
+import tests.seal_helpers as seal
+from tests.seal_helpers import FORGE_PY, daemon, run, verify, write_file
 
-dirs, runtime, make = seal.dirs, seal.runtime, seal.make  # test_seal's fixtures, for ours
+dirs, runtime, make = seal.dirs, seal.runtime, seal.make  # tests.seal_helpers' local runtime, for ours
 
 
 # ---- 1. hostile top-level names, links, fifos, sockets, hard links

@@ -41,8 +41,8 @@ import threading
 
 import pytest
 
+from tests.seal_helpers import verify  # (test.sh as the verifier; result, reward)
 from tests.test_runtime import dirs, make, run, runtime, user_sif  # noqa: F401  (fixtures)
-from tests.test_seal import verify  # (test.sh as the verifier; result, reward)
 
 _ids = itertools.count()
 

@@ -42,6 +42,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -401,3 +402,57 @@ class ProxyPool:
             log.info("proxy %s closed: %d allowed, %d refused %s, %d failed, %d B up, %d B down",
                      lease_id, s.allowed, s.refused, s.refused_hosts or "", s.failed,
                      s.bytes_up, s.bytes_down)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """One event loop in a daemon thread, for proxies of callers that have none."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="netproxy", daemon=True).start()
+        return _loop
+
+
+class ProxiedRuntime:
+    """A runtime whose sandboxes with ``allowed_hosts`` get their proxy as a worker gives it
+    (open after ``start``, closed for ``verify`` and opened again after, closed at
+    ``stop``), for callers without a worker: build-time image checks. Everything else is
+    the wrapped runtime's."""
+
+    def __init__(self, runtime, upstream: str = ""):
+        self._runtime, self._pool = runtime, ProxyPool(upstream)
+        self._hosts: dict[str, tuple[str, ...]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result(120)
+
+    def start(self, sandbox_id: str, spec) -> None:
+        self._runtime.start(sandbox_id, spec)
+        if spec.allowed_hosts:
+            try:
+                self._run(self._pool.open(sandbox_id, self._runtime, spec.allowed_hosts))
+            except BaseException:
+                self._runtime.stop(sandbox_id)
+                raise
+            self._hosts[sandbox_id] = tuple(spec.allowed_hosts)
+
+    def verify(self, sandbox_id: str, *args, **kwargs):
+        self._run(self._pool.close(sandbox_id))
+        try:
+            return self._runtime.verify(sandbox_id, *args, **kwargs)
+        finally:
+            if sandbox_id in self._hosts:
+                self._run(self._pool.reopen(sandbox_id, self._runtime, self._hosts[sandbox_id]))
+
+    def stop(self, sandbox_id: str) -> None:
+        self._hosts.pop(sandbox_id, None)
+        self._run(self._pool.close(sandbox_id))
+        self._runtime.stop(sandbox_id)

@@ -378,3 +378,27 @@ def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, bas
         # the controller refuses a bad list before any worker sees it
         with pytest.raises(Exception, match="allowed host"):
             client.lease(base_sif, allowed_hosts=["http://pypi.org/"]).__enter__()
+
+
+# ---- build-time checks: the reference solution runs as the agent would
+
+SAYS_NOTHING = 'schema_version = "1.4"\n[metadata]\ndifficulty = "easy"\n'
+APT_SOLVE = "#!/bin/bash\ncd /app && apt-get update -qq && apt-get download -qq tree\n"
+DEB_TEST = ("#!/bin/bash\nmkdir -p /logs/verifier\n"
+            "dpkg-deb -f /app/tree_*.deb Package | grep -qx tree && r=1 || r=0\n"
+            "echo $r > /logs/verifier/reward.txt\n")
+
+
+@needs_root
+@pytest.mark.slow
+def test_the_checks_of_a_harbor_task_that_says_nothing_reach_the_registries(tmp_path,
+                                                                            base_store):
+    """TB 2.0's reference solutions install at agent time: the oracle fetches a package
+    from the Debian archive through the proxy (1), the untouched environment has none (0)."""
+    from tests.conftest import checked_build, passing_checks_log
+    from tests.test_tasks import make_task
+
+    built = checked_build(tmp_path, base_store, lambda tasks: make_task(tasks, "apt-at-agent-time", **{
+        "task.toml": SAYS_NOTHING, "solution/solve.sh": APT_SOLVE, "tests/test.sh": DEB_TEST}))
+    log = passing_checks_log(*built)
+    assert "Get:" in log or "tree" in log, log[-2000:]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandfleet import InfraError, Runtime, SandboxSpec
+from sandfleet.netproxy import ProxiedRuntime
 from tmax.images.rootfs import DEFAULT_PATH
 from tmax.images.store import Checks
 from tmax.tasks import Task, artifacts
@@ -174,9 +175,11 @@ def task_spec(task: Task, sif: Path, workdir: str, *, verifier: bool = False,
     its commands run as ``user``."""
     env = task.config.verifier_resources if verifier else task.config.environment
     budget = task.config.agent.timeout_sec + task.config.verifier.timeout_sec + 300
+    # the solution runs as the agent would (a Harbor task that says nothing: the registries)
+    network, hosts = (env.network, ()) if verifier else task.config.agent_network("registries")
     return SandboxSpec(image=sif, cpus=env.cpus, memory_mb=env.memory_mb,
-                       storage_mb=env.storage_mb, network=env.network, max_lifetime_s=budget,
-                       workdir=workdir, user=user)
+                       storage_mb=env.storage_mb, network=network, max_lifetime_s=budget,
+                       workdir=workdir, user=user, allowed_hosts=hosts)
 
 
 def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
@@ -212,6 +215,7 @@ def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
     """A fresh sandbox of ``image`` with the task's limits (``verifier``: its separate
     verifier's), its environment read and its ENTRYPOINT started; stopped at the end."""
     sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
+    runtime = ProxiedRuntime(runtime)  # an allowlist's proxy, closed while test.sh runs
     log.append(f"## {what} in sandbox {sandbox_id}")
     runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier,
                                         user=image.user))

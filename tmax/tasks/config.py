@@ -214,8 +214,8 @@ def _check_hosts(hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
 
 def phase_network(mode: str | None, hosts: tuple[str, ...] | None) -> bool | None:
     """Whether a Harbor network policy gives network at all (None: no policy given).
-    An allowlist with hosts means network here (build-time checks get the whole network);
-    an agent's lease gets only those hosts (``TaskConfig.agent_network``)."""
+    An allowlist with hosts means network here (a separate verifier's sandbox gets the
+    whole network); the agent's sandbox gets only those hosts (``TaskConfig.agent_network``)."""
     if mode is None:
         return None
     return mode == "public" or (mode == "allowlist" and bool(hosts))

@@ -88,6 +88,9 @@ class SandfleetEnvironmentConfig(BaseModel):
     fleet's ``lease_ttl_s`` when None."""
     network: bool = False
     """Whether the sandbox has network access."""
+    allowed_hosts: list[str] = Field(default_factory=list)
+    """The allowlist network instead (``sandfleet.netproxy``): only these hosts, over
+    http/https through the fleet's proxy (e.g. ``sandfleet.netproxy.REGISTRY_HOSTS``)."""
 
 
 class SandfleetEnvironment:
@@ -104,6 +107,7 @@ class SandfleetEnvironment:
             self.lease = self.client.acquire(
                 self.config.image, cpus=self.config.cpus, memory_mb=self.config.memory_mb,
                 ttl_s=self.config.lease_ttl_s, network=self.config.network,
+                allowed_hosts=self.config.allowed_hosts,
                 env=self.config.env, workdir=self.config.cwd)
         except BaseException:
             self.client.close()

@@ -35,23 +35,37 @@ IMAGES = REPO / "images"
     # FROM lines as real benchmark tasks write them
     ("python:3.11-slim", "debian-slim"),
     ("python:3.10-slim-bullseye", "debian-slim"),
-    ("python:3.9", "debian-slim"),
+    ("python:3.9", "buildpack-deps-bookworm"),  # the full tags: buildpack-deps + Python
+    ("python:3.9-slim", "debian-slim"),
     ("python:3.12.7-slim-bookworm", "python-3.12"),
     ("python:3.13-slim", "debian-trixie"),
-    ("python:3", "debian-trixie"),
+    ("python:3", "buildpack-deps-trixie"),
+    ("python:3-slim", "debian-trixie"),
+    ("python:3.13-alpine", "debian-trixie"),
     ("docker.io/library/python:3.11-slim@sha256:" + "ab" * 32, "debian-slim"),
     ("docker.io/python:3.12", "python-3.12"),
     # a tag that names Debian 12 gets bookworm (its Dockerfile pins bookworm's packages)
     ("index.docker.io/library/python:3.13-bookworm", "python-3.13-bookworm"),
     ("public.ecr.aws/docker/library/python:3.13-slim-bookworm@sha256:" + "f5" * 32,
-     "python-3.13-bookworm"),
-    ("python:3.14.1-slim-bookworm", "python-3.13-bookworm"),
+     "python-3.13-slim-bookworm"),  # issue 36: no compiler, as the slim image
+    ("python:3.14.1-slim-bookworm", "python-3.13-slim-bookworm"),
     ("python:bookworm", "python-3.13-bookworm"),
-    ("python:3-slim-bookworm", "python-3.13-bookworm"),
+    ("python:3-slim-bookworm", "python-3.13-slim-bookworm"),
+    ("python:3-bookworm", "python-3.13-bookworm"),
+    ("python:slim-bookworm", "python-3.13-slim-bookworm"),
     ("python:3.10-slim-bookworm", "debian-slim"),
     ("python:3.13-slim-trixie", "debian-trixie"),
-    ("library/python:3.10", "debian-slim"),
-    ("mirror.gcr.io/library/python:3.11", "debian-slim"),
+    ("library/python:3.10", "buildpack-deps-bookworm"),
+    ("mirror.gcr.io/library/python:3.11", "buildpack-deps-bookworm"),
+    ("mirror.gcr.io/library/python:3.11-slim", "debian-slim"),
+    # ruby (issue 36): digest-pinned, through a registry's mirror of Docker Hub
+    ("ruby:3.3-slim", "ruby-3.3-slim"),
+    ("ruby:3.3.5-slim", "ruby-3.3-slim"),
+    ("ruby:3.3.5-slim-bookworm", "ruby-3.3-slim"),
+    ("ruby:3.3-slim@sha256:" + "5e" * 32, "ruby-3.3-slim"),
+    ("docker.io/library/ruby:3.3.5-slim@sha256:" + "5e" * 32, "ruby-3.3-slim"),
+    ("some.mirror/library/ruby:3.3-slim", "ruby-3.3-slim"),
+    ("registry.example:5000/library/ruby:3.3.5-slim", "ruby-3.3-slim"),
     ("public.ecr.aws/docker/library/node:20.18.1-bookworm", "node-bookworm"),
     ("node:22-bookworm-slim", "node-bookworm"),
     ("node:22-trixie-slim", "node"),
@@ -103,6 +117,9 @@ def test_real_from_lines_map_to_their_family(image, base):
      "ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest"),
     ("localhost:5000/team/tool", "localhost:5000/team/tool:latest"),  # a port is no tag
     ("localhost:5000/team/tool:1.2", "localhost:5000/team/tool:1.2"),
+    ("some.mirror/library/ruby:3.3-slim", "ruby:3.3-slim"),  # any registry's mirror of Hub
+    ("localhost:5000/library/ruby", "ruby:latest"),
+    ("someuser/library:1", "someuser/library:1"),  # a Hub user, not a registry
     ("quay.io/jupyter/base-notebook:2024", "quay.io/jupyter/base-notebook:2024"),
     ("", ""),
 ])
@@ -111,6 +128,7 @@ def test_normalize(image, ref):
 
 
 @pytest.mark.parametrize("image", ["alpine:3.19", "python:2.7", "eclipse-temurin:11",
+                                   "ruby:3.3", "ruby:3.2-slim",
                                    "maven:3.9.9-eclipse-temurin-17",
                                    "ghcr.io/other/thing:1", ""])
 def test_images_we_cannot_stand_in_for_stay_unmapped(image):
@@ -194,7 +212,7 @@ def test_user_map_is_tried_first_and_may_name_its_own_def(tmp_path):
                      "{image: 'corp.example/tools:*', base: defs/my-tools.def}")
     table = BaseTable.load(TABLE, user_map=user)
     assert table.resolve("python:3.11-slim") == "debian-trixie"  # the user's wins
-    assert table.resolve("python:3.10") == "debian-slim"  # the shipped table after it
+    assert table.resolve("python:3.10-slim") == "debian-slim"  # the shipped table after it
     assert table.resolve("corp.example/tools:7") == "my-tools"
     assert table.definition_path("my-tools") == (tmp_path / "defs" / "my-tools.def").resolve()
     assert table.definition_path("golang") == IMAGES / "golang.def"

@@ -4,8 +4,9 @@ TMax builds task images over local bases (images/<base>.def) instead of pulling 
 images. configs/base-images.yaml maps image references to them; a user's map file
 (``--base-map FILE`` or ``$TMAX_BASE_MAP``, same format) is tried first and may name a base
 of its own (a .def file). Image references are normalised before matching: the Docker Hub
-prefixes (``docker.io/library/``, ``public.ecr.aws/docker/library/``, ...) and a
-``@sha256:`` digest are dropped and a missing tag reads as ``latest``, so
+prefixes (``docker.io/library/``, ``public.ecr.aws/docker/library/``, ...), any registry's
+``<host>/library/`` (a mirror of Docker Hub's official images: ``mirror.example:5000/library/
+ruby:3.3-slim``) and a ``@sha256:`` digest are dropped and a missing tag reads as ``latest``, so
 ``docker.io/library/python:3.12@sha256:...`` matches ``python:3.12*``.
 """
 
@@ -50,6 +51,12 @@ class BaseMappingError(Exception):
             + (f"; the bases and the images they stand in for:\n{known}" if known else ""))
 
 
+def _is_registry_host(word: str) -> bool:
+    """Whether the first component of a reference is a registry (``host.domain``,
+    ``host:port``, ``localhost``), as Docker reads it, not a Docker Hub user."""
+    return "." in word or ":" in word or word.lower() == "localhost"
+
+
 def normalize(image: str) -> str:
     """``name:tag`` of an image reference, as the tables match it (see the module doc);
     "" when there is none."""
@@ -61,6 +68,10 @@ def normalize(image: str) -> str:
         if ref.lower().startswith(prefix):
             ref = ref[len(prefix):]
             break
+    else:  # any registry's mirror of Docker Hub's official images: <host>/library/<name>
+        host, _, rest = ref.partition("/")
+        if _is_registry_host(host) and rest.lower().startswith("library/"):
+            ref = rest
     if ref.lower().startswith("library/"):
         ref = ref[len("library/"):]
     name, sep, tag = ref.rpartition(":")

@@ -47,9 +47,9 @@ def test_a_definition_installing_what_the_image_lacks_fails_the_file_check(tmp_p
         "    apt-get clean\n", "    apt-get install -y --no-install-recommends gcc curl\n"
         "    apt-get clean\n", 1))
     found = check_file(load_expectations(), BaseTable.load(SHIPPED_TABLE, images_dir=images))
-    assert found == ["python:3.13-slim-bookworm: debian-slim -> python-3.13-slim-bookworm "
+    assert found == [("python:3.13-slim-bookworm: debian-slim -> python-3.13-slim-bookworm "
                      "installs ['curl', 'gcc'], which the image lacks; remove them or list "
-                     "them as deviations"]
+                     "them as deviations")]
 
 
 def test_an_unmapped_or_remapped_entry_and_an_uncovered_base_are_named(tmp_path):
@@ -82,8 +82,8 @@ SLIM = Expectation(image="python:3.13-slim-bookworm", base="b", source="s",
     # the stand-in issue 36 found: gcc without its headers
     ({"ca-certificates", "tzdata", "git", "gcc", "cpp"},
      ["holds ['cpp', 'gcc'], which python:3.13-slim-bookworm lacks",
-      "holds gcc without libc6-dev: `apt-get install gcc` is then a no-op and compiling "
-      "fails (stdio.h: No such file or directory)"]),
+      ("holds gcc without libc6-dev: `apt-get install gcc` is then a no-op and compiling "
+      "fails (stdio.h: No such file or directory)")]),
     ({"ca-certificates", "git", "make"},
      ["holds ['make'], which python:3.13-slim-bookworm lacks",
       "lacks ['tzdata'], which python:3.13-slim-bookworm holds"]),
@@ -107,10 +107,10 @@ def test_dpkg_status_counts_installed_packages_only():
      r"images\[0\]: needs image, base, source, has"),
     ("watched: [gcc]\nimages:\n  - {image: a, base: b, source: s, has: [curl]}\n",
      r"images\[0\] \(a\): 'has' names \['curl'\], which are not in 'watched'"),
-    ("watched: [gcc]\nimages:\n  - {image: a, base: b, source: s, has: [],"
-     " deviations: {extra: [gcc]}}\n", r"'deviations' holds extra, missing and why"),
-    ("watched: [gcc]\nimages:\n  - {image: a, base: b, source: s, has: [gcc],"
-     " deviations: {extra: [gcc], why: w}}\n", r"\['gcc'\]: a package is either held"),
+    (("watched: [gcc]\nimages:\n  - {image: a, base: b, source: s, has: [],"
+     " deviations: {extra: [gcc]}}\n"), r"'deviations' holds extra, missing and why"),
+    (("watched: [gcc]\nimages:\n  - {image: a, base: b, source: s, has: [gcc],"
+     " deviations: {extra: [gcc], why: w}}\n"), r"\['gcc'\]: a package is either held"),
     ("images: []\n", "needs exactly 'watched' and 'images'"),
 ])
 def test_a_bad_packages_file_names_the_entry(tmp_path, text, match):
@@ -152,14 +152,14 @@ def test_the_fixed_bases_hold_what_their_images_hold(base_store, fixed_bases):
 @pytest.mark.sandbox
 @pytest.mark.parametrize("name, dockerfile", [
     # issue 36: gcc was there without libc6-dev, so apt's no-op left no stdio.h
-    ("gcc-over-slim", "FROM python:3.13-slim-bookworm\nRUN apt-get update && "
+    ("gcc-over-slim", ("FROM python:3.13-slim-bookworm\nRUN apt-get update && "
      "apt-get install -y gcc && printf '#include <stdio.h>\\nint main(){puts(\"ok\");}' "
-     "> /t.c && gcc /t.c -o /t && /t\nWORKDIR /app\n"),
+     "> /t.c && gcc /t.c -o /t && /t\nWORKDIR /app\n")),
     ("ruby-slim", "FROM docker.io/library/ruby:3.3.5-slim@sha256:" + "5e" * 32 + "\n"
      "RUN test \"$(ruby -e 'puts 1+1')\" = 2 && gem --version && bundle --version\n"
      "RUN ruby -e 'puts 1+1' > /two.txt\nWORKDIR /app\n"),
-    ("ruby-slim-mirror", "FROM some.mirror/library/ruby:3.3-slim\n"
-     "RUN ruby -e 'require \"json\"; puts JSON.generate([1+1])' > /two.txt\nWORKDIR /app\n"),
+    ("ruby-slim-mirror", ("FROM some.mirror/library/ruby:3.3-slim\n"
+     "RUN ruby -e 'require \"json\"; puts JSON.generate([1+1])' > /two.txt\nWORKDIR /app\n")),
 ])
 def test_dockerfiles_the_real_images_build_build_over_the_stand_ins(
         tmp_path, base_store, fixed_bases, name, dockerfile):

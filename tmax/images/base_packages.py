@@ -65,8 +65,8 @@ def _names(value, where: str, field: str, watched: set[str] | None) -> frozenset
 def load_expectations(path: Path = PACKAGES_FILE) -> list[Expectation]:
     try:
         raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise PackagesFileError(f"{path}: cannot read it ({e})") from None
+    except (OSError, yaml.YAMLError) as err:
+        raise PackagesFileError(f"{path}: cannot read it ({err})") from None
     if not isinstance(raw, dict) or set(raw) != {"watched", "images"}:
         raise PackagesFileError(f"{path}: needs exactly 'watched' and 'images'")
     watched = set(_names(raw["watched"], str(path), "watched", None))
@@ -174,7 +174,7 @@ def named_packages(definition: str, before: frozenset[str] | set[str] = frozense
               _words(m.group(2) if m.group(1) else m.group(3))) for m in _STEP.finditer(code)]
     if (cut := code.rfind(_BUILD_TOOLS_GO)) >= 0:
         steps.append((cut, "auto", set()))
-    held, mine = set(before), set()
+    held, mine = set(before), set[str]()
     for _, kind, words in sorted(steps, key=lambda s: s[0]):
         if kind == "auto":
             held -= mine

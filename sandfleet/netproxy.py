@@ -272,8 +272,10 @@ def _parse_head(head: bytes) -> tuple[str, str, int, bytes] | None:
     if host is None:
         return None
     kept = [h for h in headers.split("\r\n") if h and not h.lower().startswith(
-        ("proxy-", "connection:", "keep-alive:"))]
-    out = "\r\n".join([f"{method} {target} HTTP/1.1", *kept, "Connection: close", "", ""])
+        ("proxy-", "connection:", "keep-alive:", "host:"))]
+    # the Host the allowlist checked, never the client's own (a CDN routes by Host)
+    out = "\r\n".join([f"{method} {target} HTTP/1.1", f"Host: {authority}", *kept,
+                        "Connection: close", "", ""])
     return method, host, port, out.encode("latin-1")
 
 

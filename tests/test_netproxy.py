@@ -151,10 +151,12 @@ def test_an_allowed_name_reaches_the_upstream_and_others_get_403(loop, upstream)
     loop.run(proxy.start(sock))
     at = sock.getsockname()[1]
     try:
-        reply = _ask(at, f"GET http://localhost:{port}/pkg?x=1 HTTP/1.1\r\nHost: localhost\r\n"
+        reply = _ask(at, f"GET http://localhost:{port}/pkg?x=1 HTTP/1.1\r\nHost: evil.example\r\n"
                      "Proxy-Connection: keep-alive\r\n\r\n".encode())
         assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"hi to /pkg?x=1")
         assert seen[-1].startswith(b"GET /pkg?x=1 HTTP/1.1\r\n")  # origin form upstream
+        # the host the allowlist checked, not the one the client wrote (a CDN routes by it)
+        assert f"Host: localhost:{port}".encode() in seen[-1] and b"evil" not in seen[-1]
         assert b"Proxy-Connection" not in seen[-1] and b"Connection: close" in seen[-1]
         n = len(seen)
         for target in (f"127.0.0.1:{port}", f"localhost:{port + 1}", "example.com"):

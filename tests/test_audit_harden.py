@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -255,7 +256,16 @@ def test_repair_hardens_a_pytest_verifier_the_exit_hack_forged_and_keeps_a_unitt
     from tmax.tasks.native import load_task
 
     ids = [PYTEST_TASK, UNITTEST_TASK]
-    tasks = [load_task(PLANTED / t) for t in ids]
+    # the pytest task with JUnit reports turned off in test.sh: a hardening that cannot hold
+    # (the plan cannot see it; the rebuilt task's checks do)
+    off = tmp_path / "planted" / "weak-exploit-pytest-nojunit"
+    shutil.copytree(PLANTED / PYTEST_TASK, off)
+    script = off / "tests" / "test.sh"
+    off_sh = script.read_text().replace(" -rA", " -rA -p no:junitxml")
+    script.write_text(off_sh)
+    built = harden_store.build(load_task(off))
+    assert built.status != "failed" and built.checks["ok"], built
+    tasks = [load_task(PLANTED / t) for t in ids] + [load_task(off)]
     original = {t: (PLANTED / t / "tests" / "test.sh").read_bytes() for t in ids}
     audits = _audit(harden_store, example_fleet, tasks, tmp_path / "audit")
     for a in audits:
@@ -269,6 +279,10 @@ def test_repair_hardens_a_pytest_verifier_the_exit_hack_forged_and_keeps_a_unitt
     assert any("3 tests, 3 passed" in c for c in fixed.changes), fixed.changes
     assert kept.action == "dropped" and kept.after == "verifier_too_weak", kept.to_dict()
     assert "do not run under pytest" in kept.reason
+    held = repairs[off.name]
+    assert held.action == "dropped" and held.after == "verifier_too_weak", held.to_dict()
+    assert held.reason.startswith("the hardening did not hold (the original is kept)")
+    assert script.read_text() == off_sh and not (off / "tests" / GRADED).exists()
     # the originals are untouched; only the repaired task is published
     assert {t: (PLANTED / t / "tests" / "test.sh").read_bytes() for t in ids} == original
     clean = tmp_path / "clean" / "tasks"

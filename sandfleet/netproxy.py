@@ -63,6 +63,9 @@ registries``)."""
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 256
+"""Open connections one sandbox's proxy serves at once (each holds two of the worker's file
+descriptors); past it, 503."""
 _NAME_RE = re.compile(r"(?:\*\.)?[a-z0-9_](?:[a-z0-9_-]{0,62})(?:\.[a-z0-9_](?:[a-z0-9_-]{0,62}))*")
 _DEFAULT_PORTS = frozenset({80, 443})
 
@@ -184,9 +187,12 @@ class AllowlistProxy:
         self._writers.add(writer)
         up_w: asyncio.StreamWriter | None = None
         try:
+            if len(self._writers) > MAX_CONNECTIONS:  # the worker's file descriptors are shared
+                return await _reply(writer, 503, f"more than {MAX_CONNECTIONS} connections")
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ConnectionError):
                 return
             if len(head) > MAX_HEAD_BYTES:
                 return await _reply(writer, 431, "request head too large")
@@ -211,7 +217,8 @@ class AllowlistProxy:
                                                     CONNECT_TIMEOUT_S)
                     if status.split(b" ", 2)[1:2] != [b"200"]:
                         raise OSError(f"parent proxy: {status.splitlines()[0]!r}")
-            except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, IndexError) as e:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError,
+                    asyncio.LimitOverrunError, IndexError) as e:
                 self.stats.failed += 1
                 return await _reply(writer, 502, f"cannot reach {host}:{port}: {e}")
             if method == "CONNECT":
@@ -301,7 +308,7 @@ def _origin_form(head: bytes) -> bytes:
 
 async def _reply(writer: asyncio.StreamWriter, code: int, text: str) -> None:
     reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-              502: "Bad Gateway"}[code]
+              502: "Bad Gateway", 503: "Service Unavailable"}[code]
     body = f"sandfleet proxy: {text}\n".encode()
     writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: "
                  f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
@@ -309,7 +316,7 @@ async def _reply(writer: asyncio.StreamWriter, code: int, text: str) -> None:
         await writer.drain()
 
 
-# --------------------------------------------------------------------------- the socket in the sandbox
+# ------------------------------------------------------------------- the socket in the sandbox
 
 _CHILD = r"""
 import ctypes, os, socket, sys
@@ -350,8 +357,8 @@ def listen_in_netns(pid: int, port: int = PROXY_PORT, *, timeout: float = 30.0) 
                  *map(str, fds)], pass_fds=(theirs.fileno(), *fds), capture_output=True,
                 timeout=timeout, text=True, env={"PATH": os.defpath})
             if proc.returncode != 0:
-                raise OSError(f"proxy socket in the sandbox's network (pid {pid}): "
-                              f"{(proc.stderr.strip().splitlines() or ['exit ' + str(proc.returncode)])[-1]}")
+                said = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
+                raise OSError(f"proxy socket in the sandbox's network (pid {pid}): {said[-1]}")
             ours.setblocking(False)
             _, got, _, _ = socket.recv_fds(ours, 16, 1)
             if not got:

@@ -5,6 +5,7 @@ nothing else; PyPI and the Ubuntu archive for real (slow)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import socket
@@ -137,7 +138,8 @@ def upstream(loop):
 def _ask(port: int, request: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(request)
-        s.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # the proxy may have answered and closed already
+            s.shutdown(socket.SHUT_WR)
         out = b""
         while data := s.recv(65536):
             out += data
@@ -400,7 +402,29 @@ def test_the_checks_of_a_harbor_task_that_says_nothing_reach_the_registries(tmp_
     from tests.conftest import checked_build, passing_checks_log
     from tests.test_tasks import make_task
 
-    built = checked_build(tmp_path, base_store, lambda tasks: make_task(tasks, "apt-at-agent-time", **{
-        "task.toml": SAYS_NOTHING, "solution/solve.sh": APT_SOLVE, "tests/test.sh": DEB_TEST}))
+    files = {"task.toml": SAYS_NOTHING, "solution/solve.sh": APT_SOLVE, "tests/test.sh": DEB_TEST}
+    built = checked_build(tmp_path, base_store,
+                          lambda tasks: make_task(tasks, "apt-at-agent-time", **files))
     log = passing_checks_log(*built)
     assert "Get:" in log or "tree" in log, log[-2000:]
+
+
+def test_one_sandbox_cannot_hold_more_than_its_share_of_connections(loop, monkeypatch):
+    from sandfleet import netproxy
+
+    monkeypatch.setattr(netproxy, "MAX_CONNECTIONS", 3)
+    proxy = AllowlistProxy(HostAllowlist(["pypi.org"]))
+    sock = socket.create_server(("127.0.0.1", 0))
+    loop.run(proxy.start(sock))
+    held = [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(3)]
+    try:
+        for _ in range(50):  # the proxy has accepted the three
+            if len(proxy._writers) == 3:
+                break
+            time.sleep(0.05)
+        assert _ask(sock.getsockname()[1], b"GET http://pypi.org/ HTTP/1.1\r\n\r\n") \
+            .startswith(b"HTTP/1.1 503")
+    finally:
+        for s in held:
+            s.close()
+        loop.run(proxy.close())

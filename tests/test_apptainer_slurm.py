@@ -147,6 +147,7 @@ def fleet(user, local_slurm, home):
         gc = run_as(user, local_slurm, SANDFLEET, "gc", "--state-dir", str(state), check=False)
         instances = as_user(user, [APPTAINER, "instance", "list", "--json"], timeout=120)
         sandboxes = sorted(str(p) for p in work.glob("*/*/runtime/sandboxes/*"))
+        worker_dirs = sorted(str(p) for p in work.glob("*/*"))
         mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
                   if str(home) in line]
         # the sid root's holder (bin/tmax-apptainer's stand-in for a system apptainer: a
@@ -171,6 +172,7 @@ def fleet(user, local_slurm, home):
         assert json.loads(instances.stdout or "{}").get("instances") in (None, []), \
             instances.stdout
         assert not sandboxes, f"sandboxes left: {sandboxes}"
+        assert not worker_dirs, f"worker folders left: {worker_dirs}"
         assert not mounts and not holder_mounts, f"mounts left: {mounts + holder_mounts}"
 
 

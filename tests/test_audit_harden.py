@@ -161,6 +161,7 @@ def _gated(tmp_path: Path, counts: tuple[int, int] | None, module: str,
     return (logs / "reward.txt").read_text().strip(), out.stdout + out.stderr
 
 
+@pytest.mark.slow  # real pytest runs, a few seconds each
 def test_the_gate_keeps_an_honest_reward_and_zeroes_one_the_report_does_not_back(tmp_path):
     honest = "def f(x):\n    return 2 * x\n"
     reward, out = _gated(tmp_path, None, honest)
@@ -179,6 +180,7 @@ def test_the_gate_keeps_an_honest_reward_and_zeroes_one_the_report_does_not_back
     assert reward == "0" and "3 tests collected, the reference run had 5" in out, out
 
 
+@pytest.mark.slow  # real pytest runs, a few seconds each
 def test_a_partial_reward_stands_beside_failures_but_needs_the_report(tmp_path):
     partial = GRADED_SH.replace("echo 1 > {logs}/reward.txt; else echo 0",
                                 "echo 1 > {logs}/reward.txt; else echo 0.5")
@@ -278,7 +280,7 @@ def test_repair_hardens_a_pytest_verifier_the_exit_hack_forged_and_keeps_a_unitt
     assert fixed.action == "repaired" and fixed.after is None, fixed.to_dict()
     assert any("3 tests, 3 passed" in c for c in fixed.changes), fixed.changes
     assert kept.action == "dropped" and kept.after == "verifier_too_weak", kept.to_dict()
-    assert "do not run under pytest" in kept.reason
+    assert "do not run under pytest" in kept.reason and kept.attempts == 0
     held = repairs[off.name]
     assert held.action == "dropped" and held.after == "verifier_too_weak", held.to_dict()
     assert held.reason.startswith("the hardening did not hold (the original is kept)")

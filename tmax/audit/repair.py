@@ -332,8 +332,8 @@ class Repairer:
                                    "hardening, not 0")
             await asyncio.to_thread(self._publish, root, task.task_id)
             record.action, record.reason = "repaired", ""
-        except harden.NotHardened as e:
-            record.after = audit.label
+        except harden.NotHardened as e:  # nothing was tried
+            record.after, record.attempts = audit.label, 0
             record.reason = (f"verifier_too_weak ({', '.join(hacks) or 'exploit'}): no "
                              f"mechanical hardening: {e}")
         except RepairFailed as e:

@@ -243,8 +243,10 @@ def repair_cmd(ctx, task_specs, clean_dir, audit_dir, rounds, builder, shard, co
                no_progress, **_array) -> None:
     """Keep, repair or drop each task of TASK_SPECS by its audit label into OUT/tasks:
     unlabelled and clean tasks are kept; answer leaks are moved out of the image into
-    tests/ (no LLM); weak verifiers and instruction/verifier mismatches are rewritten by
-    the teacher (--teacher); the rest is dropped. A repair is kept only when the rebuilt task
+    tests/ (no LLM); a verifier only the exploit probes forged is hardened without an LLM
+    where that is sound (pytest graded from its JUnit report), else left labelled with the
+    reason; weak verifiers and instruction/verifier mismatches are rewritten by the teacher
+    (--teacher); the rest is dropped. A repair is kept only when the rebuilt task
     passes oracle, fails nop and no probe faults it any more. Writes a report with the label
     counts before and after, and a plot."""
     from sandfleet import run_event_loop

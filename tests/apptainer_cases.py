@@ -91,7 +91,8 @@ def case_lifecycle(runtime: ApptainerRuntime, image: Path) -> dict:
         affinity = run(runtime, "life", "grep Cpus_allowed_list /proc/self/status").output
         seen["cpus"] = affinity.split()[-1]
         hog = run(runtime, "life", "python3 -c 'b = bytearray(400 << 20)'; echo rc=$?")
-        seen["hog"] = hog.output.strip().splitlines()[-1]
+        seen["hog"] = (hog.output.strip().splitlines() or [""])[-1]
+        seen["hog_exit"] = hog.exit_code
         seen["oom"], seen["oom_kills"] = hog.oom, runtime.oom_kills("life")
         seen["cgroup_limits"], seen["rootless"] = runtime.cgroup_limits, runtime.info.rootless
         assert runtime.list_running() == ["life"]

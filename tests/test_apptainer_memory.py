@@ -167,13 +167,14 @@ def test_this_machine_is_cgroup_v1():
 def test_rlimit_data_fails_one_big_allocation_and_passes_a_small_one():
     floor = DATA_FLOOR_MB << 20
     assert data_rlimit_argv(16) == ["prlimit", f"--data={floor}:{floor}", "--"]
-    big = subprocess.run([*data_rlimit_argv(300), sys.executable, "-c",
+    assert data_rlimit_argv(1024) == ["prlimit", f"--data={2 << 30}:{2 << 30}", "--"]
+    big = subprocess.run([*data_rlimit_argv(150), sys.executable, "-c",
                           "bytearray(400 << 20)"], capture_output=True, text=True, timeout=60)
     assert big.returncode == 1 and "MemoryError" in big.stderr, big.stderr
-    small = subprocess.run([*data_rlimit_argv(300), sys.executable, "-c",
-                            "print(len(bytearray(100 << 20)))"], capture_output=True, text=True,
+    small = subprocess.run([*data_rlimit_argv(150), sys.executable, "-c",
+                            "print(len(bytearray(250 << 20)))"], capture_output=True, text=True,
                            timeout=60)
-    assert small.stdout == f"{100 << 20}\n", small.stderr
+    assert small.stdout == f"{250 << 20}\n", small.stderr
     # the agent cannot raise its hard limit (that needs CAP_SYS_RESOURCE of the host's userns)
     raise_ = subprocess.run([*data_rlimit_argv(300), "unshare", "--user", "--map-root-user",
                              "prlimit", "--pid", "0", f"--data={1 << 40}:{1 << 40}"],

@@ -13,7 +13,8 @@ What holds, run as root and as an ordinary user (tested both ways with Apptainer
 - Writes go to the sandbox's own sparse ext3 overlay of ``storage_mb`` (ENOSPC inside at
   the quota; the node's disk gets only what is written), removed at stop.
 - ``--containall``: fresh pid, ipc and mount namespaces, no host home, /tmp or /dev bound,
-  a clean environment. The network is a private namespace with only ``lo`` unless
+  a clean environment; ``--no-mount tmp``: /tmp and /var/tmp are the overlay's (the agent's
+  files there count in ``storage_mb`` and reach the verifier). The network is a private namespace with only ``lo`` unless
   ``spec.network`` (``--network none`` needs no privileges). The hostname is set.
 - As an ordinary user (no setuid starter): ``--userns --fakeroot``, so commands run as
   root inside a user namespace mapping only that user; the image and overlay are mounted
@@ -27,8 +28,8 @@ What holds, run as root and as an ordinary user (tested both ways with Apptainer
   own affinity within the worker's), and ``memory_mb`` is enforced by polling: the
   runtime's ``apptainer_memory.MemoryWatcher`` sums the PSS of each instance's processes
   every 0.25 s and past the limit kills every process but its pid 1 (``oom_kills`` counts
-  those kills), each command entering with RLIMIT_DATA at ``memory_mb``. What that leaves
-  open: ``unenforced()``.
+  those kills), each command entering with RLIMIT_DATA at 2x ``memory_mb``. What that
+  leaves open: ``unenforced()``.
 - Max lifetime: a detached watchdog (``sleep; apptainer instance stop --force``) in its
   own session per sandbox, which outlives the worker; if it is killed too, the Slurm job's
   walltime still ends the instance with the job.
@@ -90,6 +91,9 @@ from sandfleet.verifier.plan import VERIFIER_TOOLS
 
 log = logging.getLogger(__name__)
 
+# /tmp and /var/tmp on the sandbox's overlay, as in a container (``--containall`` alone makes
+# them a tmpfs of the instance: outside ``storage_mb``, and gone before the verifier runs)
+NO_TMPFS = ("--no-mount", "tmp")
 # Stops the instance at the deadline, unless it is no longer the one started (pid gone).
 WATCHDOG_SH = ('sleep "$1" && kill -0 "$4" 2>/dev/null && '
                'exec "$2" instance stop --force "$3"')
@@ -104,7 +108,7 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
     limits with ``cgroup_limits``, pinned to ``cpus`` (by ``taskset``) when given."""
     argv = [*taskset(cpus), apptainer, "instance", "start"]
     argv += ["--overlay", str(overlay)] if overlay else ["--writable-tmpfs"]
-    argv += ["--containall", "--cleanenv", "--no-home", "--pid-file", str(pid_file),
+    argv += ["--containall", "--cleanenv", "--no-home", *NO_TMPFS, "--pid-file", str(pid_file),
              "--hostname", spec.hostname]
     argv += ["--userns", "--fakeroot"] if rootless else ["--userns"]
     if start_action:

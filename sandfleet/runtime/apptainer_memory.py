@@ -24,10 +24,17 @@ killer). Unlike the kernel's OOM killer, which picks one process, all go (as wit
 v2's ``memory.oom.group``): a background job, the persistent shell (which is restarted).
 
 Between two polls a fast allocation overshoots. ``data_rlimit_argv`` bounds one process:
-each command enters with ``RLIMIT_DATA`` at ``memory_mb`` (at least ``DATA_FLOOR_MB``, which
-Apptainer's own Go front end needs to start), which the agent cannot raise (that needs
-``CAP_SYS_RESOURCE`` of the host's user namespace); a single allocation past it fails with
-ENOMEM. Several processes each under it can still overshoot together until the next poll.
+each command enters with ``RLIMIT_DATA`` at ``DATA_FACTOR`` (2) times ``memory_mb`` (at
+least ``DATA_FLOOR_MB``, which Apptainer's own Go front end needs to start), which the agent
+cannot raise (that needs ``CAP_SYS_RESOURCE`` of the host's user namespace): an allocation
+past it fails with ENOMEM, one that grows past ``memory_mb`` is killed at the next poll, as
+the kernel's OOM killer would kill it (at 1x, every single process would meet ENOMEM just
+short of the limit and never be killed). It counts writable private mappings, touched or
+not: a JVM whose initial heap (1/64 of the node's RAM by default, ``-Xms``) is over twice
+``memory_mb`` does not start (measured: ``-Xms8g`` under 2 GiB fails; java, node, gcc,
+python and apt with their defaults start under 512 MiB on this 24 GiB machine);
+``ApptainerRuntime(data_rlimit=False)`` leaves it off. Several processes each under it can
+still overshoot together until the next poll.
 Files in a tmpfs (the instance's ``/tmp`` and ``/dev/shm``, each up to half the node's RAM,
 and any the agent mounts) or an unmapped memfd belong to no process and are not counted:
 the worker cannot even stat them (FUSE's ``allow_other`` refuses processes outside the
@@ -48,6 +55,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.25
+DATA_FACTOR = 2
 DATA_FLOOR_MB = 256
 """The smallest RLIMIT_DATA a command enters with: Apptainer 1.4.5's ``exec`` (Go) did not
 start under 64 MiB here and did under 128 MiB."""
@@ -56,7 +64,8 @@ KILL_ROUNDS = 8
 
 NOTE = ("memory_mb: enforced by polling (every 0.25 s, the sum of the sandbox's process "
         "PSS; past it every process but its pid 1 is killed, oom reported) and "
-        "RLIMIT_DATA at memory_mb per process (one allocation past it fails with ENOMEM); "
+        "RLIMIT_DATA at 2x memory_mb per process (an allocation past that fails with "
+        "ENOMEM; a JVM whose -Xms is over it does not start); "
         "processes each under it may together overshoot for up to one poll, and files in "
         "a tmpfs (/tmp, /dev/shm) or a memfd are not counted (the Slurm job's cgroup "
         "bounds those, for all of a worker's sandboxes together)")
@@ -94,9 +103,9 @@ def cgroup_v2_delegated(root: Path = Path("/sys/fs/cgroup"), uid: int | None = N
 
 
 def data_rlimit_argv(memory_mb: int) -> list[str]:
-    """The prefix that starts a command with RLIMIT_DATA (soft and hard) at ``memory_mb``
-    (at least ``DATA_FLOOR_MB``)."""
-    limit = max(memory_mb, DATA_FLOOR_MB) << 20
+    """The prefix that starts a command with RLIMIT_DATA (soft and hard) at ``DATA_FACTOR``
+    times ``memory_mb`` (at least ``DATA_FLOOR_MB``)."""
+    limit = max(DATA_FACTOR * memory_mb, DATA_FLOOR_MB) << 20
     return ["prlimit", f"--data={limit}:{limit}", "--"]
 
 

@@ -30,12 +30,12 @@ BASE = 5_000_000
 
 
 def fake_proc(root: Path, pid: int, *, ns: int, ppid: int, pss_kb: int, uid: int | None = None,
-              mnt: int = 7) -> None:
+              mnt: int = 7, flags: int = 0x400100) -> None:
     d = root / str(pid)
     (d / "ns").mkdir(parents=True)
     os.symlink(f"pid:[{ns}]", d / "ns" / "pid")
     os.symlink(f"mnt:[{mnt}]", d / "ns" / "mnt")
-    (d / "stat").write_text(f"{pid} (a (b) c) S {ppid} {pid} {pid} 0 -1 4194560 1 0 0 0\n")
+    (d / "stat").write_text(f"{pid} (a (b) c) S {ppid} {pid} {pid} 0 -1 {flags} 1 0 0 0\n")
     (d / "smaps_rollup").write_text(
         "00400000-7ffd0000 ---p 00000000 00:00 0    [rollup]\n"
         f"Rss:  {pss_kb * 3} kB\nPss:  {pss_kb} kB\nPss_Anon:  {pss_kb // 2} kB\n"
@@ -56,6 +56,7 @@ def proc(tmp_path) -> Path:
     - 20: sandbox B's pid 1 (400 kB)
     - 5: the host side of the exec (99999 kB), 6: the worker (50000 kB): not a sandbox's
     - 30: in A's namespace but another user's (no such process can be; ignored)
+    - 15: in A's namespace, killed and freeing its 400000 kB (PF_EXITING): not counted
     """
     root = tmp_path / "proc"
     for pid, ns, ppid, kb in [(10, 100, 1, 1000), (11, 100, 5, 2000), (12, 200, 11, 3000),
@@ -63,6 +64,7 @@ def proc(tmp_path) -> Path:
                               (5, 1, 6, 99999), (6, 1, 1, 50000)]:
         fake_proc(root, BASE + pid, ns=ns, ppid=BASE + ppid if ppid else 0, pss_kb=kb)
     fake_proc(root, BASE + 30, ns=100, ppid=BASE + 10, pss_kb=8000, uid=12345)
+    fake_proc(root, BASE + 15, ns=100, ppid=BASE + 10, pss_kb=400000, flags=0x400104)
     (root / "self").mkdir()
     (root / "loadavg").write_text("0.00\n")
     return root
@@ -71,8 +73,9 @@ def proc(tmp_path) -> Path:
 def test_processes_are_grouped_by_namespace_and_parent_chain(proc):
     procs = own_processes(str(proc), os.getuid())
     assert BASE + 30 not in procs and set(procs) == {BASE + p for p in
-                                                     (10, 11, 12, 13, 14, 20, 5, 6)}
-    assert procs[BASE + 12] == ("pid:[200]", BASE + 11)
+                                                     (10, 11, 12, 13, 14, 15, 20, 5, 6)}
+    assert procs[BASE + 12] == ("pid:[200]", BASE + 11, False)
+    assert procs[BASE + 15] == ("pid:[100]", BASE + 10, True)
     groups = group_by_sandbox(procs, {"pid:[100]": "A", "pid:[101]": "B"})
     assert sorted(groups["A"]) == [BASE + 10, BASE + 11, BASE + 12, BASE + 13]
     assert groups["B"] == [BASE + 20]

@@ -51,6 +51,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +120,29 @@ def _ns(proc: str, pid: str, kind: str) -> str | None:
         return None
 
 
-def _ppid(proc: str, pid: str) -> int:
+PF_EXITING = 0x4
+"""In ``/proc/<pid>/stat``'s flags: the process is exiting (its memory is being freed)."""
+
+
+class Proc(NamedTuple):
+    pidns: str
+    ppid: int
+    exiting: bool
+    """Killed or ended, freeing its memory: neither counted nor signalled again (a killed
+    process freeing 500 MiB must not get the next command killed too)."""
+
+
+def _stat(proc: str, pid: str) -> tuple[int, bool]:
     try:
         with open(f"{proc}/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
+            rest = f.read().rsplit(b")", 1)[1].split()
+        return int(rest[1]), bool(int(rest[6]) & PF_EXITING)
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, True
 
 
-def own_processes(proc: str, uid: int) -> dict[int, tuple[str, int]]:
-    """{pid: (pid namespace, parent pid)} of ``uid``'s processes in ``proc``."""
+def own_processes(proc: str, uid: int) -> dict[int, Proc]:
+    """{pid: (pid namespace, parent pid, exiting)} of ``uid``'s processes in ``proc``."""
     found = {}
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
@@ -140,23 +154,23 @@ def own_processes(proc: str, uid: int) -> dict[int, tuple[str, int]]:
             continue
         ns = _ns(proc, entry.name, "pid")
         if ns is not None:
-            found[int(entry.name)] = (ns, _ppid(proc, entry.name))
+            found[int(entry.name)] = Proc(ns, *_stat(proc, entry.name))
     return found
 
 
-def group_by_sandbox(procs: dict[int, tuple[str, int]], sandboxes: dict[str, str]
+def group_by_sandbox(procs: dict[int, Proc], sandboxes: dict[str, str]
                      ) -> dict[str, list[int]]:
-    """{sandbox: its pids}: a process is a sandbox's when its pid namespace is that
-    sandbox's (``sandboxes``: {pid namespace: sandbox}), or when its parent chain reaches
-    such a process first (a namespace nested inside: its parents lead out through the
-    sandbox's, the only way out of it)."""
+    """{sandbox: its live pids (not exiting)}: a process is a sandbox's when its pid
+    namespace is that sandbox's (``sandboxes``: {pid namespace: sandbox}), or when its
+    parent chain reaches such a process first (a namespace nested inside: its parents lead
+    out through the sandbox's, the only way out of it)."""
     memo: dict[int, str | None] = {}
 
     def owner(pid: int) -> str | None:
         chain = []
         while pid in procs and pid not in memo:
             chain.append(pid)
-            ns, parent = procs[pid]
+            ns, parent, _ = procs[pid]
             if ns in sandboxes:
                 memo[pid] = sandboxes[ns]
                 break
@@ -169,9 +183,9 @@ def group_by_sandbox(procs: dict[int, tuple[str, int]], sandboxes: dict[str, str
         return found
 
     groups: dict[str, list[int]] = {sid: [] for sid in sandboxes.values()}
-    for pid in procs:
+    for pid, p in procs.items():
         sid = owner(pid)
-        if sid is not None:
+        if sid is not None and not p.exiting:
             groups[sid].append(pid)
     return groups
 
@@ -302,7 +316,7 @@ class MemoryWatcher:
                 w.sandbox_id] if pid != w.init_pid]
             if not pids:
                 break
-            count += sum(_kill_in(self.proc, pid, procs[pid][0]) for pid in pids)
+            count += sum(_kill_in(self.proc, pid, procs[pid].pidns) for pid in pids)
             time.sleep(0.01)
         return count
 

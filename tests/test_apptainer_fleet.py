@@ -43,3 +43,7 @@ def test_every_example_task_scores_through_an_apptainer_fleet(
     s = summarize(records)
     assert s["mean_reward"] == reward
     assert s["infra_failure_rate"] == 0.0 and s["verifier_errors"] == 0
+    # nor did the fleet see any (a lease whose instance was down for its verify was
+    # reported sandbox_lost, though the episode scored)
+    status = apptainer_fleet.status()
+    assert status["failures"] == {}, status["recent_failures"]

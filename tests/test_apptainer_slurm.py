@@ -223,10 +223,13 @@ def test_examples_score_through_an_apptainer_fleet_of_slurm_jobs_of_an_ordinary_
 def test_the_wrappers_holder_does_not_keep_its_start_lock(user):
     """bin/tmax-apptainer's first call of a user starts the holder under a lock; the
     holder inherited it and kept it for good, so a second first call (two workers of one
-    user starting on a node at once) waited on it until its timeout."""
+    user starting on a node at once) waited on it until its timeout. The first call here
+    has a Debian user's PATH (no sbin: pivot_root was not found)."""
     if shutil.which("apptainer") is not None:
         pytest.skip("a real apptainer on PATH: the wrapper execs it, no holder")
-    assert as_user(user, [APPTAINER, "instance", "list"], timeout=120).returncode == 0
+    first = as_user(user, ["env", "PATH=/usr/local/bin:/usr/bin:/bin", APPTAINER, "instance",
+                           "list"], timeout=120)
+    assert first.returncode == 0, first.stderr
     try:
         free = as_user(user, ["flock", "--nonblock", f"/tmp/tmax-apptainer-{user.pw_uid}/lock",
                               "true"], timeout=30)

@@ -115,6 +115,10 @@ class FleetConfig(Strict):
     """Where the allowlist network's proxy sends what it lets through (``host:port`` of an
     HTTP proxy the nodes reach: a cluster's squid or registry mirror); "" connects from the
     node directly (``sandfleet.netproxy``)."""
+    proxy_node_ca: bool = True
+    """An allowlisted sandbox trusts, for https, the authorities the node trusts as well as
+    its image's (``$SSL_CERT_FILE`` or Debian's bundle on the node: where the node's egress
+    inspects TLS with its own authority, pip and curl work in the sandbox as on the node)."""
     conn_auth_timeout_s: float = Field(default=5.0, gt=0)
     """A connection to the controller or a worker must present the fleet token (a complete
     frame header) this soon after it opens, or it is closed."""

@@ -42,9 +42,11 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sandfleet.errors import SandboxStartError
 
@@ -60,12 +62,18 @@ REGISTRY_HOSTS: tuple[str, ...] = (
 )
 """The package registries: Debian and Ubuntu archives, PyPI, npm (``--agent-network
 registries``)."""
+CA_PATH = "/etc/sandfleet-ca.crt"
+"""The authorities an allowlisted sandbox's TLS clients trust (``install_ca``)."""
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
+                "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO")
+"""What points OpenSSL, Python's ssl and requests, pip, curl, git and Node at CA_PATH."""
+IMAGE_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 256
 """Open connections one sandbox's proxy serves at once (each holds two of the worker's file
-descriptors); past it, 503."""
+descriptors); one past it is closed as it is accepted."""
 _NAME_RE = re.compile(r"(?:\*\.)?[a-z0-9_](?:[a-z0-9_-]{0,62})(?:\.[a-z0-9_](?:[a-z0-9_-]{0,62}))*")
 _DEFAULT_PORTS = frozenset({80, 443})
 
@@ -127,11 +135,39 @@ def _split_entry(raw: str) -> tuple[str, frozenset[int]]:
 
 
 def proxy_env(port: int = PROXY_PORT) -> dict[str, str]:
-    """What a sandbox's environment says for its proxy."""
+    """What a sandbox's environment says for its proxy, and the authorities its TLS
+    clients trust (``CA_PATH``)."""
     url = f"http://127.0.0.1:{port}"
     env = dict.fromkeys(("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"), url)
     env.update(no_proxy="localhost,127.0.0.1,::1", NO_PROXY="localhost,127.0.0.1,::1")
-    return env
+    return env | dict.fromkeys(CA_VARIABLES, CA_PATH)
+
+
+def node_ca() -> Path | None:
+    """The authorities this node trusts ($SSL_CERT_FILE, else Debian's bundle)."""
+    for candidate in (os.environ.get("SSL_CERT_FILE", ""), "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def install_ca(runtime, sandbox_id: str, node: Path | None) -> None:
+    """``CA_PATH`` in the sandbox: the image's own bundles (an authority a task installed
+    still counts) and ``node``'s (this node's network may present its own authority, as a
+    proxy that inspects TLS does: the sandbox trusts what the node trusts, as image builds
+    do). Copied as the runtime's files are (as root); blocking."""
+    with tempfile.TemporaryDirectory(prefix="sandfleet-ca-") as tmp:
+        parts = []
+        for n, bundle in enumerate(IMAGE_CA_BUNDLES):
+            with contextlib.suppress(Exception):  # an image without that bundle
+                runtime.copy_out(sandbox_id, bundle, Path(tmp) / f"image-{n}")
+                parts.append((Path(tmp) / f"image-{n}").read_bytes())
+        if node is not None:
+            parts.append(node.read_bytes())
+        merged = Path(tmp) / "ca.crt"
+        merged.write_bytes(b"\n".join(parts))
+        merged.chmod(0o644)
+        runtime.copy_in(sandbox_id, merged, CA_PATH)
 
 
 @dataclass
@@ -188,7 +224,8 @@ class AllowlistProxy:
         up_w: asyncio.StreamWriter | None = None
         try:
             if len(self._writers) > MAX_CONNECTIONS:  # the worker's file descriptors are shared
-                return await _reply(writer, 503, f"more than {MAX_CONNECTIONS} connections")
+                self.stats.refused += 1
+                return  # closed at once, before it can hold anything
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
@@ -308,7 +345,7 @@ def _origin_form(head: bytes) -> bytes:
 
 async def _reply(writer: asyncio.StreamWriter, code: int, text: str) -> None:
     reason = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-              502: "Bad Gateway", 503: "Service Unavailable"}[code]
+              502: "Bad Gateway"}[code]
     body = f"sandfleet proxy: {text}\n".encode()
     writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: "
                  f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
@@ -374,9 +411,11 @@ class ProxyPool:
     can host one has ``netns_pid(sandbox_id)``: a process in the sandbox's network
     namespace), ``close`` before its verifier and at teardown (idempotent)."""
 
-    def __init__(self, upstream: str = ""):
+    def __init__(self, upstream: str = "", *, trust_node_ca: bool = True):
         self.upstream = parse_upstream(upstream)
+        self.node_ca = node_ca() if trust_node_ca else None
         self.proxies: dict[str, AllowlistProxy] = {}
+        self._ca_done: set[str] = set()
 
     async def open(self, lease_id: str, runtime, allowed_hosts: Iterable[str]) -> None:
         hosts = tuple(allowed_hosts)
@@ -386,11 +425,19 @@ class ProxyPool:
         if pid_of is None:
             raise SandboxStartError(lease_id, f"runtime {type(runtime).__name__} cannot "
                                     "enforce an allowlist network (no netns_pid)")
+        loop = asyncio.get_running_loop()
         try:
-            sock = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: listen_in_netns(pid_of(lease_id)))
+            sock = await loop.run_in_executor(None, lambda: listen_in_netns(pid_of(lease_id)))
         except OSError as e:
             raise SandboxStartError(lease_id, f"allowlist network: {e}") from None
+        if lease_id not in self._ca_done:  # once per sandbox (not again after a verifier)
+            try:
+                await loop.run_in_executor(None, install_ca, runtime, lease_id, self.node_ca)
+            except Exception as e:  # noqa: BLE001 - any failure to copy it fails the start
+                sock.close()
+                raise SandboxStartError(lease_id, f"allowlist network: {CA_PATH}: {e}") \
+                    from None
+            self._ca_done.add(lease_id)
         proxy = AllowlistProxy(HostAllowlist(hosts), upstream=self.upstream, name=lease_id)
         await proxy.start(sock)
         self.proxies[lease_id] = proxy
@@ -403,7 +450,10 @@ class ProxyPool:
         except SandboxStartError as e:
             log.warning("proxy %s not reopened after its verifier: %s", lease_id, e.reason)
 
-    async def close(self, lease_id: str) -> None:
+    async def close(self, lease_id: str, *, done: bool = False) -> None:
+        """``done``: the sandbox is going away (forget it)."""
+        if done:
+            self._ca_done.discard(lease_id)
         proxy = self.proxies.pop(lease_id, None)
         if proxy is not None:
             await proxy.close()
@@ -463,5 +513,5 @@ class ProxiedRuntime:
 
     def stop(self, sandbox_id: str) -> None:
         self._hosts.pop(sandbox_id, None)
-        self._run(self._pool.close(sandbox_id))
+        self._run(self._pool.close(sandbox_id, done=True))
         self._runtime.stop(sandbox_id)

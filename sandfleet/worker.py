@@ -135,7 +135,8 @@ class Worker:
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
             runtime = get_runtime(config.runtime, **kwargs)
-        self.runtime, self.proxies = runtime, ProxyPool(config.proxy_upstream)
+        self.runtime, self.proxies = runtime, ProxyPool(config.proxy_upstream,
+                                                        trust_node_ca=config.proxy_node_ca)
         self.leases: dict[str, Held] = {}
         self.lost: dict[str, str] = {}
         self.executor = ThreadPoolExecutor(max_workers=max(16, 4 * config.cpus_per_node),
@@ -371,7 +372,7 @@ class Worker:
             self.leases.pop(req.lease_id, None)
             ready.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
             ready.exception()
-            await self.proxies.close(req.lease_id)
+            await self.proxies.close(req.lease_id, done=True)
             await self._call(self.runtime.stop, req.lease_id)
             raise
         held.shell = shell
@@ -392,7 +393,7 @@ class Worker:
         await self._teardown(held)
 
     async def _teardown(self, held: Held) -> None:
-        await self.proxies.close(held.lease_id)
+        await self.proxies.close(held.lease_id, done=True)
         if held.shell is not None:
             with contextlib.suppress(Exception):
                 await held.shell.close()

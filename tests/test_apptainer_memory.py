@@ -22,6 +22,7 @@ from sandfleet.runtime.apptainer_memory import (
     group_by_sandbox,
     own_processes,
     pss_bytes,
+    rss_bytes,
 )
 
 # fake pids above this machine's pid_max (32768) and Linux's (4194304): never a real process,
@@ -40,6 +41,8 @@ def fake_proc(root: Path, pid: int, *, ns: int, ppid: int, pss_kb: int, uid: int
         "00400000-7ffd0000 ---p 00000000 00:00 0    [rollup]\n"
         f"Rss:  {pss_kb * 3} kB\nPss:  {pss_kb} kB\nPss_Anon:  {pss_kb // 2} kB\n"
         f"Pss_File:  {pss_kb - pss_kb // 2} kB\nShared_Clean:  12 kB\n")
+    pages = pss_kb * 3 * 1024 // os.sysconf("SC_PAGE_SIZE")
+    (d / "statm").write_text(f"{pages * 4} {pages} {pages // 2} 100 0 {pages} 0\n")
     if uid is not None:
         os.chown(d, uid, -1)
 
@@ -81,9 +84,10 @@ def test_processes_are_grouped_by_namespace_and_parent_chain(proc):
     assert groups["B"] == [BASE + 20]
 
 
-def test_pss_is_read_not_rss(proc):
+def test_pss_and_rss_read(proc):
     assert pss_bytes(str(proc), BASE + 11) == 2000 * 1024
-    assert pss_bytes(str(proc), BASE + 99) == 0  # gone
+    assert rss_bytes(str(proc), BASE + 11) == 3 * 2000 * 1024
+    assert pss_bytes(str(proc), BASE + 99) == 0 == rss_bytes(str(proc), BASE + 99)  # gone
 
 
 def test_usage_sums_pss_per_sandbox(proc):
@@ -92,9 +96,10 @@ def test_usage_sums_pss_per_sandbox(proc):
     watcher.watch("B", BASE + 20, memory_mb=16)
     try:
         usage = watcher.usage()
-        # A: 1000 + 2000 + 3000 + 500 kB; B: 400 kB
+        # A's RSS (3 x 6500 kB = 19500 kB) is past 16 MiB, so its PSS is summed:
+        # 1000 + 2000 + 3000 + 500 kB; B's RSS (1200 kB) is under, and that is its figure
         assert {sid: used for sid, (used, _) in usage.items()} == {
-            "A": 6500 * 1024, "B": 400 * 1024}
+            "A": 6500 * 1024, "B": 1200 * 1024}
         assert watcher.poll() == [] and watcher.kills("A") == 0 and watcher.kills("B") == 0
     finally:
         watcher.close()

@@ -14,7 +14,9 @@ or whose parent chain reaches one (a pid namespace the agent nests inside). Thei
 summed as **PSS** (``smaps_rollup``): a page shared by N processes counts 1/N to each, so
 the read-only image's libraries mapped by twenty processes, or a parent's pages shared
 copy-on-write with forked children, count once, as a cgroup charges them; RSS would count
-them twenty times and make a small sandbox look big.
+them twenty times and make a small sandbox look big. PSS walks page tables, so the RSS sum
+(counters in ``statm``, an upper bound) is read first and PSS only when RSS is past the
+limit: an idle sandbox costs a few small reads per poll.
 
 Past ``memory_mb``, every process of the sandbox except its pid 1 gets SIGKILL (through a
 pidfd checked to be in the namespace still: no pid reuse race), and the sandbox's OOM count
@@ -202,6 +204,26 @@ def pss_bytes(proc: str, pid: int) -> int:
     return 0
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(proc: str, pid: int) -> int:
+    """A process's resident set size (``statm``: counters, no page walk; >= its PSS)."""
+    try:
+        with open(f"{proc}/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def sandbox_bytes(proc: str, pids: list[int], limit: int) -> int:
+    """The sum of ``pids``' PSS, or of their RSS when that is no more than ``limit``: RSS
+    is an upper bound read from counters, PSS walks every page table (``smaps_rollup``),
+    which only a sandbox near its limit needs."""
+    rss = sum(rss_bytes(proc, pid) for pid in pids)
+    return rss if rss <= limit else sum(pss_bytes(proc, pid) for pid in pids)
+
+
 # ---- the watcher
 
 
@@ -279,14 +301,15 @@ class MemoryWatcher:
                 log.exception("memory watcher: a poll failed")
 
     def usage(self) -> dict[str, tuple[int, list[int]]]:
-        """{sandbox id: (bytes, its pids)} now."""
+        """{sandbox id: (bytes, its pids)} now: the PSS sum (``sandbox_bytes``; the RSS sum
+        where that is under the limit)."""
         with self._lock:
-            watched = list(self._watched.values())
+            watched = {w.sandbox_id: w for w in self._watched.values()}
         if not watched:
             return {}
         groups = group_by_sandbox(own_processes(self.proc, self.uid),
-                                  {w.pidns: w.sandbox_id for w in watched})
-        return {sid: (sum(pss_bytes(self.proc, pid) for pid in pids), pids)
+                                  {w.pidns: sid for sid, w in watched.items()})
+        return {sid: (sandbox_bytes(self.proc, pids, watched[sid].limit_bytes), pids)
                 for sid, pids in groups.items()}
 
     def poll(self) -> list[str]:

@@ -355,9 +355,9 @@ then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt
 
 @needs_root
 @pytest.mark.sandbox
-def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, base_sif, upstream):
+def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, base_sif, upstream,
+                                                                   example_fleet):
     from sandfleet.client import FleetClient
-    from tests.test_fleet import Fleet
 
     port, _ = upstream
     name = socket.gethostname()
@@ -366,8 +366,7 @@ def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, bas
     tests.mkdir()
     (tests / "test.sh").write_text(VERIFIER_PROBE)
     fetch = f"python3 -c {shlex.quote(URLOPEN)}"
-    with Fleet(tmp_path / "fleet", tmp_path / "cache", min_nodes=1).running() as fleet, \
-            FleetClient(fleet.state) as client, \
+    with FleetClient(example_fleet.state) as client, \
             client.lease(base_sif, ttl_s=60, allowed_hosts=[f"{name}:{port}"]) as lease:
         got = lease.run(f"{fetch} {url}")
         assert got.exit_code == 0 and "hi to /fleet" in got.output, got.output
@@ -395,18 +394,34 @@ DEB_TEST = ("#!/bin/bash\nmkdir -p /logs/verifier\n"
 
 @needs_root
 @pytest.mark.slow
-def test_the_checks_of_a_harbor_task_that_says_nothing_reach_the_registries(tmp_path,
-                                                                            base_store):
-    """TB 2.0's reference solutions install at agent time: the oracle fetches a package
-    from the Debian archive through the proxy (1), the untouched environment has none (0)."""
+def test_a_harbor_task_that_says_nothing_reaches_the_registries(tmp_path, base_store,
+                                                                example_fleet):
+    """TB 2.0's reference solutions install at agent time: at build-time checks the oracle
+    fetches a package from the Debian archive through the proxy (1), the untouched
+    environment has none (0); a rollout's agent gets the registries by default (1) and
+    nothing with ``agent_network = "offline"`` (0)."""
+    from sandfleet.client import AsyncFleetClient
     from tests.conftest import checked_build, passing_checks_log
     from tests.test_tasks import make_task
+    from tmax.agent.config import AgentConfig
+    from tmax.agent.policies.simple import OraclePolicy
+    from tmax.rollout.run import TaskImages, rollout
 
     files = {"task.toml": SAYS_NOTHING, "solution/solve.sh": APT_SOLVE, "tests/test.sh": DEB_TEST}
     built = checked_build(tmp_path, base_store,
                           lambda tasks: make_task(tasks, "apt-at-agent-time", **files))
     log = passing_checks_log(*built)
     assert "Get:" in log or "tree" in log, log[-2000:]
+    store, task, _ = built
+
+    async def go(network: str):
+        async with AsyncFleetClient(example_fleet.state) as client:
+            return await rollout(task, OraclePolicy(), client, TaskImages(store.root),
+                                 AgentConfig(agent_network=network))
+
+    for network, reward in (("registries", 1.0), ("offline", 0.0)):
+        traj = asyncio.run(go(network))
+        assert (traj.reward, traj.infra_failure) == (reward, None), traj.verifier_output
 
 
 def test_one_sandbox_cannot_hold_more_than_its_share_of_connections(loop, monkeypatch):

@@ -33,15 +33,16 @@ past it fails with ENOMEM, one that grows past ``memory_mb`` is killed at the ne
 the kernel's OOM killer would kill it (at 1x, every single process would meet ENOMEM just
 short of the limit and never be killed). It counts writable private mappings, touched or
 not: a JVM whose initial heap (1/64 of the node's RAM by default, ``-Xms``) is over twice
-``memory_mb`` does not start (measured: ``-Xms8g`` under 2 GiB fails; java, node, gcc,
-python and apt with their defaults start under 512 MiB on this 24 GiB machine);
-``ApptainerRuntime(data_rlimit=False)`` leaves it off. Several processes each under it can
-still overshoot together until the next poll.
-Files in a tmpfs (the instance's ``/tmp`` and ``/dev/shm``, each up to half the node's RAM,
-and any the agent mounts) or an unmapped memfd belong to no process and are not counted:
-the worker cannot even stat them (FUSE's ``allow_other`` refuses processes outside the
-instance's user namespace the way through its root). The Slurm job's cgroup bounds all of
-a worker's sandboxes together in every case.
+``memory_mb`` does not start (measured: ``-Xms8g`` under 2 GiB fails; java 17, node, gcc
+and python with their defaults start under 512 MiB on this 24 GiB machine, java not under
+256 MiB); ``ApptainerRuntime(data_rlimit=False)`` leaves it off. Several processes each
+under it can still overshoot together until the next poll.
+
+Files in a tmpfs (the instance's ``/dev/shm``, up to half the node's RAM, and any the agent
+mounts, root in its user namespace) or an unmapped memfd belong to no process and are not
+counted: the worker cannot even stat them (FUSE's ``allow_other`` refuses processes outside
+the instance's user namespace the way through its root). The Slurm job's cgroup bounds all
+of a worker's sandboxes together in every case.
 """
 
 from __future__ import annotations
@@ -65,13 +66,13 @@ start under 64 MiB here and did under 128 MiB."""
 KILL_ROUNDS = 8
 """Passes of SIGKILL over a sandbox's processes (they may fork while we look)."""
 
-NOTE = ("memory_mb: enforced by polling (every 0.25 s, the sum of the sandbox's process "
-        "PSS; past it every process but its pid 1 is killed, oom reported) and "
+NOTE = ("memory_mb through cgroups: polled instead (every 0.25 s, the sum of the sandbox's "
+        "process PSS; past it every process but its pid 1 is killed, oom reported) and "
         "RLIMIT_DATA at 2x memory_mb per process (an allocation past that fails with "
         "ENOMEM; a JVM whose -Xms is over it does not start); "
         "processes each under it may together overshoot for up to one poll, and files in "
-        "a tmpfs (/tmp, /dev/shm) or a memfd are not counted (the Slurm job's cgroup "
-        "bounds those, for all of a worker's sandboxes together)")
+        "a tmpfs (/dev/shm, one the agent mounts) or a memfd are not counted (the Slurm "
+        "job's cgroup bounds those, for all of a worker's sandboxes together)")
 
 
 # ---- cgroup v2 delegation: where Apptainer's own rootless --memory works

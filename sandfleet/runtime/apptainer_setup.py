@@ -153,11 +153,12 @@ def make_overlay(path: Path, size_mb: int, *, hide: tuple[str, ...] = (),
                           f"{(out.stdout + out.stderr)[-800:]}")
 
 
-def unenforced_limits(cgroup_limits: bool) -> list[str]:
-    """The spec's limits the apptainer runtime does not enforce per sandbox."""
+def unenforced_limits(cgroup_limits: bool, why: str = "") -> list[str]:
+    """The spec's limits the apptainer runtime does not enforce per sandbox (``why``: why
+    Apptainer's rootless cgroups are not used)."""
     if cgroup_limits:
         return []
-    return [MEMORY_NOTE,
+    return [MEMORY_NOTE + (f"; Apptainer's own --memory is not used: {why}" if why else ""),
             ("cpus: pinned with taskset, not bounded: a process inside may widen its "
              "affinity within the worker's CPUs")]
 
@@ -176,8 +177,8 @@ def report(name: str = "apptainer") -> dict:
         info = probe(name, timeout=30)
     except SandboxStartError as e:
         return {"usable": False, "problem": e.reason}
+    why = cgroup_v2_delegated() if info.rootless else None
     return {"usable": True, "path": info.path, "version": ".".join(map(str, info.version)),
             "rootless": info.rootless, "wrapper": info.wrapper,
-            "not_enforced": unenforced_limits(not info.rootless
-                                              or cgroup_v2_delegated() is None),
+            "not_enforced": unenforced_limits(why is None, why or ""),
             "not_guaranteed": NOT_GUARANTEED}

@@ -164,9 +164,16 @@ def test_cgroup_v2_delegation_refused_says_why(tmp_path, tree, env, why):
     assert got is not None and why in got, got
 
 
-def test_this_machine_is_cgroup_v1():
-    """Why the rootless --memory path is only unit-tested here."""
-    assert cgroup_v2_delegated() is not None
+def test_doctor_says_memory_is_polled_and_why_not_through_cgroups():
+    from sandfleet.runtime.apptainer_setup import unenforced_limits
+
+    assert unenforced_limits(True) == []
+    memory, cpus = unenforced_limits(False, "/sys/fs/cgroup is not cgroup v2")
+    assert memory.startswith("memory_mb through cgroups: polled instead (every 0.25 s")
+    assert "RLIMIT_DATA at 2x memory_mb" in memory and "not counted" in memory
+    assert memory.endswith("Apptainer's own --memory is not used: /sys/fs/cgroup is not "
+                           "cgroup v2")
+    assert cpus.startswith("cpus: pinned with taskset")
 
 
 # ---- real processes

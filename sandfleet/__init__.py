@@ -13,7 +13,9 @@ The public API, what other packages (tmax among them) may import::
   ``get_runtime``, ``Runtime``, ``SandboxSpec``, ``ExecResult``, ``proc_start_time``,
   ``cap_output`` (a verifier's output as a fleet's verify reply keeps it: head and tail);
 - ``sif`` (SIF files: pack, extract, read_partition, SifError) and ``BwrapSpec`` /
-  ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks.
+  ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks;
+- ``netproxy``: the allowlist network (``REGISTRY_HOSTS``, ``proxy_env``, and
+  ``ProxiedRuntime`` for sandboxes without a fleet).
 
 Names load on first use: ``import sandfleet`` itself imports nothing else.
 """
@@ -46,6 +48,7 @@ _EXPORTS = {
     "BwrapSpec": "sandfleet.runtime.bwrap",
     "host_root": "sandfleet.runtime.bwrap",
     "sif": "sandfleet.runtime.sif",
+    "netproxy": "sandfleet.netproxy",
 }
 
 __all__ = [  # noqa: RUF022 - grouped as above
@@ -71,6 +74,7 @@ __all__ = [  # noqa: RUF022 - grouped as above
     "BwrapSpec",
     "host_root",
     "sif",
+    "netproxy",
 ]
 
 

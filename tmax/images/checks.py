@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet import InfraError, Runtime, SandboxSpec
-from sandfleet.netproxy import ProxiedRuntime
+from sandfleet import InfraError, Runtime, SandboxSpec, netproxy
 from tmax.images.rootfs import DEFAULT_PATH
 from tmax.images.store import Checks
 from tmax.tasks import Task, artifacts
@@ -215,7 +214,7 @@ def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
     """A fresh sandbox of ``image`` with the task's limits (``verifier``: its separate
     verifier's), its environment read and its ENTRYPOINT started; stopped at the end."""
     sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
-    runtime = ProxiedRuntime(runtime)  # an allowlist's proxy, closed while test.sh runs
+    runtime = netproxy.ProxiedRuntime(runtime)  # an allowlist's proxy, closed while test.sh runs
     log.append(f"## {what} in sandbox {sandbox_id}")
     runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier,
                                         user=image.user))

@@ -470,9 +470,9 @@ class TaskConfig(_Harbor):
         if self.environment.network:
             return True, ()
         if unsaid == "registries" and self.network_unsaid:
-            from sandfleet.netproxy import REGISTRY_HOSTS
+            from sandfleet import netproxy
 
-            return False, REGISTRY_HOSTS
+            return False, netproxy.REGISTRY_HOSTS
         return False, ()
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from sandfleet.netproxy import proxy_env
+from sandfleet import netproxy
 
 PROBE = "env -0 | base64 -w0"
 """Prints the environment NUL-separated, base64-encoded (no byte of it can break the
@@ -20,7 +20,7 @@ DROPPED = frozenset({"PWD", "OLDPWD", "SHLVL", "_",  # the probing shell's own
                      "LD_PRELOAD", "LD_AUDIT",  # code injected into every verifier process
                      "UV_NO_CONFIG", "PIP_CONFIG_FILE"})  # the runtime's: no agent-written
 """Variables the verifier does not take from the image."""  # tool config
-LEASE_PROXY = proxy_env()
+LEASE_PROXY = netproxy.proxy_env()
 """The allowlist network's variables (``sandfleet.netproxy``): the agent's lease's, not the
 image's; the verifier runs offline, and a proxy it cannot reach would hide why."""
 

@@ -31,21 +31,22 @@ SPEC = SandboxSpec(image=Path("/img/base.sif"), cpus=4, memory_mb=1024, hostname
 def test_start_argv():
     assert start_argv("apptainer", SPEC, "me-k-s1", Path("/st/pid")) == [
         "apptainer", "instance", "start", "--writable-tmpfs", "--containall", "--cleanenv",
-        "--no-home", "--pid-file", "/st/pid", "--hostname", "box", "--userns", "--net",
-        "--network", "none", "/img/base.sif", "me-k-s1"]
+        "--no-home", "--no-mount", "tmp", "--pid-file", "/st/pid", "--hostname", "box",
+        "--userns", "--net", "--network", "none", "/img/base.sif", "me-k-s1"]
     networked = SandboxSpec(image=Path("/img/base.sif"), network=True, cpus=4, memory_mb=1024)
     assert start_argv("/opt/apptainer", networked, "me-k-s1", Path("/st/pid"),
                       overlay=Path("/st/overlay.img"), start_action=Path("/st/start"),
                       cgroup_limits=True) == [
         "/opt/apptainer", "instance", "start", "--overlay", "/st/overlay.img", "--containall",
-        "--cleanenv", "--no-home", "--pid-file", "/st/pid", "--hostname", "sandbox",
-        "--userns", "--bind", "/st/start:/.singularity.d/actions/start:ro",
+        "--cleanenv", "--no-home", "--no-mount", "tmp", "--pid-file", "/st/pid", "--hostname",
+        "sandbox", "--userns", "--bind", "/st/start:/.singularity.d/actions/start:ro",
         "--cpus", "4", "--memory", "1024M", "/img/base.sif", "me-k-s1"]
     assert start_argv("apptainer", SPEC, "n", Path("/p"), overlay=Path("/o"), rootless=True,
                       cpus=(2, 3)) == [
         "taskset", "-c", "2,3", "apptainer", "instance", "start", "--overlay", "/o",
-        "--containall", "--cleanenv", "--no-home", "--pid-file", "/p", "--hostname", "box",
-        "--userns", "--fakeroot", "--net", "--network", "none", "/img/base.sif", "n"]
+        "--containall", "--cleanenv", "--no-home", "--no-mount", "tmp", "--pid-file", "/p",
+        "--hostname", "box", "--userns", "--fakeroot", "--net", "--network", "none",
+        "/img/base.sif", "n"]
 
 
 def test_exec_stop_list_watchdog_argv():

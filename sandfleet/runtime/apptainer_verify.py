@@ -15,7 +15,8 @@ files, with the image's system folders over the agent's.
    empty files for the loader's ``LOADER_ETC`` files it lacks, and the verifier tools
    (``VERIFIER_TOOLS``, which the agent's overlay hides by a whiteout). /tests is a
    copy of the task's tests and /logs/verifier a folder, both on the host, private to this
-   call: only the verifier writes them; the reward is read from that folder.
+   call: only the verifier writes them; the reward is read from that folder. /tmp and
+   /var/tmp are the agent's overlay's (``--no-mount tmp``, as for the instance).
    Over those, the plan's view as far as ``--bind`` and the ``env`` prefix give it
    (``apptainer_plan``): the image's PATH folders outside /usr (a top-level venv too),
    read-only; TMax's PYTHONPATH guard; uv's installer stand-in over $HOME/.local/bin;
@@ -152,7 +153,8 @@ def verify_argv(apptainer: str, spec: SandboxSpec, overlay: Path, binds: list[st
                 cpus: tuple[int, ...]) -> list[str]:
     argv = (["taskset", "-c", ",".join(map(str, cpus))] if cpus else []) + [
         apptainer, "--quiet", "exec", "--overlay", f"{overlay}:ro", "--writable-tmpfs", "--containall",
-        "--cleanenv", "--no-home", "--hostname", spec.hostname, "--pwd", cwd,
+        "--cleanenv", "--no-home", "--no-mount", "tmp", "--hostname", spec.hostname,
+        "--pwd", cwd,
         *(["--userns", "--fakeroot"] if rootless else ["--userns"])]
     if not spec.network:
         argv += ["--net", "--network", "none"]

@@ -42,6 +42,10 @@ FORGE_PY = ('import atexit\n'
             'atexit.register(lambda: open("/logs/verifier/reward.txt", "w").write("1\\n"))\n')
 """Python that, run in the verifier's interpreter, overwrites its reward with 1 at exit."""
 FORGE_SH = "#!/bin/sh\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+UNMOUNT_ETC = ("for m in $(awk '$5 ~ \"^/etc/\" {print $5}' /proc/self/mountinfo); do "
+               "umount -l $m; done 2>/dev/null; ")
+"""Shell unmounting what is mounted in /etc (Apptainer binds /etc/hosts, /etc/resolv.conf
+...), where root inside may, so that /etc can be removed."""
 VENV_PATH = f"/opt/tool/bin:{HOST_PATH}"
 """The verifier's PATH for ``venv_sif``: an image's ENV PATH with its venv first."""
 RUNNER_SH = "echo 0 > /logs/verifier/reward.txt\nrunner\n"
@@ -62,14 +66,17 @@ NO_SERVICES = ("a service the agent left running answers the verifier: its proce
                "before the verifier starts")
 NO_ROOT_FILES_ASIDE = "files at / the image has not (a /conftest.py) set aside"
 LINKS_FOLLOWED = ("a link the agent leaves at a PATH folder's place is followed by the "
-                  "binds, not set aside")
-TMPFS_KILLS = ("memory limit: a full /dev/shm or /tmp (tmpfs, outside storage_mb, pages "
-               "the OOM killer cannot free) gets the instance's init OOM-killed: the sandbox "
-               "dies")
+                  "binds, not set aside: /opt linked to a path not inside stops the verifier's "
+                  "container from starting (exit 255, no reward)")
+TMPFS_KILLS = ("memory limit: a full /dev/shm (a tmpfs outside storage_mb, whose pages the "
+               "OOM killer cannot free) gets the instance's init OOM-killed: the sandbox dies")
 TESTS_A_MOUNT = ("/tests a plain folder of the verifier's: it is a bind mount (a test.sh "
                  "that moves /tests away and back fails: Device or resource busy)")
 NO_HOSTNAME = ("the sandbox's own name resolves (127.0.1.1 in /etc/hosts): Apptainer's "
                "/etc/hosts names only localhost")
+BIND_DESTINATION_GONE = ("the image's /etc entries over the agent's: a folder the verifier "
+                         "binds the image's copy over, removed by the agent (/etc/apt), stops "
+                         "the verifier's container from starting (exit 255, no reward)")
 READ_ONLY_PATH_FOLDERS = ("the image's PATH folders outside /usr are bound read-only (a "
                           "pip install into them fails)")
 
@@ -146,10 +153,12 @@ def verify(runtime, sandbox_id, tmp_path: Path, test_sh: str,
 def on_both_runtimes(apptainer_lacks: str | None = None):
     """Parametrize a test over the ``local`` and ``apptainer`` runtimes (fixture
     ``runtime``, or the example fleet's ``fleet``, whichever the test takes); with
-    ``apptainer_lacks``, the apptainer case is a strict expected failure for that reason."""
-    apptainer = "apptainer" if apptainer_lacks is None else pytest.param(
-        "apptainer", marks=pytest.mark.xfail(strict=True,
-                                             reason=f"apptainer: {apptainer_lacks}"))
+    ``apptainer_lacks``, the apptainer case is a strict expected failure for that reason.
+    The apptainer case is slow (left out of the quick tier)."""
+    marks = [pytest.mark.slow]  # (as all of tests/test_apptainer_real.py)
+    if apptainer_lacks is not None:
+        marks.append(pytest.mark.xfail(strict=True, reason=f"apptainer: {apptainer_lacks}"))
+    apptainer = pytest.param("apptainer", marks=marks)
     return pytest.mark.parametrize("runtime_kind", ["local", apptainer], scope="module")
 
 

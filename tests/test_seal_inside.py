@@ -219,8 +219,8 @@ def test_writes_past_storage_mb_fail_inside_and_the_node_disk_is_untouched(runti
 
 @on_both_runtimes(apptainer_lacks=TMPFS_KILLS)
 def test_filling_dev_shm_or_tmp_does_not_kill_the_sandbox(runtime, make):
-    """/dev/shm (and, on Apptainer, /tmp) is a tmpfs outside the ``storage_mb`` quota;
-    only the memory limit bounds it, and its pages cannot be reclaimed. Filling it once
+    """/dev/shm (and, on Apptainer before ``--no-mount tmp``, /tmp) is a tmpfs outside the
+    ``storage_mb`` quota; only the memory limit bounds it, and its pages cannot be reclaimed. Filling it once
     killed pid 1 of a local sandbox (the OOM killer went on after dd) and the episode
     ended as an infrastructure failure (issue 11). Expected: the writes fail (ENOSPC) or
     are killed, and the sandbox goes on."""

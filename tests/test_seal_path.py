@@ -69,7 +69,7 @@ def test_the_verifier_runs_the_images_tools_on_its_path_outside_usr(attack, runt
         assert (after[0], aside) == ("1", []), after
 
 
-@on_both_runtimes()
+@on_both_runtimes(apptainer_lacks=LINKS_FOLLOWED)
 def test_the_verifier_view_never_follows_an_agents_link_on_the_host(runtime, make, venv_sif,
                                                                     tmp_path):
     """/opt replaced by a link to an absolute path that exists on the host, not inside:

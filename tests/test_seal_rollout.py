@@ -17,11 +17,13 @@ import pytest
 
 from tests.conftest import EXAMPLES
 from tests.seal_helpers import (
+    BIND_DESTINATION_GONE,
     CORRECT_CSV_ROWS,
     FORGE_PY,
     FORGE_SH,
     NO_SERVICES,
     TMPFS_KILLS,
+    UNMOUNT_ETC,
     daemon,
     ensure_apptainer,
     on_both_runtimes,
@@ -161,9 +163,9 @@ def test_a_forged_reward_gives_the_verifiers_reward(attack, example_store, fleet
     assert "ld.so.preload" not in traj.verifier_output
 
 
-@on_both_runtimes()
+@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
 def test_a_symlinked_etc_does_not_forge_the_reward_through_the_rollout(example_store,
-                                                                        fleet):
+                                                                        fleet, runtime_kind):
     """On csv-sales-aggregate, 2 of 5 rows right (0.4) plus ``cp -a /etc /etc2``, a
     sitecustomize in /etc2/python3.11 with an atexit hook writing reward 1, ``rm -rf /etc;
     ln -s /etc2 /etc`` scores the 0.4 (1.0 on the local runtime once: see
@@ -171,9 +173,11 @@ def test_a_symlinked_etc_does_not_forge_the_reward_through_the_rollout(example_s
     commands = [write_file("/app/summary.csv", CORRECT_CSV_ROWS),
                 "cp -a /etc /etc2 2>/dev/null; " + write_file("/etc2/python3.11/sitecustomize.py",
                                                     FORGE_PY)
-                + " && rm -rf /etc && ln -s /etc2 /etc && echo swapped"]
+                + " && " + UNMOUNT_ETC
+                + "(rm -rf /etc || mv /etc /etc.old) && ln -s /etc2 /etc && echo swapped"]
     traj = roll(CSV, commands, example_store, fleet)
-    assert "swapped" in outputs(traj)
+    # (on Apptainer as root /etc cannot go, only most of it: see test_seal_verifier.py)
+    assert "swapped" in outputs(traj) or runtime_kind == "apptainer"
     assert scored(traj) == (0.4, None, None, "submitted"), traj.verifier_output[-1500:]
 
 
@@ -238,14 +242,15 @@ def test_filling_dev_shm_does_not_end_the_episode_as_an_infra_failure(example_st
 def test_a_full_disk_does_not_end_the_episode_as_an_infra_failure(tmp_path, example_store,
                                                                    fleet):
     """An agent that fills its ``storage_mb`` (blocks with dd, then inodes with empty
-    files) before it submits scores the 0 its work earns. The local verifier's folders
+    files) before it submits scores the 0 its work earns. (dd has a count: on Apptainer a
+    dd without one never sees ENOSPC and runs until its command's timeout.) The local verifier's folders
     were once made on the sandbox's own disk: ``verify`` raised ENOSPC on the host and the
     episode was an infrastructure failure."""
     task = copy_task(HELLO, tmp_path, test_sh=(HELLO / "tests" / "test.sh").read_text())
     toml = (task / "task.toml").read_text()
     (task / "task.toml").write_text(toml.replace("[environment]\n",
                                                  "[environment]\nstorage_mb = 64\n"))
-    fill = ("dd if=/dev/zero of=/fill bs=1M status=none; python3 -c '\n"
+    fill = ("dd if=/dev/zero of=/fill bs=1M count=1024 status=none; python3 -c '\n"
             "i = 0\n"
             "while True:\n"
             "    try:\n"
@@ -258,12 +263,14 @@ def test_a_full_disk_does_not_end_the_episode_as_an_infra_failure(tmp_path, exam
         (scored(traj), traj.verifier_output[-500:])
 
 
-@on_both_runtimes()
+@pytest.mark.parametrize("runtime_kind", ["local"], scope="module")
 def test_many_names_at_the_root_do_not_end_the_episode_as_an_infra_failure(example_store,
                                                                             fleet):
     """6000 folders with 200-character names at / score the episode's 0. The local
     verifier once bound every top-level entry of the agent's root one by one on bwrap's
-    command line, which grew past the kernel's limit (E2BIG): an infrastructure failure."""
+    command line, which grew past the kernel's limit (E2BIG): an infrastructure failure.
+    Local only: about the local runtime's command line (Apptainer's binds do not grow with
+    the agent's files; its 6000 mkdirs on fuse-overlayfs took 105 s here)."""
     make = ("python3 -c 'import os\n"
             "for i in range(6000): os.mkdir(\"/\" + \"x\" * 200 + str(i))' && ls / | wc -l")
     traj = roll(HELLO, [make], example_store, fleet)

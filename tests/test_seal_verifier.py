@@ -14,12 +14,14 @@ import textwrap
 import pytest
 
 from tests.seal_helpers import (  # noqa: F401  (fixtures)
+    BIND_DESTINATION_GONE,
     FORGE_PY,
     FORGE_SH,
     NO_HOSTNAME,
     NO_ROOT_FILES_ASIDE,
     NO_SERVICES,
     TESTS_A_MOUNT,
+    UNMOUNT_ETC,
     daemon,
     kind,
     on_both_runtimes,
@@ -141,7 +143,7 @@ def test_agent_system_opt_in_shows_the_agents_system_tools(runtime, make, tmp_pa
     assert verify(runtime, sid, tmp_path, test_sh, agent_system=True)[1] == "1"
 
 
-@on_both_runtimes()
+@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
 def test_a_symlinked_etc_does_not_give_the_verifier_the_agents_interpreter_config(
         runtime, make, tmp_path):
     """An agent that replaces /etc with a symlink to a copy (``cp -a /etc /etc2; <edit
@@ -151,14 +153,33 @@ def test_a_symlinked_etc_does_not_give_the_verifier_the_agents_interpreter_confi
     /etc/python3.11/sitecustomize.py, so every python3 the verifier ran executed the agent's
     atexit hook writing 1 over the verifier's 0.5."""
     sid = make()
-    attack = ("cp -a /etc /etc2 2>/dev/null; " + write_file("/etc2/python3.11/sitecustomize.py", FORGE_PY)
+    attack = ("cp -a /etc /etc2 2>/dev/null; "
+              + write_file("/etc2/python3.11/sitecustomize.py", FORGE_PY)
               + " && echo /opt/agent-preload.so > /etc2/ld.so.preload"
-              + " && rm -rf /etc && ln -s /etc2 /etc && echo swapped")
-    assert run(runtime, sid, attack).output.endswith("swapped\n")
+              + " && " + UNMOUNT_ETC
+              + "(rm -rf /etc || mv /etc /etc.old) && ln -s /etc2 /etc && echo swapped")
+    out = run(runtime, sid, attack).output
+    # (on Apptainer as root /etc cannot go: its shadow files' group is not mapped inside,
+    # so they cannot be removed; but the rest of it can: see the next test)
+    assert out.endswith("swapped\n") or kind(runtime) == "apptainer", out
     test_sh = "python3 -c 'open(\"/logs/verifier/reward.txt\", \"w\").write(\"0.5\")'\n"
     result, reward = verify(runtime, sid, tmp_path, test_sh)
     # both are the agent's: its sitecustomize forged the reward, its preload list was read
     assert (reward, "ld.so.preload" in result.output) == ("0.5", False), result.output
+
+
+@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
+@pytest.mark.parametrize("gone", ["/etc/apt", "/etc/python3.11"])
+def test_a_system_folder_the_agent_removed_does_not_stop_the_verifier(runtime, make, tmp_path,
+                                                                      gone):
+    """The image's /etc entries go over the agent's; one the agent removed is the image's
+    for the verifier all the same (on Apptainer its bind has no destination left: the
+    verifier's container does not start, and the episode has no reward)."""
+    sid = make()
+    run(runtime, sid, f"rm -rf {gone}")
+    result, reward = verify(runtime, sid, tmp_path, f"test -d {gone} && echo 1 > "
+                                                    "/logs/verifier/reward.txt\n")
+    assert (result.exit_code, reward) == (0, "1"), result.output
 
 
 @on_both_runtimes(apptainer_lacks=NO_ROOT_FILES_ASIDE)
@@ -206,6 +227,22 @@ def test_the_verifiers_tests_are_a_plain_folder_it_can_move_away_and_back(runtim
     assert (reward, result.output.split()) == ("1", ["agent", "test.sh", "/"]), result.output
     assert run(runtime, sid, "cat /app/graded /tests/test_outputs.py; ls -a /tmp").output \
         .split() == ["graded", "planted", ".", ".."]
+
+
+@on_both_runtimes()
+def test_the_agents_tmp_and_var_tmp_reach_the_verifier_and_count_in_its_quota(runtime, make,
+                                                                               tmp_path):
+    """As in a container, /tmp and /var/tmp are part of the agent's files: what the agent
+    leaves there is graded (Apptainer's --containall made them a tmpfs of the instance,
+    gone when it stopped for the verifier), and fills its ``storage_mb``."""
+    sid = make(storage_mb=64)
+    run(runtime, sid, "echo tmp > /tmp/answer && echo var-tmp > /var/tmp/answer")
+    test_sh = "cat /tmp/answer /var/tmp/answer\necho 1 > /logs/verifier/reward.txt\n"
+    result, reward = verify(runtime, sid, tmp_path, test_sh)
+    assert (reward, result.output) == ("1", "tmp\nvar-tmp\n"), result.output
+    assert run(runtime, sid, "cat /tmp/answer").output == "tmp\n"
+    fill = run(runtime, sid, "dd if=/dev/zero of=/tmp/fill bs=1M count=128 status=none")
+    assert "No space left on device" in fill.output, fill.output
 
 
 @on_both_runtimes(apptainer_lacks=NO_SERVICES)

@@ -1,4 +1,4 @@
-"""The allowlist network: an HTTP proxy the worker runs for each sandbox that may reach some hosts.
+"""The allowlist network: an HTTP proxy the worker runs for each sandbox allowed some hosts.
 
 A sandbox with ``SandboxSpec.allowed_hosts`` keeps its private network namespace with only
 ``lo``: nothing in it has a route anywhere. The worker (this module, on its asyncio loop)
@@ -27,8 +27,15 @@ Upstream is the node's network, or a parent proxy (``FleetConfig.proxy_upstream`
 ``host:port``: a cluster's squid or registry mirror): the same requests are sent on to it
 (CONNECT tunnels, absolute-URI requests) after the allowlist has passed them.
 
+For https the sandbox trusts its image's authorities and the node's (``install_ca`` writes
+``CA_PATH``; ``proxy_env`` points ``SSL_CERT_FILE``, ``PIP_CERT``... at it), so a node whose
+egress inspects TLS with its own authority works as any other. One sandbox's proxy serves at
+most ``MAX_CONNECTIONS`` at once (the worker's file descriptors are shared).
+
 The verifier keeps its own policy (offline): the worker closes the proxy (listener and
-every open connection) before the tests go in (``ProxyPool.close``).
+every open connection) before the tests go in (``ProxyPool.close``) and opens it again after
+(``reopen``: a multi-step task's next step). ``ProxiedRuntime`` does the same for callers
+without a worker (build-time image checks).
 """
 
 from __future__ import annotations

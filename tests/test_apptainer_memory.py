@@ -31,11 +31,10 @@ BASE = 5_000_000
 
 
 def fake_proc(root: Path, pid: int, *, ns: int, ppid: int, pss_kb: int, uid: int | None = None,
-              mnt: int = 7, flags: int = 0x400100) -> None:
+              flags: int = 0x400100) -> None:
     d = root / str(pid)
     (d / "ns").mkdir(parents=True)
     os.symlink(f"pid:[{ns}]", d / "ns" / "pid")
-    os.symlink(f"mnt:[{mnt}]", d / "ns" / "mnt")
     (d / "stat").write_text(f"{pid} (a (b) c) S {ppid} {pid} {pid} 0 -1 {flags} 1 0 0 0\n")
     (d / "smaps_rollup").write_text(
         "00400000-7ffd0000 ---p 00000000 00:00 0    [rollup]\n"

@@ -158,6 +158,29 @@ def node_ca() -> Path | None:
     return None
 
 
+APT_CONF = "/etc/apt/apt.conf.d/00sandfleet-userns"
+APT_ARCHIVES = "/var/cache/apt/sandfleet-archives"
+APT_SINGLE_ID = f'''// sandfleet: one id in this user namespace; apt cannot drop to _apt or use its files
+APT::Sandbox::User "root";
+Dir::Cache::Archives "{APT_ARCHIVES}/";
+'''
+
+
+def install_apt_conf(runtime, sandbox_id: str) -> None:
+    """Where the runtime's user namespace maps one id (Apptainer's ``single_id_userns``),
+    apt's own sandbox user and its archive folder (owned by ``_apt``, an id not mapped)
+    cannot be used: ``APT_CONF`` runs apt's downloads as root into a folder of its own, so
+    ``apt-get install`` works. Images without apt get nothing; blocking."""
+    with tempfile.TemporaryDirectory(prefix="sandfleet-apt-") as tmp:
+        conf = Path(tmp) / "conf"
+        conf.write_text(APT_SINGLE_ID)
+        conf.chmod(0o644)
+        (Path(tmp) / "archives" / "partial").mkdir(parents=True)
+        with contextlib.suppress(Exception):  # no /etc/apt/apt.conf.d: no apt
+            runtime.copy_in(sandbox_id, conf, APT_CONF)
+            runtime.copy_in(sandbox_id, Path(tmp) / "archives", APT_ARCHIVES)
+
+
 def install_ca(runtime, sandbox_id: str, node: Path | None) -> None:
     """``CA_PATH`` in the sandbox: the image's own bundles (an authority a task installed
     still counts) and ``node``'s (this node's network may present its own authority, as a
@@ -440,6 +463,8 @@ class ProxyPool:
         if lease_id not in self._ca_done:  # once per sandbox (not again after a verifier)
             try:
                 await loop.run_in_executor(None, install_ca, runtime, lease_id, self.node_ca)
+                if getattr(runtime, "single_id_userns", False):
+                    await loop.run_in_executor(None, install_apt_conf, runtime, lease_id)
             except Exception as e:  # noqa: BLE001 - any failure to copy it fails the start
                 sock.close()
                 raise SandboxStartError(lease_id, f"allowlist network: {CA_PATH}: {e}") \

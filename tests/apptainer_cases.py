@@ -418,7 +418,7 @@ def case_allowlist(runtime: ApptainerRuntime, image: Path) -> dict:
     import socket
     import threading
 
-    from sandfleet.netproxy import ProxyPool
+    from sandfleet.netproxy import REGISTRY_HOSTS, ProxyPool
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -434,7 +434,7 @@ def case_allowlist(runtime: ApptainerRuntime, image: Path) -> dict:
 
     server = on_loop(asyncio.start_server(serve, "0.0.0.0", 0))
     port, name = server.sockets[0].getsockname()[1], socket.gethostname()
-    hosts, pool = (f"{name}:{port}",), ProxyPool()
+    hosts, pool = (f"{name}:{port}", *REGISTRY_HOSTS), ProxyPool()
     fetch = ("import sys, urllib.request as u\ntry: print(u.urlopen(sys.argv[1], timeout=20)"
              ".read().decode())\nexcept Exception as e: print('FAILED', e)\n")
     dial = ("import socket, sys\ntry: socket.create_connection((sys.argv[1], int(sys.argv[2])),"
@@ -449,6 +449,10 @@ def case_allowlist(runtime: ApptainerRuntime, image: Path) -> dict:
                            ).output.strip(),
             "direct": run(runtime, "net", ["python3", "-c", dial, "1.1.1.1", "443"]
                           ).output.strip(),
+            # apt in a one-id user namespace, through the proxy (netproxy.install_apt_conf)
+            "apt": run(runtime, "net", "apt-get update -qq && apt-get install -y -qq "
+                       "--no-install-recommends tree >/dev/null 2>&1; tree --version",
+                       timeout=300).output.strip(),
         }
         seen["stats"] = vars(pool.proxies["net"].stats)
     finally:

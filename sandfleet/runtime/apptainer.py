@@ -219,6 +219,9 @@ def state_key(state_dir: Path) -> str:
 class ApptainerRuntime(CommandRuntime):
     """Apptainer instances on this node (see the module doc)."""
 
+    single_id_userns = True
+    """Its user namespace maps one id: apt cannot drop to ``_apt`` (``sandfleet.netproxy``)."""
+
     def __init__(self, state_dir: Path, owner: str | None = None,
                  apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
                  start_timeout_s: float = 300.0, call_timeout_s: float = 60.0,

@@ -59,6 +59,8 @@ def proc(tmp_path) -> Path:
     - 5: the host side of the exec (99999 kB), 6: the worker (50000 kB): not a sandbox's
     - 30: in A's namespace but another user's (no such process can be; ignored)
     - 15: in A's namespace, killed and freeing its 400000 kB (PF_EXITING): not counted
+    - 16: in A's namespace, its leader thread exited (PF_EXITING, no memory of its own)
+      while its thread 17 runs on, holding 900 kB: counted, from the thread's files
     """
     root = tmp_path / "proc"
     for pid, ns, ppid, kb in [(10, 100, 1, 1000), (11, 100, 5, 2000), (12, 200, 11, 3000),
@@ -67,6 +69,10 @@ def proc(tmp_path) -> Path:
         fake_proc(root, BASE + pid, ns=ns, ppid=BASE + ppid if ppid else 0, pss_kb=kb)
     fake_proc(root, BASE + 30, ns=100, ppid=BASE + 10, pss_kb=8000, uid=12345)
     fake_proc(root, BASE + 15, ns=100, ppid=BASE + 10, pss_kb=400000, flags=0x400104)
+    fake_proc(root, BASE + 16, ns=100, ppid=BASE + 10, pss_kb=0, flags=0x400104)
+    fake_proc(root / str(BASE + 16) / "task", BASE + 16, ns=100, ppid=BASE + 10, pss_kb=0,
+              flags=0x400104)
+    fake_proc(root / str(BASE + 16) / "task", BASE + 17, ns=100, ppid=BASE + 10, pss_kb=900)
     (root / "self").mkdir()
     (root / "loadavg").write_text("0.00\n")
     return root
@@ -75,11 +81,12 @@ def proc(tmp_path) -> Path:
 def test_processes_are_grouped_by_namespace_and_parent_chain(proc):
     procs = own_processes(str(proc), os.getuid())
     assert BASE + 30 not in procs and set(procs) == {BASE + p for p in
-                                                     (10, 11, 12, 13, 14, 15, 20, 5, 6)}
-    assert procs[BASE + 12] == ("pid:[200]", BASE + 11, False)
-    assert procs[BASE + 15] == ("pid:[100]", BASE + 10, True)
+                                                     (10, 11, 12, 13, 14, 15, 16, 20, 5, 6)}
+    assert procs[BASE + 12] == ("pid:[200]", BASE + 11, False, str(BASE + 12))
+    assert procs[BASE + 15] == ("pid:[100]", BASE + 10, True, str(BASE + 15))
+    assert procs[BASE + 16] == ("pid:[100]", BASE + 10, False, f"{BASE + 16}/task/{BASE + 17}")
     groups = group_by_sandbox(procs, {"pid:[100]": "A", "pid:[101]": "B"})
-    assert sorted(groups["A"]) == [BASE + 10, BASE + 11, BASE + 12, BASE + 13]
+    assert sorted(groups["A"]) == [BASE + 10, BASE + 11, BASE + 12, BASE + 13, BASE + 16]
     assert groups["B"] == [BASE + 20]
 
 
@@ -95,10 +102,10 @@ def test_usage_sums_pss_per_sandbox(proc):
     watcher.watch("B", BASE + 20, memory_mb=16)
     try:
         usage = watcher.usage()
-        # A's RSS (3 x 6500 kB = 19500 kB) is past 16 MiB, so its PSS is summed:
-        # 1000 + 2000 + 3000 + 500 kB; B's RSS (1200 kB) is under, and that is its figure
+        # A's RSS (3 x 7400 kB = 22200 kB) is past 16 MiB, so its PSS is summed:
+        # 1000 + 2000 + 3000 + 500 + 900 kB; B's RSS (1200 kB) is under: its figure
         assert {sid: used for sid, (used, _) in usage.items()} == {
-            "A": 6500 * 1024, "B": 1200 * 1024}
+            "A": 7400 * 1024, "B": 1200 * 1024}
         assert watcher.poll() == [] and watcher.kills("A") == 0 and watcher.kills("B") == 0
     finally:
         watcher.close()
@@ -106,12 +113,12 @@ def test_usage_sums_pss_per_sandbox(proc):
 
 def test_over_the_limit_counts_one_kill_and_only_that_sandbox(proc):
     watcher = MemoryWatcher(proc=str(proc))
-    watcher.watch("A", BASE + 10, memory_mb=6)  # 6144 kB < 6500 kB
+    watcher.watch("A", BASE + 10, memory_mb=7)  # 7168 kB < 7400 kB
     watcher.watch("B", BASE + 20, memory_mb=16)
     try:
         assert watcher.poll() == ["A"]
         assert (watcher.kills("A"), watcher.kills("B")) == (1, 0)
-        assert watcher.peaks["A"] == 6500 * 1024
+        assert watcher.peaks["A"] == 7400 * 1024
         watcher.forget("A")  # a verify restarts the instance: its count stays
         assert watcher.kills("A") == 1 and watcher.poll() == []
         watcher.drop("A")
@@ -208,13 +215,13 @@ def ns_init(holder: subprocess.Popen) -> int:
 
 def test_a_namespace_over_its_limit_loses_every_process_but_its_pid_1(tmp_path):
     """A pid namespace (``unshare --user --pid``, as any user can) standing in for an
-    instance: its pid 1 a shell, a sleeping job, and pythons holding 60 MiB each (under a
+    instance: its pid 1 a sleep, a sleeping job, and pythons holding 60 MiB each (under a
     limit of 100 MiB alone, over it together); one more in a namespace nested inside."""
     hold = "import time; b = bytearray(60 << 20); open(%r, 'a').write('x'); time.sleep(300)"
     ready = tmp_path / "ready"
     script = (f"sleep 300 & {sys.executable} -c \"{hold % str(ready)}\" & "
               f"unshare --pid --fork {sys.executable} -c \"{hold % str(ready)}\" & "
-              "while :; do sleep 1; done")
+              "exec sleep 301")  # pid 1 forks nothing after the kill
     holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork",
                                "sh", "-c", script], start_new_session=True)
     watcher = MemoryWatcher()
@@ -227,7 +234,7 @@ def test_a_namespace_over_its_limit_loses_every_process_but_its_pid_1(tmp_path):
         watcher.watch("ns", init, memory_mb=100)
         used, pids = watcher.usage()["ns"]
         assert 120 << 20 < used < 200 << 20, used >> 20
-        assert init in pids and len(pids) >= 5, pids  # sh, sleep, python, unshare, python
+        assert init in pids and len(pids) == 5, pids  # sleep, sleep, python, unshare, python
         assert watcher.poll() == ["ns"] and watcher.kills("ns") == 1
         for _ in range(500):  # SIGKILLed: gone once their parents reap them
             left = [p for p in watcher.usage()["ns"][1] if p != init]
@@ -236,6 +243,46 @@ def test_a_namespace_over_its_limit_loses_every_process_but_its_pid_1(tmp_path):
             time.sleep(0.01)
         assert left == [] and Path(f"/proc/{init}").exists()
         assert watcher.usage()["ns"][0] < 100 << 20 and watcher.poll() == []
+    finally:
+        watcher.close()
+        os.killpg(holder.pid, 9)
+        holder.wait(timeout=30)
+
+
+def test_a_process_whose_main_thread_exited_is_still_counted_and_killed(tmp_path):
+    """The leader thread gone (a zombie showing no memory) while another thread holds
+    150 MiB: found through that thread, over a 100 MiB limit, killed."""
+    ready = tmp_path / "ready"
+    script = ("import ctypes, threading, time\n"
+              "def hold():\n"
+              "    time.sleep(0.5)\n"
+              "    b = bytearray(150 << 20)\n"
+              f"    open({str(ready)!r}, 'w').write('x')\n"
+              "    time.sleep(300)\n"
+              "threading.Thread(target=hold).start()\n"
+              "ctypes.CDLL(None).pthread_exit(None)\n")
+    holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork",
+                               "sh", "-c", f"{sys.executable} -c \"$0\" & wait; sleep 300",
+                               script], start_new_session=True)
+    watcher = MemoryWatcher()
+    try:
+        init = ns_init(holder)
+        for _ in range(3000):
+            if ready.exists():
+                break
+            time.sleep(0.01)
+        (python,) = [int(p) for p in Path(f"/proc/{init}/task/{init}/children").read_text(
+            ).split()]
+        assert Path(f"/proc/{python}/stat").read_text().split(") ")[1][0] == "Z"  # leader
+        watcher.watch("ns", init, memory_mb=100)
+        used, pids = watcher.usage()["ns"]
+        assert used > 150 << 20 and python in pids, (used >> 20, pids)
+        assert watcher.poll() == ["ns"]
+        for _ in range(500):
+            if not Path(f"/proc/{python}").exists():
+                break
+            time.sleep(0.01)
+        assert not Path(f"/proc/{python}").exists()
     finally:
         watcher.close()
         os.killpg(holder.pid, 9)

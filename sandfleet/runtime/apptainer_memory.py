@@ -133,6 +133,9 @@ class Proc(NamedTuple):
     exiting: bool
     """Killed or ended, freeing its memory: neither counted nor signalled again (a killed
     process freeing 500 MiB must not get the next command killed too)."""
+    where: str
+    """Its folder under /proc: ``PID``, or ``PID/task/TID`` of a live thread when its
+    leader thread has exited and others run on (that leader's own files show no memory)."""
 
 
 def _stat(proc: str, pid: str) -> tuple[int, bool]:
@@ -156,9 +159,25 @@ def own_processes(proc: str, uid: int) -> dict[int, Proc]:
         except OSError:
             continue
         ns = _ns(proc, entry.name, "pid")
-        if ns is not None:
-            found[int(entry.name)] = Proc(ns, *_stat(proc, entry.name))
+        if ns is None:
+            continue
+        ppid, exiting = _stat(proc, entry.name)
+        where = _live_thread(proc, entry.name) if exiting else None
+        found[int(entry.name)] = Proc(ns, ppid, exiting and where is None,
+                                      where or entry.name)
     return found
+
+
+def _live_thread(proc: str, pid: str) -> str | None:
+    """``PID/task/TID`` of a thread of ``pid`` not exiting, or None."""
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid != pid and not _stat(proc, f"{pid}/task/{tid}")[1]:
+            return f"{pid}/task/{tid}"
+    return None
 
 
 def group_by_sandbox(procs: dict[int, Proc], sandboxes: dict[str, str]
@@ -173,7 +192,7 @@ def group_by_sandbox(procs: dict[int, Proc], sandboxes: dict[str, str]
         chain = []
         while pid in procs and pid not in memo:
             chain.append(pid)
-            ns, parent, _ = procs[pid]
+            ns, parent, _, _ = procs[pid]
             if ns in sandboxes:
                 memo[pid] = sandboxes[ns]
                 break
@@ -193,8 +212,9 @@ def group_by_sandbox(procs: dict[int, Proc], sandboxes: dict[str, str]
     return groups
 
 
-def pss_bytes(proc: str, pid: int) -> int:
-    """A process's proportional set size (0 when it is gone or unreadable)."""
+def pss_bytes(proc: str, pid: int | str) -> int:
+    """A process's proportional set size (0 when it is gone or unreadable); ``pid`` may be
+    a ``Proc.where``."""
     try:
         with open(f"{proc}/{pid}/smaps_rollup", "rb") as f:
             for line in f.read().splitlines():
@@ -208,7 +228,7 @@ def pss_bytes(proc: str, pid: int) -> int:
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_bytes(proc: str, pid: int) -> int:
+def rss_bytes(proc: str, pid: int | str) -> int:
     """A process's resident set size (``statm``: counters, no page walk; >= its PSS)."""
     try:
         with open(f"{proc}/{pid}/statm", "rb") as f:
@@ -217,7 +237,7 @@ def rss_bytes(proc: str, pid: int) -> int:
         return 0
 
 
-def sandbox_bytes(proc: str, pids: list[int], limit: int) -> int:
+def sandbox_bytes(proc: str, pids: list[int | str], limit: int) -> int:
     """The sum of ``pids``' PSS, or of their RSS when that is no more than ``limit``: RSS
     is an upper bound read from counters, PSS walks every page table (``smaps_rollup``),
     which only a sandbox near its limit needs."""
@@ -308,9 +328,10 @@ class MemoryWatcher:
             watched = {w.sandbox_id: w for w in self._watched.values()}
         if not watched:
             return {}
-        groups = group_by_sandbox(own_processes(self.proc, self.uid),
-                                  {w.pidns: sid for sid, w in watched.items()})
-        return {sid: (sandbox_bytes(self.proc, pids, watched[sid].limit_bytes), pids)
+        procs = own_processes(self.proc, self.uid)
+        groups = group_by_sandbox(procs, {w.pidns: sid for sid, w in watched.items()})
+        return {sid: (sandbox_bytes(self.proc, [procs[pid].where for pid in pids],
+                                    watched[sid].limit_bytes), pids)
                 for sid, pids in groups.items()}
 
     def poll(self) -> list[str]:

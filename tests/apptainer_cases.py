@@ -90,7 +90,9 @@ def case_lifecycle(runtime: ApptainerRuntime, image: Path) -> dict:
         # limits
         affinity = run(runtime, "life", "grep Cpus_allowed_list /proc/self/status").output
         seen["cpus"] = affinity.split()[-1]
-        hog = run(runtime, "life", "python3 -c 'b = bytearray(400 << 20)'; echo rc=$?")
+        # (held: rootless, memory is polled, and a spike shorter than a poll is not seen)
+        hog = run(runtime, "life", "python3 -c 'import time; b = bytearray(400 << 20); "
+                  "time.sleep(60)'; echo rc=$?")
         seen["hog"] = (hog.output.strip().splitlines() or [""])[-1]
         seen["hog_exit"] = hog.exit_code
         seen["oom"], seen["oom_kills"] = hog.oom, runtime.oom_kills("life")

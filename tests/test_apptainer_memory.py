@@ -23,11 +23,14 @@ from sandfleet.runtime.apptainer_memory import (
     own_processes,
     pss_bytes,
     rss_bytes,
+    user_ids,
 )
 
 # fake pids above this machine's pid_max (32768) and Linux's (4194304): never a real process,
 # so a kill the watcher sends to one fails (pidfd_open) instead of reaching anything
 BASE = 5_000_000
+SUBUID = 700_000
+UIDS = [(os.getuid(), 1), (SUBUID, 65536)]
 
 
 def fake_proc(root: Path, pid: int, *, ns: int, ppid: int, pss_kb: int, uid: int | None = None,
@@ -58,6 +61,8 @@ def proc(tmp_path) -> Path:
     - 20: sandbox B's pid 1 (400 kB)
     - 5: the host side of the exec (99999 kB), 6: the worker (50000 kB): not a sandbox's
     - 30: in A's namespace but another user's (no such process can be; ignored)
+    - 31: in A's namespace, as a uid of the worker's /etc/subuid range (``--fakeroot``
+      maps it where the node has one: a process inside switched users), 250 kB: counted
     - 15: in A's namespace, killed and freeing its 400000 kB (PF_EXITING): not counted
     - 16: in A's namespace, its leader thread exited (PF_EXITING, no memory of its own)
       while its thread 17 runs on, holding 900 kB: counted, from the thread's files
@@ -68,6 +73,7 @@ def proc(tmp_path) -> Path:
                               (5, 1, 6, 99999), (6, 1, 1, 50000)]:
         fake_proc(root, BASE + pid, ns=ns, ppid=BASE + ppid if ppid else 0, pss_kb=kb)
     fake_proc(root, BASE + 30, ns=100, ppid=BASE + 10, pss_kb=8000, uid=12345)
+    fake_proc(root, BASE + 31, ns=100, ppid=BASE + 10, pss_kb=250, uid=SUBUID + 999)
     fake_proc(root, BASE + 15, ns=100, ppid=BASE + 10, pss_kb=400000, flags=0x400104)
     fake_proc(root, BASE + 16, ns=100, ppid=BASE + 10, pss_kb=0, flags=0x400104)
     fake_proc(root / str(BASE + 16) / "task", BASE + 16, ns=100, ppid=BASE + 10, pss_kb=0,
@@ -78,15 +84,28 @@ def proc(tmp_path) -> Path:
     return root
 
 
+def test_user_ids_from_subuid(tmp_path):
+    subuid = tmp_path / "subuid"
+    subuid.write_text(f"other:200000:65536\n{os.getuid()}:{SUBUID}:65536\nbad line\n")
+    assert user_ids(os.getuid(), str(subuid)) == [(os.getuid(), 1), (SUBUID, 65536)]
+    assert user_ids(os.getuid(), str(tmp_path / "none")) == [(os.getuid(), 1)]
+
+
+def watcher_of(proc: Path) -> MemoryWatcher:
+    watcher = MemoryWatcher(proc=str(proc))
+    watcher.uids = UIDS
+    return watcher
+
+
 def test_processes_are_grouped_by_namespace_and_parent_chain(proc):
-    procs = own_processes(str(proc), os.getuid())
-    assert BASE + 30 not in procs and set(procs) == {BASE + p for p in
-                                                     (10, 11, 12, 13, 14, 15, 16, 20, 5, 6)}
+    procs = own_processes(str(proc), UIDS)
+    assert BASE + 30 not in procs and set(procs) == {
+        BASE + p for p in (10, 11, 12, 13, 14, 15, 16, 20, 5, 6, 31)}
     assert procs[BASE + 12] == ("pid:[200]", BASE + 11, False, str(BASE + 12))
     assert procs[BASE + 15] == ("pid:[100]", BASE + 10, True, str(BASE + 15))
     assert procs[BASE + 16] == ("pid:[100]", BASE + 10, False, f"{BASE + 16}/task/{BASE + 17}")
     groups = group_by_sandbox(procs, {"pid:[100]": "A", "pid:[101]": "B"})
-    assert sorted(groups["A"]) == [BASE + 10, BASE + 11, BASE + 12, BASE + 13, BASE + 16]
+    assert sorted(groups["A"]) == [BASE + p for p in (10, 11, 12, 13, 16, 31)]
     assert groups["B"] == [BASE + 20]
 
 
@@ -97,28 +116,28 @@ def test_pss_and_rss_read(proc):
 
 
 def test_usage_sums_pss_per_sandbox(proc):
-    watcher = MemoryWatcher(proc=str(proc))
+    watcher = watcher_of(proc)
     watcher.watch("A", BASE + 10, memory_mb=16)
     watcher.watch("B", BASE + 20, memory_mb=16)
     try:
         usage = watcher.usage()
-        # A's RSS (3 x 7400 kB = 22200 kB) is past 16 MiB, so its PSS is summed:
-        # 1000 + 2000 + 3000 + 500 + 900 kB; B's RSS (1200 kB) is under: its figure
+        # A's RSS (3 x 7650 kB = 22950 kB) is past 16 MiB, so its PSS is summed:
+        # 1000 + 2000 + 3000 + 500 + 900 + 250 kB; B's RSS (1200 kB) is under: its figure
         assert {sid: used for sid, (used, _) in usage.items()} == {
-            "A": 7400 * 1024, "B": 1200 * 1024}
+            "A": 7650 * 1024, "B": 1200 * 1024}
         assert watcher.poll() == [] and watcher.kills("A") == 0 and watcher.kills("B") == 0
     finally:
         watcher.close()
 
 
 def test_over_the_limit_counts_one_kill_and_only_that_sandbox(proc):
-    watcher = MemoryWatcher(proc=str(proc))
-    watcher.watch("A", BASE + 10, memory_mb=7)  # 7168 kB < 7400 kB
+    watcher = watcher_of(proc)
+    watcher.watch("A", BASE + 10, memory_mb=7)  # 7168 kB < 7650 kB
     watcher.watch("B", BASE + 20, memory_mb=16)
     try:
         assert watcher.poll() == ["A"]
         assert (watcher.kills("A"), watcher.kills("B")) == (1, 0)
-        assert watcher.peaks["A"] == 7400 * 1024
+        assert watcher.peaks["A"] == 7650 * 1024
         watcher.forget("A")  # a verify restarts the instance: its count stays
         assert watcher.kills("A") == 1 and watcher.poll() == []
         watcher.drop("A")
@@ -129,7 +148,7 @@ def test_over_the_limit_counts_one_kill_and_only_that_sandbox(proc):
 
 def test_watch_refuses_a_gone_instance(proc):
     with pytest.raises(ProcessLookupError, match="instance pid .* of A is gone"):
-        MemoryWatcher(proc=str(proc)).watch("A", BASE + 77, memory_mb=64)
+        watcher_of(proc).watch("A", BASE + 77, memory_mb=64)
 
 
 # ---- cgroup v2 delegation (fake trees; this machine has cgroup v1)

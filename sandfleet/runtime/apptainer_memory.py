@@ -8,7 +8,8 @@ cgroup v1 node (or v2 without that session), an ordinary user can make no cgroup
 ``JobAcctGatherParams=OverMemoryKill`` does: by polling.
 
 Every ``interval_s`` (0.25 s) one thread per runtime lists the worker's own processes in
-/proc and takes, for each sandbox, those whose pid namespace is its instance's (commands
+/proc (its uid's, and its ``/etc/subuid`` range's, which ``--fakeroot`` maps inside where
+the node has one) and takes, for each sandbox, those whose pid namespace is its instance's (commands
 run through ``apptainer exec instance://`` are in it without descending from its pid 1),
 or whose parent chain reaches one (a pid namespace the agent nests inside). Their memory is
 summed as **PSS** (``smaps_rollup``): a page shared by N processes counts 1/N to each, so
@@ -36,7 +37,8 @@ not: a JVM whose initial heap (1/64 of the node's RAM by default, ``-Xms``) is o
 ``memory_mb`` does not start (measured: ``-Xms8g`` under 2 GiB fails; java 17, node, gcc
 and python with their defaults start under 512 MiB on this 24 GiB machine, java not under
 256 MiB); ``ApptainerRuntime(data_rlimit=False)`` leaves it off. Several processes each
-under it can still overshoot together until the next poll.
+under it can still overshoot together until the next poll, and a spike shorter than a
+poll (a process that allocates 400 MiB and exits within 0.2 s) may not be seen at all.
 
 Files in a tmpfs (the instance's ``/dev/shm``, up to half the node's RAM, and any the agent
 mounts, root in its user namespace) or an unmapped memfd belong to no process and are not
@@ -147,16 +149,40 @@ def _stat(proc: str, pid: str) -> tuple[int, bool]:
         return 0, True
 
 
-def own_processes(proc: str, uid: int) -> dict[int, Proc]:
-    """{pid: (pid namespace, parent pid, exiting)} of ``uid``'s processes in ``proc``."""
+def user_ids(uid: int, subuid: str = "/etc/subuid") -> list[tuple[int, int]]:
+    """(first, count) ranges of the host uids this user's processes can have: its own, and
+    its ``/etc/subuid`` ranges, which ``--fakeroot`` maps inside where they exist (a process
+    that switches to uid 1000 inside runs as one of those on the host)."""
+    ranges = [(uid, 1)]
+    try:
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        name = str(uid)
+    try:
+        with open(subuid) as f:
+            for line in f:
+                parts = line.strip().split(":")
+                if len(parts) == 3 and parts[0] in (name, str(uid)):
+                    ranges.append((int(parts[1]), int(parts[2])))
+    except (OSError, ValueError):
+        pass
+    return ranges
+
+
+def own_processes(proc: str, uids: list[tuple[int, int]]) -> dict[int, Proc]:
+    """{pid: (pid namespace, parent pid, exiting, folder)} of the processes in ``proc``
+    owned by a uid in ``uids`` (``user_ids``)."""
     found = {}
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
             continue
         try:
-            if entry.stat().st_uid != uid:
-                continue
+            owner = entry.stat().st_uid
         except OSError:
+            continue
+        if not any(first <= owner < first + count for first, count in uids):
             continue
         ns = _ns(proc, entry.name, "pid")
         if ns is None:
@@ -265,7 +291,7 @@ class MemoryWatcher:
     def __init__(self, *, interval_s: float = INTERVAL_S, proc: str = "/proc",
                  uid: int | None = None):
         self.interval_s, self.proc = interval_s, proc
-        self.uid = os.getuid() if uid is None else uid
+        self.uids = user_ids(os.getuid() if uid is None else uid)
         self._watched: dict[str, Watched] = {}
         self._kills: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
@@ -328,7 +354,7 @@ class MemoryWatcher:
             watched = {w.sandbox_id: w for w in self._watched.values()}
         if not watched:
             return {}
-        procs = own_processes(self.proc, self.uid)
+        procs = own_processes(self.proc, self.uids)
         groups = group_by_sandbox(procs, {w.pidns: sid for sid, w in watched.items()})
         return {sid: (sandbox_bytes(self.proc, [procs[pid].where for pid in pids],
                                     watched[sid].limit_bytes), pids)
@@ -356,7 +382,7 @@ class MemoryWatcher:
         """SIGKILL every process of ``w`` but its pid 1; how many were signalled."""
         count = 0
         for _ in range(KILL_ROUNDS):
-            procs = own_processes(self.proc, self.uid)
+            procs = own_processes(self.proc, self.uids)
             pids = [pid for pid in group_by_sandbox(procs, {w.pidns: w.sandbox_id})[
                 w.sandbox_id] if pid != w.init_pid]
             if not pids:

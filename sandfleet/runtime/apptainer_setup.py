@@ -168,6 +168,11 @@ NOT_GUARANTEED = [*VERIFIER_NOT_GUARANTEED,
      "task's [agent] or [verifier] user is not applied"),
 ]
 """What the apptainer runtime cannot give that the local runtime does, whoever runs it."""
+AS_ROOT = ("root: root inside is host uid 0 (a user namespace mapping 0 to 0): it writes the "
+           "host's kernel settings in /proc/sys and the cgroup files in /sys/fs/cgroup (its "
+           "own memory limit, other instances' cgroups), mounts and makes namespaces inside; "
+           "a full /dev/shm gets the instance OOM-killed (tests/test_seal_inside.py)")
+"""What it cannot give when run as root (an ordinary user's root inside is that user)."""
 
 
 def report(name: str = "apptainer") -> dict:
@@ -181,4 +186,4 @@ def report(name: str = "apptainer") -> dict:
     return {"usable": True, "path": info.path, "version": ".".join(map(str, info.version)),
             "rootless": info.rootless, "wrapper": info.wrapper,
             "not_enforced": unenforced_limits(why is None, why or ""),
-            "not_guaranteed": NOT_GUARANTEED}
+            "not_guaranteed": NOT_GUARANTEED + ([] if info.rootless else [AS_ROOT])}

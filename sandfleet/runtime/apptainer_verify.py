@@ -64,6 +64,10 @@ NOT_GUARANTEED = [
      "where the uv installer stand-in is bound; a link the agent left at $HOME, "
      "$HOME/.local/bin or a PATH folder's place is followed by the binds (the verifier "
      "reads the bound files through it)"),
+    ("verifier: an /etc entry of the image that the agent removed (rm -rf /etc/apt), or a "
+     "PATH folder's place it made a link to a path not inside, leaves the bind of the "
+     "image's copy no destination: the verifier's container does not start (exit 255, no "
+     "reward); /tests is a bind mount (a test.sh cannot move it away and back)"),
 ]
 
 # Lists the image's entries the verifier takes from it: "<kind> <path> [<link target>]".

@@ -250,7 +250,7 @@ def test_a_full_disk_does_not_end_the_episode_as_an_infra_failure(tmp_path, exam
     toml = (task / "task.toml").read_text()
     (task / "task.toml").write_text(toml.replace("[environment]\n",
                                                  "[environment]\nstorage_mb = 64\n"))
-    fill = ("dd if=/dev/zero of=/fill bs=1M count=1024 status=none; python3 -c '\n"
+    fill = ("dd if=/dev/zero of=/fill bs=1M count=128 status=none; python3 -c '\n"
             "i = 0\n"
             "while True:\n"
             "    try:\n"

@@ -169,12 +169,11 @@ def test_a_symlinked_etc_does_not_give_the_verifier_the_agents_interpreter_confi
 
 
 @on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
-@pytest.mark.parametrize("gone", ["/etc/apt", "/etc/python3.11"])
-def test_a_system_folder_the_agent_removed_does_not_stop_the_verifier(runtime, make, tmp_path,
-                                                                      gone):
+def test_a_system_folder_the_agent_removed_does_not_stop_the_verifier(runtime, make, tmp_path):
     """The image's /etc entries go over the agent's; one the agent removed is the image's
     for the verifier all the same (on Apptainer its bind has no destination left: the
     verifier's container does not start, and the episode has no reward)."""
+    gone = "/etc/apt"  # (/etc/python3.11 too: the same on both runtimes)
     sid = make()
     run(runtime, sid, f"rm -rf {gone}")
     result, reward = verify(runtime, sid, tmp_path, f"test -d {gone} && echo 1 > "

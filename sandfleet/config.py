@@ -65,6 +65,10 @@ class FleetConfig(Strict):
     """Where workers run: local processes on this machine, or Slurm jobs."""
     runtime: Literal["local", "apptainer"] = "local"
     """The sandbox runtime workers use (``local``: bubblewrap; ``apptainer``: instances)."""
+    apptainer_allow_root: bool = False
+    """With ``runtime: apptainer`` and workers run as root: start sandboxes although their
+    root is host root (it can write the host's /proc/sys and cgroups). Refused by default;
+    on a cluster, workers run as ordinary users and need nothing here."""
     host: str = "127.0.0.1"
     """Address the controller listens on (``0.0.0.0`` on a cluster)."""
     advertise_host: str | None = None

@@ -134,6 +134,8 @@ class Worker:
             kwargs: dict[str, Any] = {"state_dir": self.work / "runtime"}
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
+            elif config.apptainer_allow_root:
+                kwargs["allow_host_root"] = True
             runtime = get_runtime(config.runtime, **kwargs)
         self.runtime, self.proxies = runtime, ProxyPool(config.proxy_upstream,
                                                         trust_node_ca=config.proxy_node_ca)

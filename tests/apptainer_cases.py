@@ -182,16 +182,18 @@ def case_worker_death(runtime: ApptainerRuntime, image: Path) -> dict:
     code = (f"import os, signal; from pathlib import Path; "
             f"from sandfleet.runtime.apptainer import ApptainerRuntime; "
             f"from sandfleet.runtime.base import SandboxSpec; "
-            f"r = ApptainerRuntime(Path({str(runtime.state_dir)!r}), owner={runtime.owner!r}); "
+            f"r = ApptainerRuntime(Path({str(runtime.state_dir)!r}), owner={runtime.owner!r}, "
+            f"allow_host_root=True); "
             f"[r.start(s, SandboxSpec(image=Path({str(image)!r}), storage_mb=32)) "
             f"for s in ('d1', 'd2')]; os.kill(os.getpid(), signal.SIGKILL)")
     worker = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, check=False)
     assert worker.returncode == -9, worker.stderr
-    other = ApptainerRuntime(runtime.state_dir / "other-worker", owner=runtime.owner)
+    other = ApptainerRuntime(runtime.state_dir / "other-worker", owner=runtime.owner,
+                            allow_host_root=True)
     other.start("o1", SandboxSpec(image=image, storage_mb=32))
     try:
-        fresh = ApptainerRuntime(runtime.state_dir, owner=runtime.owner)
+        fresh = ApptainerRuntime(runtime.state_dir, owner=runtime.owner, allow_host_root=True)
         assert fresh.list_running() == ["d1", "d2"]
         pids = [fresh._record(s).instance[0] for s in ("d1", "d2")]
         assert sorted(fresh.reap(keep=())) == ["d1", "d2"]
@@ -471,7 +473,7 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 
 def main(argv: list[str]) -> None:
     name, image, state = argv
-    runtime = ApptainerRuntime(Path(state), owner="t")
+    runtime = ApptainerRuntime(Path(state), owner="t", allow_host_root=True)
     print(json.dumps(CASES[name](runtime, Path(image))))
 
 

@@ -241,7 +241,7 @@ def sealed_runtime(runtime_kind: str, tmp_path_factory):
         from sandfleet.runtime.apptainer import ApptainerRuntime
 
         ensure_apptainer()
-        runtime = ApptainerRuntime(root / "state", owner=OWNER)
+        runtime = ApptainerRuntime(root / "state", owner=OWNER, allow_host_root=True)
     yield runtime
     left = runtime.reap(keep=())
     assert left == [], f"sandboxes left running: {left}"

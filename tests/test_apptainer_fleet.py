@@ -23,7 +23,7 @@ def apptainer_fleet(tmp_path_factory):
     # heartbeats as a real fleet sets them: every apptainer call is a process tree of its
     # own (nsenter, apptainer's starter), and a 2-core machine shared with other jobs can
     # stall a worker for more than tests/test_fleet.FAST's 1.2 s
-    with Fleet(root, root / "cache", runtime="apptainer", min_nodes=1, cpus_per_node=8,
+    with Fleet(root, root / "cache", runtime="apptainer", apptainer_allow_root=True, min_nodes=1, cpus_per_node=8,
                memory_mb_per_node=16384, heartbeat_s=2.0, lost_after_s=30.0,
                lease_ttl_s=120, acquire_wait_s=120).running() as fleet:
         yield fleet

@@ -121,10 +121,10 @@ def run_case(name: str, who: str, shared, user, tmp_path, image: Path | None = N
     if who == "root":
         if os.geteuid() != 0:
             pytest.fail("the root cases need root", pytrace=False)
-        runtime = ApptainerRuntime(tmp_path / "state", owner="t")
+        runtime = ApptainerRuntime(tmp_path / "state", owner="t", allow_host_root=True)
         return apptainer_cases.CASES[name](runtime, image)
     if user is None:  # already an ordinary user
-        runtime = ApptainerRuntime(tmp_path / "state", owner="t")
+        runtime = ApptainerRuntime(tmp_path / "state", owner="t", allow_host_root=True)
         return apptainer_cases.CASES[name](runtime, image)
     state = root / f"{name}-state"
     state.mkdir()

@@ -149,6 +149,22 @@ def test_refusal_reaches_start_and_a_non_sif_is_refused_first(tmp_path, base_sif
     assert not list((tmp_path / "state").rglob("sandbox.json"))
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is of a worker run as root")
+def test_as_root_a_sandbox_is_refused_unless_host_root_is_accepted(tmp_path, base_sif):
+    new = script(tmp_path / "new", 'echo "$@" >> "$(dirname "$0")/calls"\n'
+                 '[ "$1" = --version ] && echo "apptainer version 1.4.5" && exit 0\nexit 1\n')
+    refused = ApptainerRuntime(tmp_path / "state", owner="me", apptainer=str(new))
+    with pytest.raises(SandboxStartError, match="host root.*/proc/sys.*apptainer_allow_root"):
+        refused.start("s1", SandboxSpec(image=base_sif))
+    calls = tmp_path / "calls"
+    assert not calls.exists() or "instance" not in calls.read_text()  # nothing was started
+    allowed = ApptainerRuntime(tmp_path / "state", owner="me", apptainer=str(new),
+                               allow_host_root=True)
+    with pytest.raises(SandboxStartError, match="instance start failed"):
+        allowed.start("s1", SandboxSpec(image=base_sif))  # it got as far as starting one
+    assert "instance start" in calls.read_text()
+
+
 def test_rootless_needs_user_namespaces_and_fuse(tmp_path):
     off = tmp_path / "max_user_namespaces"
     off.write_text("0\n")

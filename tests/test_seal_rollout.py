@@ -46,7 +46,7 @@ def fleet(runtime_kind: str, request, tmp_path_factory):
 
     ensure_apptainer()
     root = tmp_path_factory.mktemp("seal-apptainer-fleet")
-    with Fleet(root, root / "cache", runtime="apptainer", min_nodes=1, cpus_per_node=8,
+    with Fleet(root, root / "cache", runtime="apptainer", apptainer_allow_root=True, min_nodes=1, cpus_per_node=8,
                memory_mb_per_node=16384, heartbeat_s=2.0, lost_after_s=30.0,
                lease_ttl_s=120, acquire_wait_s=120).running() as apptainer_fleet:
         yield apptainer_fleet

@@ -64,6 +64,7 @@ from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
 from sandfleet.runtime import sif
 from sandfleet.runtime.apptainer_memory import MemoryWatcher, cgroup_v2_delegated, data_rlimit_argv
 from sandfleet.runtime.apptainer_setup import (
+    ROOT_REFUSAL,
     START_ACTION,
     ApptainerInfo,
     find_apptainer,
@@ -225,7 +226,7 @@ class ApptainerRuntime(CommandRuntime):
     def __init__(self, state_dir: Path, owner: str | None = None,
                  apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
                  start_timeout_s: float = 300.0, call_timeout_s: float = 60.0,
-                 data_rlimit: bool = True):
+                 data_rlimit: bool = True, allow_host_root: bool = False):
         self.state_dir = Path(state_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
         self.prefix = f"{self.owner}-{state_key(self.state_dir)}-"
@@ -240,6 +241,7 @@ class ApptainerRuntime(CommandRuntime):
         self._info: ApptainerInfo | None = None
         self._memory = MemoryWatcher()  # memory_mb without cgroups (apptainer_memory)
         self._data_rlimit = data_rlimit  # and RLIMIT_DATA on each command then
+        self.allow_host_root = allow_host_root  # as root: see ROOT_REFUSAL
 
     @property
     def info(self) -> ApptainerInfo:
@@ -366,6 +368,8 @@ class ApptainerRuntime(CommandRuntime):
             info = self.info
         except SandboxStartError as e:
             raise SandboxStartError(sandbox_id, e.reason) from None
+        if not info.rootless and not self.allow_host_root:
+            raise SandboxStartError(sandbox_id, ROOT_REFUSAL)
         if spec.user:
             log.warning("sandbox %s: its commands run as the instance's user, not as %r (the "
                         "apptainer runtime cannot switch users)", sandbox_id, spec.user)

@@ -173,6 +173,11 @@ AS_ROOT = ("root: root inside is host uid 0 (a user namespace mapping 0 to 0): i
            "own memory limit, other instances' cgroups), mounts and makes namespaces inside; "
            "a full /dev/shm gets the instance OOM-killed (tests/test_seal_inside.py)")
 """What it cannot give when run as root (an ordinary user's root inside is that user)."""
+ROOT_REFUSAL = ("Apptainer run as root gives the sandbox host root: " + AS_ROOT.split(": ", 1)[1]
+                + ". Run the worker as an ordinary user (the cluster case: root inside is then that "
+                "user), or, on a machine where nothing else runs, accept it with the fleet's "
+                "`apptainer_allow_root: true` (ApptainerRuntime(allow_host_root=True))")
+"""Why a root worker's apptainer runtime refuses to start sandboxes unless allowed."""
 
 
 def report(name: str = "apptainer") -> dict:

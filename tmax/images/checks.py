@@ -22,6 +22,7 @@ next to the build log.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -332,12 +333,13 @@ def unmet_needs(sif: Path) -> list[str]:
 
 def image_checker(cache_dir: Path, runtime: str = "auto"
                   ) -> Callable[[Task, SandboxImage, Path, SandboxImage | None], Checks]:
-    """A checker for ``ImageBuilds``: apptainer where it is on PATH, else the local runtime
-    (which mounts each image in place: nothing per image is left on the node)."""
+    """A checker for ``ImageBuilds``: the local runtime as root (sealed; it mounts each image
+    in place: nothing per image is left on the node), else apptainer where it is on PATH
+    (as root, Apptainer's sandbox root would be host root: refused by that runtime)."""
     from sandfleet import get_runtime
 
     if runtime == "auto":
-        runtime = "apptainer" if shutil.which("apptainer") else "local"
+        runtime = "apptainer" if shutil.which("apptainer") and os.geteuid() else "local"
     state = Path(cache_dir) / "check-sandboxes"
     if runtime == "local":  # older versions' unpacks
         shutil.rmtree(Path(cache_dir) / "check-roots", ignore_errors=True)

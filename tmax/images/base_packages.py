@@ -146,9 +146,8 @@ def sif_installed(sif_path: Path) -> set[str]:
     return dpkg_installed(proc.stdout)
 
 
-_STEP = re.compile(r"apt-get (install|purge|remove) ([^\n]*)|^include:([^\n]*)",
-                   re.IGNORECASE | re.MULTILINE)
-_BUILD_TOOLS_GO = "apt-mark auto '.*'"
+_STEP = re.compile(r"(?:apt-get (install|purge|remove)|apt-mark (auto|manual)) ([^\n]*)"
+                   r"|^include:([^\n]*)", re.IGNORECASE | re.MULTILINE)
 
 
 def _words(text: str) -> set[str]:
@@ -166,20 +165,22 @@ def named_packages(definition: str, before: frozenset[str] | set[str] = frozense
                    ) -> set[str]:
     """The packages held by name after a definition runs over a base holding ``before``:
     its Include: and apt-get install add, apt-get purge/remove take away, in order (comments
-    skipped). The official images' idiom for build tools, ``apt-mark auto '.*'`` then
-    ``apt-get purge --auto-remove``, drops what this definition installed before it (the
-    libraries it keeps are re-marked by ldd, never by name)."""
-    code = _code(definition)
-    steps = [(m.start(), (m.group(1) or "install").lower(),
-              _words(m.group(2) if m.group(1) else m.group(3))) for m in _STEP.finditer(code)]
-    if (cut := code.rfind(_BUILD_TOOLS_GO)) >= 0:
-        steps.append((cut, "auto", set()))
-    held, mine = set(before), set[str]()
-    for _, kind, words in sorted(steps, key=lambda s: s[0]):
-        if kind == "auto":
-            held -= mine
-        elif kind == "install":
-            mine |= words - held
+    skipped). The official images' idiom for build tools, ``apt-mark auto '.*'``, then
+    ``apt-mark manual`` of what stays, then ``apt-get purge --auto-remove``, keeps of what
+    was held only what it marks manual by name (libraries it keeps through ldd are not
+    named)."""
+    held = set(before)
+    pool: set[str] = set()
+    for m in _STEP.finditer(_code(definition)):
+        apt_get, apt_mark, args, include = m.groups()
+        words = _words(include if include is not None else args)
+        if apt_mark and apt_mark.lower() == "auto" and ".*" in args:
+            pool, held = held, set()
+        elif apt_mark and apt_mark.lower() == "manual":
+            held |= words & pool
+        elif apt_mark:
+            continue
+        elif include is not None or apt_get.lower() == "install":
             held |= words
         else:
             held -= words

@@ -134,7 +134,7 @@ def dpkg_installed(status_text: str) -> set[str]:
 def sif_installed(sif_path: Path) -> set[str]:
     """The installed packages of a SIF's root (its /var/lib/dpkg/status, read with
     unsquashfs -cat, no extraction)."""
-    from sandfleet.runtime import sif
+    from sandfleet import sif
 
     part = sif.read_partition(sif_path)
     proc = subprocess.run(["unsquashfs", "-o", str(part.offset), "-cat", str(sif_path),

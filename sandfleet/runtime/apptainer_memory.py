@@ -54,6 +54,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -87,7 +88,7 @@ def cgroup_v2_delegated(root: Path = Path("/sys/fs/cgroup"), uid: int | None = N
     user's and has the memory and cpu controllers, and that session's bus in the
     environment); else why not."""
     uid = os.getuid() if uid is None else uid
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     if not (root / "cgroup.controllers").is_file():
         return f"{root} is not cgroup v2 (no cgroup.controllers)"
     service = root / "user.slice" / f"user-{uid}.slice" / f"user@{uid}.service"
@@ -101,8 +102,8 @@ def cgroup_v2_delegated(root: Path = Path("/sys/fs/cgroup"), uid: int | None = N
     missing = [c for c in ("memory", "cpu") if c not in controllers]
     if missing:
         return f"{service} has no {' or '.join(missing)} controller delegated"
-    runtime_dir = env.get("XDG_RUNTIME_DIR", "")
-    if not runtime_dir or not (env.get("DBUS_SESSION_BUS_ADDRESS")
+    runtime_dir = environ.get("XDG_RUNTIME_DIR", "")
+    if not runtime_dir or not (environ.get("DBUS_SESSION_BUS_ADDRESS")
                                or Path(runtime_dir, "bus").exists()):
         return "no user session bus (XDG_RUNTIME_DIR, DBUS_SESSION_BUS_ADDRESS) in the env"
     return None

@@ -468,6 +468,31 @@ def case_allowlist(runtime: ApptainerRuntime, image: Path) -> dict:
     return seen
 
 
+HOST_REACH = {
+    "sysctl": "echo 1 > /proc/sys/kernel/printk_ratelimit",
+    "drop_caches": "echo 3 > /proc/sys/vm/drop_caches",
+    "memory_limit": "echo 9999999999 > /sys/fs/cgroup/memory/memory.limit_in_bytes",
+    "root_cgroup": "echo $$ > /sys/fs/cgroup/memory/cgroup.procs",
+    "unified_cgroup": "echo $$ > /sys/fs/cgroup/cgroup.procs",
+}
+"""Writes to the host's kernel settings and cgroups from inside (tests/test_seal_inside.py
+runs them as root, where Apptainer does not stop them)."""
+
+
+def case_host_reach(runtime: ApptainerRuntime, image: Path) -> dict:
+    """What root inside reaches of the host: each of HOST_REACH's writes, "refused" when it
+    fails (a file the host lacks counts as refused too: nothing was written)."""
+    runtime.start("reach", SandboxSpec(image=image, cpus=1, memory_mb=256, storage_mb=32))
+    try:
+        seen = {name: "written" if run(runtime, "reach", f"{cmd} 2>/dev/null").exit_code == 0
+                else "refused" for name, cmd in HOST_REACH.items()}
+        seen["uid_map"] = run(runtime, "reach", "cat /proc/self/uid_map").output.split()
+    finally:
+        runtime.stop("reach")
+    no_leftovers(runtime)
+    return seen
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

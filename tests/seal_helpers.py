@@ -74,9 +74,6 @@ TESTS_A_MOUNT = ("/tests a plain folder of the verifier's: it is a bind mount (a
                  "that moves /tests away and back fails: Device or resource busy)")
 NO_HOSTNAME = ("the sandbox's own name resolves (127.0.1.1 in /etc/hosts): Apptainer's "
                "/etc/hosts names only localhost")
-BIND_DESTINATION_GONE = ("the image's /etc entries over the agent's: a folder the verifier "
-                         "binds the image's copy over, removed by the agent (/etc/apt), stops "
-                         "the verifier's container from starting (exit 255, no reward)")
 READ_ONLY_PATH_FOLDERS = ("the image's PATH folders outside /usr are bound read-only (a "
                           "pip install into them fails)")
 

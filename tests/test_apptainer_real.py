@@ -176,6 +176,16 @@ def test_the_allowlist_network_reaches_its_hosts_and_nothing_else(who, shared, u
     assert seen["stats"]["allowed"] > 3 and seen["stats"]["refused"] == 1, seen
 
 
+def test_an_ordinary_users_root_inside_cannot_write_the_hosts_settings(shared, user, tmp_path):
+    """Rootless, root inside is the user (one id mapped): the host's /proc/sys and every
+    cgroup file refuse it. As root these writes go through (tests/test_seal_inside.py's
+    strict xfails; the runtime refuses a root worker unless apptainer_allow_root)."""
+    seen = run_case("host_reach", "user", shared, user, tmp_path)
+    uid = str(user.pw_uid)
+    assert seen.pop("uid_map") == ["0", uid, "1"]
+    assert seen == dict.fromkeys(apptainer_cases.HOST_REACH, "refused")
+
+
 @pytest.mark.parametrize("who", WHO)
 def test_persistent_shell(who, shared, user, tmp_path):
     run_case("shell", who, shared, user, tmp_path)

@@ -5,6 +5,7 @@ against a real Apptainer, as root and as an ordinary user: tests/test_apptainer_
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,35 @@ def test_memory_oom_file_from_proc_cgroup():
     assert own_memory_cgroup(job, ours) is None  # the job's: every sandbox's OOMs
     assert own_memory_cgroup(ours, ours) is None and own_memory_cgroup(None, ours) is None
     assert own_memory_cgroup("/cg/memory/job_10/memory.oom_control", ours) is not None
+
+
+def test_the_verifiers_missing_bind_destinations_are_made_as_folders_or_files(tmp_path):
+    from sandfleet.runtime.apptainer_verify import MEND_SH, MISSING_DESTINATION, bind_destinations
+
+    host_dir, host_file = tmp_path / "tests", tmp_path / "empty"
+    host_dir.mkdir()
+    host_file.write_text("")
+    entries = [("dir", "/etc/apt", ""), ("file", "/etc/ld.so.conf", ""), ("link", "/bin", "usr/bin")]
+    argv = ["apptainer", "exec", "--overlay", "o.img:ro",
+            "--bind", "/sq:/etc/apt:image-src=/etc/apt,ro",
+            "--bind", "/sq:/etc/ld.so.conf:image-src=/etc/ld.so.conf,ro",
+            "--bind", "/sq:/bin:image-src=/usr/bin,ro",
+            "--bind", f"{host_file}:/etc/ld.so.preload:ro", "--bind", f"{host_dir}:/tests",
+            "image.sif", "sh"]
+    dests = bind_destinations(argv, entries)
+    assert dests == ["d:/etc/apt", "f:/etc/ld.so.conf", "d:/bin", "f:/etc/ld.so.preload",
+                     "d:/tests"]
+    # the script over a tree: what is missing is made, what is there (a link too) stays
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "ld.so.conf").write_text("agent's\n")
+    (root / "bin").symlink_to("nowhere")
+    args = [d[:2] + str(root) + d[2:] for d in dests]
+    subprocess.run(["sh", "-c", MEND_SH, "mend", *args], check=True)
+    assert (root / "etc/apt").is_dir() and (root / "tests").is_dir()
+    assert (root / "etc/ld.so.preload").read_text() == ""
+    assert (root / "etc/ld.so.conf").read_text() == "agent's\n"
+    assert (root / "bin").is_symlink()
+    assert MISSING_DESTINATION.search("FATAL:   container creation failed: mount hook function "
+                                      "failure: mount /s->/etc/apt error: while mounting /s: "
+                                      "destination /etc/apt doesn't exist in container")

@@ -17,7 +17,6 @@ import pytest
 
 from tests.conftest import EXAMPLES
 from tests.seal_helpers import (
-    BIND_DESTINATION_GONE,
     CORRECT_CSV_ROWS,
     FORGE_PY,
     FORGE_SH,
@@ -163,7 +162,7 @@ def test_a_forged_reward_gives_the_verifiers_reward(attack, example_store, fleet
     assert "ld.so.preload" not in traj.verifier_output
 
 
-@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
+@on_both_runtimes()
 def test_a_symlinked_etc_does_not_forge_the_reward_through_the_rollout(example_store,
                                                                         fleet, runtime_kind):
     """On csv-sales-aggregate, 2 of 5 rows right (0.4) plus ``cp -a /etc /etc2``, a

@@ -14,7 +14,6 @@ import textwrap
 import pytest
 
 from tests.seal_helpers import (  # noqa: F401  (fixtures)
-    BIND_DESTINATION_GONE,
     FORGE_PY,
     FORGE_SH,
     NO_HOSTNAME,
@@ -143,7 +142,7 @@ def test_agent_system_opt_in_shows_the_agents_system_tools(runtime, make, tmp_pa
     assert verify(runtime, sid, tmp_path, test_sh, agent_system=True)[1] == "1"
 
 
-@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
+@on_both_runtimes()
 def test_a_symlinked_etc_does_not_give_the_verifier_the_agents_interpreter_config(
         runtime, make, tmp_path):
     """An agent that replaces /etc with a symlink to a copy (``cp -a /etc /etc2; <edit
@@ -168,11 +167,12 @@ def test_a_symlinked_etc_does_not_give_the_verifier_the_agents_interpreter_confi
     assert (reward, "ld.so.preload" in result.output) == ("0.5", False), result.output
 
 
-@on_both_runtimes(apptainer_lacks=BIND_DESTINATION_GONE)
+@on_both_runtimes()
 def test_a_system_folder_the_agent_removed_does_not_stop_the_verifier(runtime, make, tmp_path):
     """The image's /etc entries go over the agent's; one the agent removed is the image's
-    for the verifier all the same (on Apptainer its bind has no destination left: the
-    verifier's container does not start, and the episode has no reward)."""
+    for the verifier all the same (on Apptainer its bind had no destination left and the
+    verifier's container did not start: an episode with no reward, left out of the loss;
+    the runtime now makes the destination again and runs the verifier)."""
     gone = "/etc/apt"  # (/etc/python3.11 too: the same on both runtimes)
     sid = make()
     run(runtime, sid, f"rm -rf {gone}")

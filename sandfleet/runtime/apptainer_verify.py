@@ -35,8 +35,10 @@ instance's one user, not the task's [verifier] user; an agent root of files set 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -169,6 +171,41 @@ def verify_argv(apptainer: str, spec: SandboxSpec, overlay: Path, binds: list[st
     return argv + [str(spec.image), *setenv, *command]
 
 
+MISSING_DESTINATION = re.compile(r"destination \S+ doesn't exist in container")
+"""Apptainer's refusal of a ``--bind`` whose destination the agent removed."""
+
+MEND_SH = ('for a; do p=${a#?:}; [ -e "$p" ] || [ -L "$p" ] || case $a in '
+           'd:*) mkdir -p "$p";; *) mkdir -p "${p%/*}" && : > "$p";; esac; done')
+"""Makes each missing destination (``d:PATH`` a folder, ``f:PATH`` a file) over the
+agent's files; what is there, a link included, stays (the table's "followed" row)."""
+
+
+def bind_destinations(argv: list[str], entries: list[tuple[str, str, str]]
+                      ) -> list[str]:
+    """``d:DEST`` / ``f:DEST`` for each ``--bind`` of ``argv``: a folder where the image's
+    entry (``image-src``) or the host source is one."""
+    kinds = {path: kind for kind, path, _ in entries}
+    out = []
+    for flag, value in itertools.pairwise(argv):
+        if flag != "--bind":
+            continue
+        source, dest, *opts = value.split(":")
+        folder = (kinds.get(dest) in ("dir", "link") if any(o.startswith("image-src=")
+                                                             for o in opts)
+                  else Path(source).is_dir())
+        out.append(("d:" if folder else "f:") + dest)
+    return out
+
+
+def mend_argv(apptainer: str, spec: SandboxSpec, overlay: Path, destinations: list[str],
+              rootless: bool) -> list[str]:
+    """A container over the agent's overlay, writable, that makes the missing ones."""
+    return [apptainer, "--quiet", "exec", "--overlay", str(overlay), "--containall",
+            "--cleanenv", "--no-home", "--no-mount", "tmp", "--net", "--network", "none",
+            *(["--userns", "--fakeroot"] if rootless else ["--userns"]), str(spec.image),
+            "/bin/sh", "-c", MEND_SH, "mend", *destinations]
+
+
 def _copy_plain(src: Path, dest: Path) -> None:
     """Regular files and folders of ``src`` into ``dest``; links and devices the verifier
     left are skipped (never followed on the host)."""
@@ -217,6 +254,14 @@ def verify_in_fresh_container(runtime: Any, sandbox_id: str, command: list[str],
             output, code, timed_out, seconds = run_capture(argv, timeout=timeout,
                                                            env=runtime._env,
                                                            limit=runtime.max_output_bytes)
+            if code == 255 and MISSING_DESTINATION.search(output[-4000:]):
+                # the agent removed a folder the image's copy goes over: made again (empty)
+                # on its files, then the verifier as planned
+                run_capture(mend_argv(runtime.apptainer, spec, home / "overlay.img",
+                                      bind_destinations(argv, entries), info.rootless),
+                            timeout=runtime.start_timeout_s, env=runtime._env)
+                output, code, timed_out, seconds = run_capture(
+                    argv, timeout=timeout, env=runtime._env, limit=runtime.max_output_bytes)
             logs = Path(logs)
             if logs.exists():
                 shutil.rmtree(logs)

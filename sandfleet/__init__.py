@@ -15,7 +15,9 @@ The public API, what other packages (tmax among them) may import::
 - ``sif`` (SIF files: pack, extract, read_partition, SifError) and ``BwrapSpec`` /
   ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks;
 - ``netproxy``: the allowlist network (``REGISTRY_HOSTS``, ``proxy_env``, and
-  ``ProxiedRuntime`` for sandboxes without a fleet).
+  ``ProxiedRuntime`` for sandboxes without a fleet);
+- ``slurm``: the one Slurm client (``sbatch_lines``, ``render_template``, ``SlurmClient``,
+  ``Poller``, ``SlurmError``), shared with tmax's Slurm launcher and ``tmax gc``.
 
 Names load on first use: ``import sandfleet`` itself imports nothing else.
 """
@@ -49,6 +51,7 @@ _EXPORTS = {
     "host_root": "sandfleet.runtime.bwrap",
     "sif": "sandfleet.runtime.sif",
     "netproxy": "sandfleet.netproxy",
+    "slurm": "sandfleet.slurm",
 }
 
 __all__ = [  # noqa: RUF022 - grouped as above
@@ -75,6 +78,7 @@ __all__ = [  # noqa: RUF022 - grouped as above
     "host_root",
     "sif",
     "netproxy",
+    "slurm",
 ]
 
 

@@ -1,6 +1,6 @@
 """The batch scripts of ``tmax-train --launcher slurm``: each role's ``#SBATCH`` lines from
-its ``slurm.<role>`` section (one keyword per sbatch option, ``sbatch_lines``) and its
-template in ``slurm/``, exactly as ``--dry-run`` prints them and Slurm runs them.
+its ``slurm.<role>`` section (one keyword per sbatch option, sandfleet's ``sbatch_lines``)
+and its template in ``tmax/train/templates/`` (package data), exactly as ``--dry-run`` prints them and Slurm runs them.
 
 Resources per role: the trainer job asks for ``slurm.trainer_nodes`` nodes x (ranks /
 nodes) tasks, ``--gpus-per-node``, ``--cpus-per-task`` (per rank) and ``--mem`` (per
@@ -14,55 +14,19 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sandfleet import slurm
+from tmax.train.commands import server_command, trainer_command
 from tmax.train.config import SlurmRole, TrainConfig
 
-REPO = Path(__file__).resolve().parents[2]
-TEMPLATES = REPO / "slurm"
-SBATCH_OPTIONS = ("job_name", "output", "nodes", "ntasks_per_node", "gpus_per_node",
-                  "cpus_per_task", "mem",
-                  "time", "partition", "account", "qos", "constraint", "gres", "signal",
-                  "open_mode")
-SBATCH_FLAGS = ("requeue",)
-
-def sbatch_lines(extra: Sequence[str] = (), flags: Sequence[str] = (),
-                 **options: Any) -> list[str]:
-    """``#SBATCH`` lines for ``options`` (keywords of ``SBATCH_OPTIONS``; None skipped),
-    ``flags`` (of ``SBATCH_FLAGS``) and ``extra`` (``--key=value`` strings, verbatim).
-    Unknown keywords fail with the valid list."""
-    unknown = (set(options) - set(SBATCH_OPTIONS)) | (set(flags) - set(SBATCH_FLAGS))
-    if unknown:
-        raise ValueError(f"unknown sbatch options {sorted(unknown)}; valid: "
-                         f"{', '.join(SBATCH_OPTIONS + SBATCH_FLAGS)}")
-    lines = []
-    for key in SBATCH_OPTIONS:
-        value = options.get(key)
-        if value is None:
-            continue
-        text = str(value)
-        if "\n" in text or not text.strip() or " " in text:
-            raise ValueError(f"bad sbatch value for {key}: {text!r}")
-        lines.append(f"#SBATCH --{key.replace('_', '-')}={text}")
-    lines += [f"#SBATCH --{f}" for f in SBATCH_FLAGS if f in flags]
-    for item in extra:
-        if not item.startswith("--") or "\n" in item:
-            raise ValueError(f"extra sbatch option must look like --key=value: {item!r}")
-        lines.append(f"#SBATCH {item}")
-    return lines
+sbatch_lines = slurm.sbatch_lines  # re-exported: tmax.train.slurm's API names it
 
 
-def render_template(template: str, values: dict[str, str]) -> str:
-    """Fill ``{{key}}`` placeholders; a placeholder without a value is an error."""
-    def sub(match: re.Match) -> str:
-        key = match.group(1)
-        if key not in values:
-            raise ValueError(f"template placeholder {{{{{key}}}}} has no value")
-        return values[key]
-
-    return re.sub(r"\{\{(\w+)\}\}", sub, template)
+def template(name: str) -> str:
+    """Template ``name`` of ``tmax/train/templates/``."""
+    return slurm.template_text("tmax.train", name)
 
 
 def walltime_s(text: str) -> int:
@@ -167,8 +131,6 @@ def job_prefix(config: TrainConfig) -> str:
 
 def inference_script(config: TrainConfig, run_dir: Path, index: int) -> str:
     """The exact batch script of inference server ``index`` (what ``--dry-run`` prints)."""
-    from tmax.train.commands import server_command
-
     check_layout(config)
     role = config.slurm.inference
     run = Path(run_dir).absolute()
@@ -178,7 +140,7 @@ def inference_script(config: TrainConfig, run_dir: Path, index: int) -> str:
                          output=str(run / "logs" / f"slurm-inference-{index}-%j.out"),
                          nodes=1, ntasks_per_node=1, open_mode="append", **options)
     _, env = server_command(config, run, index, 0)  # the port is chosen on the node
-    return render_template((TEMPLATES / "tmax-inference.sbatch").read_text(), {
+    return slurm.render_template(template("tmax-inference.sbatch"), {
         "sbatch_options": "\n".join(lines),
         "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
         "env": _exports(env), "index": str(index), "run_dir": shlex.quote(str(run)),
@@ -188,8 +150,6 @@ def inference_script(config: TrainConfig, run_dir: Path, index: int) -> str:
 
 def trainer_script(config: TrainConfig, run_dir: Path) -> str:
     """The exact batch script of the trainer job."""
-    from tmax.train.commands import trainer_command
-
     check_layout(config)
     s, role = config.slurm, config.slurm.trainer
     run = Path(run_dir).absolute()
@@ -202,7 +162,7 @@ def trainer_script(config: TrainConfig, run_dir: Path) -> str:
     env = {"OMP_NUM_THREADS": str(config.torch_threads)} if config.torch_threads else {}
     argv = trainer_command(run)
     argv[0] = _python(config)
-    return render_template((TEMPLATES / "tmax-trainer.sbatch").read_text(), {
+    return slurm.render_template(template("tmax-trainer.sbatch"), {
         "sbatch_options": "\n".join(lines),
         "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
         "env": _exports(env), "command": shlex.join(argv)})
@@ -218,7 +178,7 @@ def orchestrator_script(config: TrainConfig, run_dir: Path) -> str:
                          output=str(run / "logs" / "slurm-orchestrator-%j.out"),
                          nodes=1, ntasks_per_node=1, signal="B:TERM@120",
                          open_mode="append", **_role_options(role))
-    return render_template((TEMPLATES / "tmax-orchestrator.sbatch").read_text(), {
+    return slurm.render_template(template("tmax-orchestrator.sbatch"), {
         "sbatch_options": "\n".join(lines),
         "setup": "\n".join(role.setup) if role.setup else "# (no setup lines)",
         "run_dir": shlex.quote(str(run)),

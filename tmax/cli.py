@@ -15,6 +15,7 @@ from tmax.audit.cli import audit_cmd, repair_cmd
 from tmax.data.cli import data_group, gen_cmd
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
+from tmax.package_data import CONFIGS, EXAMPLE_TASKS
 from tmax.tasks.cli import tasks_group
 from tmax.train.gc import gc_cmd
 
@@ -70,7 +71,7 @@ def serve_cmd(model_dir, host, port, max_batch, max_tokens, temperature, served_
 
 @main.command("demo")
 @click.option("--tasks", "tasks_dir", type=click.Path(exists=True, file_okay=False),
-              default=str(Path(__file__).resolve().parents[1] / "examples" / "tasks"),
+              default=str(EXAMPLE_TASKS),
               show_default=True, help="Folder of native tasks.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Run folder (default runs/demo-<time>).")
@@ -87,7 +88,7 @@ def serve_cmd(model_dir, host, port, max_batch, max_tokens, temperature, served_
 @click.option("--train/--no-train", default=True, show_default=True,
               help="After the images: train the tiny model with DPPO against the tasks.")
 @click.option("--train-config", type=click.Path(exists=True, dir_okay=False),
-              default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"),
+              default=str(CONFIGS / "tiny-cpu.yaml"),
               show_default=True, help="Training config for the tiny run.")
 def demo_cmd(tasks_dir, out_dir, store, slurm_dir, nodes, cpus, no_slurm, force, train,
              train_config) -> None:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def build_job(task_path: str, store: str, cache: str, force: bool) -> dict:
     """Runs on a Slurm node: build (or reuse) and check one task's image."""
-    from tmax.images import open_builds
+    from tmax.images.build import open_builds
 
     builds = open_builds(store, builder="auto", cache_dir=cache)
     result = builds.build(load_task(task_path), force=force)
@@ -35,9 +35,8 @@ def build_job(task_path: str, store: str, cache: str, force: bool) -> dict:
 
 
 def local_slurm_helper() -> str:
-    """Path of bin/tmax-local-slurm: the checkout's own, else the installed one."""
-    candidates = [Path(__file__).resolve().parents[1] / "bin" / "tmax-local-slurm",
-                  Path(sys.executable).parent / "tmax-local-slurm"]
+    """Path of the installed tmax-local-slurm: next to this Python, else on PATH."""
+    candidates = [Path(sys.executable).parent / "tmax-local-slurm"]
     found = next((str(c) for c in candidates if c.exists()), shutil.which("tmax-local-slurm"))
     if not found:
         raise RuntimeError("tmax-local-slurm not found: run bin/tmax-setup")
@@ -89,7 +88,7 @@ def run_on_slurm(fn, args: list[list], folder: Path, cpus: int) -> list[dict]:
 
 def run_demo(tasks_dir: Path, out_dir: Path, store: Path, cache: Path, slurm_dir: Path, *,
              nodes: int, cpus: int, use_slurm: bool, force: bool = False) -> dict:
-    from tmax.images import open_builds
+    from tmax.images.build import open_builds
 
     tasks = [load_task(p) for p in find_tasks(tasks_dir)]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from sandfleet.errors import SandboxStartError
@@ -31,7 +32,8 @@ from sandfleet.runtime.apptainer_verify import NOT_GUARANTEED as VERIFIER_NOT_GU
 MIN_VERSION = (1, 1, 0)
 """``instance start --pid-file``, ``--writable-tmpfs``/``--overlay`` with ``--fakeroot`` in
 user namespaces, ``instance list --json``."""
-WRAPPER = Path(__file__).resolve().parents[2] / "bin" / "tmax-apptainer"
+WRAPPER = Path(str(files("sandfleet.runtime").joinpath("tmax-apptainer"))).resolve()
+"""Shipped in the package (the checkout's bin/tmax-apptainer links to it)."""
 
 START_ACTION = "#!/bin/sh\n# sandfleet: the instance needs no start script of the image\nexit 0\n"
 """Bound over the image's ``/.singularity.d/actions/start``: images built by TMax's local
@@ -47,7 +49,7 @@ class ApptainerInfo:
     rootless: bool
     """Running as an ordinary user: ``--userns --fakeroot``, no cgroup limits."""
     wrapper: bool
-    """The checkout's bin/tmax-apptainer (which provides its own 0666 /dev/fuse)."""
+    """sandfleet's tmax-apptainer (which provides its own 0666 /dev/fuse)."""
 
 
 def find_apptainer(name: str = "apptainer") -> str | None:

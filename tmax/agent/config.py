@@ -13,7 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from tmax.package_data import CONFIGS
+
 SUBMIT_MARKER = "TMAX_TASK_COMPLETE"
 
 
@@ -82,8 +83,8 @@ class AgentConfig(BaseModel):
 
 def load_agent_config(path: str | Path | None = None, **overrides: object) -> AgentConfig:
     """Read an agent config (default configs/agent.yaml when present, else the defaults)."""
-    if path is None and (REPO_CONFIGS / "agent.yaml").is_file():
-        path = REPO_CONFIGS / "agent.yaml"
+    if path is None and (CONFIGS / "agent.yaml").is_file():
+        path = CONFIGS / "agent.yaml"
     data: dict = {}
     if path is not None:
         try:

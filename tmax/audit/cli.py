@@ -15,8 +15,9 @@ import click
 from tmax.data.cli import parse_shard
 from tmax.images.cli import base_map_option, store_option
 from tmax.launch.cli import array_job, array_options, describe, failed, submit_shards
+from tmax.package_data import CONFIGS
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "audit.yaml"
+DEFAULT_CONFIG = CONFIGS / "audit.yaml"
 
 
 def _config(path, base_url, model):
@@ -255,7 +256,7 @@ def repair_cmd(ctx, task_specs, clean_dir, audit_dir, rounds, builder, shard, co
     from tmax.audit.report import format_report, repair_report, write_report
     from tmax.audit.run import Auditor, read_all_records, task_digest
     from tmax.fleet import FleetUnavailable
-    from tmax.images import open_builds
+    from tmax.images.build import open_builds
 
     if ctx.params["array"]:
         return _repair_array(ctx, task_specs, clean_dir, audit_dir, output, no_progress)

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tmax.audit.labels import LABELS, Label, describe
 from tmax.audit.settings import ProbeSettings
 from tmax.llm import Teacher, TeacherConfig
+from tmax.package_data import CONFIGS
 from tmax.tasks.model import (
     DEFINITION_FILES,
     ENV_DIR,
@@ -52,8 +53,7 @@ from tmax.tasks.model import (
     Task,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO / "configs" / "audit.yaml"
+DEFAULT_CONFIG = CONFIGS / "audit.yaml"
 
 RepairLabel = Literal["verifier_too_weak", "instruction_verifier_mismatch"]
 REPAIRABLE: tuple[RepairLabel, ...] = ("verifier_too_weak", "instruction_verifier_mismatch")

@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 
 from tmax.launch.cli import array_job, array_options, failed, submit_shards
+from tmax.package_data import CONFIGS
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gen.yaml"
+DEFAULT_CONFIG = CONFIGS / "gen.yaml"
 
 
 @click.command("gen")
@@ -48,7 +49,7 @@ def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, mo
     from tmax.data.config import GenConfigError, load_gen_config
     from tmax.data.gen import Generator, drop_reasons, format_yield, yield_table
     from tmax.data.stats import run_records
-    from tmax.images import open_builds
+    from tmax.images.build import open_builds
     from tmax.images.store import default_store
 
     if ctx.params["array"]:

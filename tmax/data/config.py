@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tmax.data.axes import Axes
 from tmax.llm import TeacherConfig
+from tmax.package_data import CONFIGS
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO / "configs" / "gen.yaml"
+DEFAULT_CONFIG = CONFIGS / "gen.yaml"
 
 
 class GenConfigError(ValueError):

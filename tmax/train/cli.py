@@ -43,9 +43,10 @@ def env_report(output: str) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"],
                                  "ignore_unknown_options": True})
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="Training config (YAML), e.g. configs/tiny-cpu.yaml; "
-              "default: the embedded tiny CPU defaults.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              default=None, help="Training config (YAML), e.g. configs/tiny-cpu.yaml, or a "
+              "shipped config's name (tiny-cpu, qwen3.5-9b); default: the embedded tiny CPU "
+              "defaults.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config (and with "
               "distributed.enabled each server's and the trainer's command line and the "
               "DeepSpeed config) and exit.")

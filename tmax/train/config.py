@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from tmax.package_data import config_file
 from tmax.train.backends.config import TrainerSection
 from tmax.train.tracking import TrackingSection
 
@@ -386,7 +387,8 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     source = str(path) if path else "<defaults>"
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            path = config_file(path)  # a file, or a shipped config's name (qwen3.5-9b)
+            data = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise TrainConfigError(source, [str(e)]) from None
         if not isinstance(data, dict):

@@ -30,7 +30,6 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
 
 
 class TrackingError(RuntimeError):
@@ -143,9 +142,10 @@ def open_trackers(section: TrackingSection, run_dir: Path, config: dict[str, Any
     return Trackers(trackers)
 
 
-def git_state(repo: Path = REPO) -> dict[str, Any]:
+def git_state(repo: Path | None = None) -> dict[str, Any]:
     """The commit of the code that runs, and whether its tree had changes (None outside a
-    git checkout, e.g. an installed wheel)."""
+    git checkout, e.g. an installed wheel, even one in a virtualenv inside another
+    repository: this file must be tracked there). ``repo``: another checkout's state."""
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
@@ -154,6 +154,10 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    if repo is None:
+        repo = Path(__file__).resolve().parent
+        if git("ls-files", "--error-unmatch", Path(__file__).name) is None:
+            return {"commit": None, "dirty": None}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"commit": commit, "dirty": bool(status) if status is not None else None}

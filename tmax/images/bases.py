@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED_TABLE = REPO / "configs" / "base-images.yaml"
-IMAGES_DIR = REPO / "images"
+from tmax.package_data import CONFIGS, IMAGES_DIR
+
+SHIPPED_TABLE = CONFIGS / "base-images.yaml"
 BASE_MAP_ENV = "TMAX_BASE_MAP"
 
 # Registries whose images are Docker Hub's official ones under another name (longest first:

@@ -37,13 +37,13 @@ from tmax.images.store import (
     digest_of,
     tree_digest,
 )
+from tmax.package_data import CONFIGS, IMAGES_DIR
 from tmax.tasks import Task
 
 if TYPE_CHECKING:
     from tmax.images.checks import SandboxImage
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
 BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
 CHECKS_FORMAT = "checks-v8"  # bump when the checks change what they measure (v2: the
 # verifier runs on the image's own PATH, as in rollouts; v3: the image's ENTRYPOINT starts
@@ -150,8 +150,8 @@ class ImageBuilds:
     """Builds and records images; safe to run on several nodes against one store."""
 
     def __init__(self, store: ImageStore, builder: Builder, *,
-                 images_dir: Path = REPO / "images",
-                 base_table: Path = REPO / "configs" / "base-images.yaml",
+                 images_dir: Path = IMAGES_DIR,
+                 base_table: Path = CONFIGS / "base-images.yaml",
                  base_map: Path | None = None,
                  checker: Callable[[Task, SandboxImage, Path, SandboxImage | None], Checks]
                  | None = None):

@@ -11,9 +11,11 @@ leader's child. It
 3. mounts the SIF's squashfs partition read-only through a loop device (no unpacking) and
    re-mounts it *idmapped* to the sandbox's uid range, so the image's root-owned files
    are owned by the sandbox's own (unprivileged) root;
-4. makes a fresh ext4 file system of ``storage_mb`` in a sparse file and mounts it through
-   a loop device: the writable layer, so writes past the quota fail with ENOSPC inside
-   and the node's disk is untouched;
+4. mounts the sandbox's own disk, ``home/disk.img`` (a fresh ext4 file system of
+   ``storage_mb`` in a sparse file, with the overlay's folders and a reserve, made by the
+   runtime just before or ahead: ``sandfleet.runtime.prepared``; used once, then deleted)
+   through a loop device: the writable layer, so writes past the quota fail with ENOSPC
+   inside and the node's disk is untouched;
 5. mounts the overlay (image below, disk above) at ``root`` and the image alone at
    ``image_dir`` (fixed, world-traversable paths: this namespace's own mounts there hide
    nobody else's), becomes the sandbox's host uid (no
@@ -31,12 +33,16 @@ child with exactly the given environment. The parent waits and exits as the chil
 Everything it needs is loaded before the root changes: nothing of the sandbox's file
 system is read while it is privileged.
 
-Loop devices are attached with autoclear: they detach when the namespace's last process
-exits. Errors go to stderr (the runtime's init.log) and exit non-zero.
+Loop devices are attached with autoclear (``LOOP_CONFIGURE``, no ``mount`` process): they
+detach when the namespace's last process exits. An image's read-only loop device is
+shared with the sandboxes that have the same image mounted (as ``mount -o loop`` does:
+one page cache per image), after checking its backing file's device, inode, offset and
+size. Errors go to stderr (the runtime's init.log) and exit non-zero.
 """
 
 from __future__ import annotations
 
+import _struct
 import ctypes
 import os
 import stat
@@ -53,7 +59,6 @@ OOM_SCORE_ADJ = 500
 VERIFIER_TOOLS = "/.tmax/verifier"
 """Where an image keeps what its verifier needs (prepared at build time): hidden from the
 agent by an empty read-only mount, shown to the verifier (see the runtime's ``verify``)."""
-RESERVE_FILES, RESERVE_BYTES = 8, 64 << 10
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 NAMESPACES = (("net", 0x40000000), ("user", 0x10000000), ("mnt", CLONE_NEWNS),
               ("pid", 0x20000000), ("ipc", 0x08000000), ("uts", 0x04000000),
@@ -69,6 +74,15 @@ CONTAINER_CAPS = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LOOP_GET_STATUS64 = 0x4C82, 0x4C0A, 0x4C05
+LO_FLAGS_READ_ONLY, LO_FLAGS_AUTOCLEAR = 1, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOATIME = 1, 2, 4, 1024
+
+
+LOOP_INFO = "=5Q4I64s64s32s2Q"  # struct loop_info64; struct loop_config is fd, block
+LOOP_CONFIG = "=2I" + LOOP_INFO[1:] + "8Q"  # size, loop_info64, 8 reserved
 
 
 class MountAttr(ctypes.Structure):
@@ -161,23 +175,81 @@ def allow_setuid(pid: int, paths: list[str]) -> None:
                              ctypes.byref(attr), ctypes.sizeof(attr)), f"suid on {path}")
 
 
-def run(argv: list[str]) -> None:
-    import subprocess  # here: ``enter`` runs on every command and does without it
-
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          env={"PATH": PATH}, check=False)
-    if proc.returncode != 0:
-        raise SealError(f"{' '.join(argv[:3])}... failed ({proc.returncode}): "
-                        f"{proc.stderr.strip()[-800:]}")
+def mount(source: str, target: str, fstype: str, flags: int, data: str = "") -> None:
+    _check(_libc.mount(source.encode(), target.encode(), fstype.encode(), flags,
+                       data.encode() if data else None), f"mount {fstype} on {target}")
 
 
-def make_disk(image: str, mountpoint: str, storage_mb: int) -> None:
-    """A sparse ext4 file of ``storage_mb`` mounted at ``mountpoint`` (nodev)."""
-    with open(image, "wb") as f:
-        f.truncate(storage_mb << 20)
-    run(["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "32768", "-O", "^has_journal",
-         "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", image])
-    run(["mount", "-t", "ext4", "-o", "loop,nodev,nosuid,noatime", image, mountpoint])
+def _loop_status(fd: int) -> tuple | None:
+    """(device, inode, offset, size limit, flags) of an open loop device, None if unbound."""
+    buf = ctypes.create_string_buffer(_struct.calcsize(LOOP_INFO))
+    if _libc.ioctl(fd, LOOP_GET_STATUS64, buf) != 0:
+        return None
+    info = _struct.unpack(LOOP_INFO, buf.raw)
+    return info[0], info[1], info[3], info[4], info[8]
+
+
+def shared_loop(path: str, offset: int, size: int) -> int | None:
+    """An open fd of a read-only loop device already showing ``path`` at ``offset`` and
+    ``size`` (another sandbox's), checked through the device once it is open (an open fd
+    keeps it from being cleared); None when there is none."""
+    st = os.stat(path)
+    for name in os.listdir("/sys/block"):
+        if not name.startswith("loop"):
+            continue
+        try:
+            with open(f"/sys/block/{name}/loop/backing_file") as f:
+                if f.read().rstrip("\n") != path:
+                    continue
+            fd = os.open(f"/dev/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        info = _loop_status(fd)
+        if info is not None and info[:4] == (st.st_dev, st.st_ino, offset, size) \
+                and info[4] & LO_FLAGS_READ_ONLY:
+            return fd
+        os.close(fd)
+    return None
+
+
+def loop_attach(path: str, *, offset: int = 0, size: int = 0, read_only: bool = False) -> int:
+    """An open fd of a fresh loop device over ``path`` (autoclear: it detaches once its
+    last user, fd or mount, is gone); mount it as ``/proc/self/fd/<fd>``."""
+    mode = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
+    backing = os.open(path, mode)
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        flags = LO_FLAGS_AUTOCLEAR | (LO_FLAGS_READ_ONLY if read_only else 0)
+        config = ctypes.create_string_buffer(_struct.pack(
+            LOOP_CONFIG, backing, 0, 0, 0, 0, offset, size, 0, 0, 0, flags, b"", b"", b"",
+            0, 0, *[0] * 8))
+        for _ in range(64):  # another process may take the free device first
+            number = _check(_libc.ioctl(ctl, LOOP_CTL_GET_FREE), "LOOP_CTL_GET_FREE")
+            fd = os.open(f"/dev/loop{number}", mode)
+            if _libc.ioctl(fd, LOOP_CONFIGURE, config) == 0:
+                return fd
+            err = ctypes.get_errno()
+            os.close(fd)
+            if err != 16:  # EBUSY
+                raise SealError(f"LOOP_CONFIGURE {path}: {os.strerror(err)}")
+        raise SealError(f"no free loop device for {path}")
+    finally:
+        os.close(ctl)
+        os.close(backing)
+
+
+def mount_loop(path: str, target: str, fstype: str, flags: int, *, offset: int = 0,
+               size: int = 0, share: bool = False) -> None:
+    """``path`` (``offset``/``size`` of it) mounted at ``target`` through a loop device:
+    with ``share`` (read-only), one another sandbox already has, else a fresh one."""
+    read_only = bool(flags & MS_RDONLY)
+    fd = shared_loop(path, offset, size) if share else None
+    if fd is None:
+        fd = loop_attach(path, offset=offset, size=size, read_only=read_only)
+    try:
+        mount(f"/proc/self/fd/{fd}", target, fstype, flags)
+    finally:
+        os.close(fd)
 
 
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
@@ -248,34 +320,27 @@ def seal(spec: dict) -> list[str]:
             f.write(str(os.getpid()))
     home, root, lower = spec["home"], spec["root"], spec["image_dir"]
     raw, disk = os.path.join(home, "raw"), os.path.join(home, "disk")
-    run(["mount", "-t", "squashfs", "-o",
-         f"ro,nodev,loop,offset={spec['offset']},sizelimit={spec['size']}", spec["image"], raw])
+    mount_loop(spec["image"], raw, "squashfs", MS_RDONLY | MS_NODEV, offset=spec["offset"],
+               size=spec["size"], share=True)
     userns = mapping_userns(spec["uid_base"], spec["uid_count"])
     try:
         idmapped_bind(raw, lower, userns)
     finally:
         os.close(userns)
-    make_disk(os.path.join(home, "disk.img"), disk, spec["storage_mb"])
+    image = os.path.join(home, "disk.img")  # made by the runtime for this sandbox alone
+    mount_loop(image, disk, "ext4", MS_NODEV | MS_NOSUID | MS_NOATIME)
     upper, work = os.path.join(disk, "upper"), os.path.join(disk, "work")
-    os.mkdir(upper, 0o755)
-    os.mkdir(work, 0o700)
-    reserve = os.path.join(disk, "reserve")  # freed by the host to make the verifier's
-    os.mkdir(reserve, 0o700)                 # mount points on a disk the agent filled
-    for i in range(RESERVE_FILES):
-        fd = os.open(os.path.join(reserve, str(i)), os.O_CREAT | os.O_WRONLY, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-        finally:
-            os.close(fd)
+    if os.listdir(upper) or not os.path.isdir(os.path.join(disk, "reserve")):
+        raise SealError(f"{image}: not a fresh disk")
     os.chown(upper, spec["uid_base"], spec["uid_base"])
     localhost(lower, upper, spec["uid_base"], spec.get("hostname", "sandbox"))
     if spec.get("network"):
         resolver(lower, upper, spec["uid_base"])
-    run(["mount", "-t", "overlay", "overlay", "-o",
-         f"nodev,lowerdir={lower},upperdir={upper},workdir={work}", root])
+    mount("overlay", root, "overlay", MS_NODEV,
+          f"lowerdir={lower},upperdir={upper},workdir={work}")
     tools = os.path.join(root, VERIFIER_TOOLS.lstrip("/"))
     if os.path.isdir(os.path.join(lower, VERIFIER_TOOLS.lstrip("/"))):  # only the verifier's
-        run(["mount", "-t", "tmpfs", "-o", "ro,size=4k,mode=0755", "tmpfs", tools])
+        mount("tmpfs", tools, "tmpfs", MS_RDONLY, "size=4k,mode=0755")
     for fd in spec.get("close_fds", []):
         os.close(fd)
     # bwrap runs as the sandbox's host uid: its new user namespace then maps that uid as 0
@@ -495,9 +560,9 @@ def main() -> None:
             os.write(2, f"sandfleet suid: {e}\n".encode())
             os._exit(125)
         os._exit(0)
-    import json
+    import marshal  # built in: json's import would cost more than the rest of start-up
 
-    spec = json.loads(sys.argv[2])
+    spec = marshal.loads(bytes.fromhex(sys.argv[2]))
     try:
         argv = seal(spec)
     except (SealError, OSError, ValueError, KeyError) as e:

@@ -7,7 +7,10 @@ read-only through a loop device, *idmapped* to the sandbox's uid range, as the l
 of an overlay whose upper layer is a fresh ext4 file system of ``spec.storage_mb`` in a
 sparse file (the disk quota: past it, writes fail with ENOSPC inside). All of it happens in
 a private mount namespace (``helper.py seal``), so nothing reaches the host's mount table
-and it all goes, loop devices included, with the sandbox's last process.
+and it all goes, loop devices included, with the sandbox's last process. The disk is
+formatted ahead where it can be (``self.disks``, a ``prepared.PreparedPool`` keeping
+``prepared`` disks per size ready; ``SANDFLEET_PREPARED=0`` turns it off): one file per
+sandbox, moved into its folder, deleted with it, never used twice.
 
 Process tree of one sandbox (host view)::
 
@@ -70,6 +73,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import marshal
 import math
 import os
 import select
@@ -108,12 +112,15 @@ from sandfleet.runtime.local_host import (  # noqa: F401 (the runtime's API, as 
     _read,
     _wait_gone,
     compile_helper,
+    disk_skeleton,
     enter_argv,
     helper_argv,
     id_map,
+    make_disk,
     pick_cpus,
     sandbox_bwrap,
 )
+from sandfleet.runtime.prepared import PreparedPool, remove_stale
 from sandfleet.runtime.verify_local import LocalVerifier
 from sandfleet.verifier.plan import path_roots, trusted_first  # noqa: F401
 
@@ -148,7 +155,7 @@ def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, in
                           command=["bash", "-c", INIT_SH, "sandfleet-init", str(seconds),
                                    str(block_fd), str(env_fd)], as_pid_1=True)
     return (["timeout", "-s", "KILL", str(seconds + HOST_GRACE_S)]
-            + helper_argv("seal", json.dumps({**seal, "argv": bwrap})))
+            + helper_argv("seal", marshal.dumps({**seal, "argv": bwrap}).hex()))
 
 
 
@@ -185,7 +192,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                  pids_max: int = 4096, start_timeout_s: float = 60.0,
                  uid_base: int = 1 << 31, uid_slots: int = 4096,
                  uid_lock_dir: Path = Path("/run/sandfleet/uid-slots"),
-                 mount_dir: Path = Path("/run/sandfleet/mnt")):
+                 mount_dir: Path = Path("/run/sandfleet/mnt"), prepared: int | None = None):
         self.state_dir = Path(state_dir).resolve()
         self.cache_dir = Path(cache_dir).resolve() if cache_dir is not None else None
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
@@ -212,6 +219,24 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         self._oom_files: dict[str, str] = {}  # sandbox id -> its memory cgroup
         self._children: dict[str, subprocess.Popen] = {}  # leaders we started, to reap
         self._lock = threading.Lock()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.skeleton = disk_skeleton(self.state_dir / "disk-skeleton")
+        self.disks = PreparedPool(self.state_dir / "prepared", self._make_disk,
+                                  per_size=prepared, what="disk",
+                                  room=lambda: self.uids.slots - len(self._records))
+        """Disks made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
+
+    def _make_disk(self, path: Path, storage_mb: int) -> None:
+        make_disk(path, storage_mb, self.skeleton, timeout=self.start_timeout_s)
+
+    def prepare(self, storage_mb: int) -> None:
+        """Keep disks of ``storage_mb`` made ahead from now on (sizes leases use are kept
+        anyway, from their first start)."""
+        self.disks.want(storage_mb)
+
+    def close(self) -> None:
+        """Stop making disks ahead and remove those not taken (running sandboxes stay)."""
+        self.disks.close()
 
     # ---- paths and records
 
@@ -315,6 +340,14 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                 self._destroy(sandbox_id, old)
             for sub in ("raw", "disk"):
                 (home / sub).mkdir(parents=True)
+            disk = home / "disk.img"  # this sandbox's alone, removed with its folder
+            prepared = self.disks.take(spec.storage_mb, disk)
+            if not prepared:
+                try:
+                    self._make_disk(disk, spec.storage_mb)
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    self._destroy(sandbox_id, None)
+                    raise SandboxStartError(sandbox_id, f"disk: {e}") from None
             cpus = pick_cpus(sorted(os.sched_getaffinity(0)), spec.cpus, self._cpu_load())
             try:
                 cgroups = self.cgroups.create(self._cgroup_name(sandbox_id),
@@ -519,6 +552,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         disk files with them), and sandboxes whose state dir is gone but whose cgroups
         (named by owner, id and state dir) are still there."""
         keep = set(keep)
+        remove_stale(self.state_dir / "prepared")  # disks made ahead by an ended process
         gone = {sid for sid in self._own_records() if sid not in keep}
         prefix, suffix = f"{self.owner}-", f".{self._scope}"
         for parent in self.cgroups.parents.values():

@@ -8,7 +8,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -32,6 +34,50 @@ CONTAINER_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "
                   "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_MKNOD", "CAP_AUDIT_WRITE",
                   "CAP_SETFCAP")
 """What root inside keeps (Docker's default set); must match helper.CONTAINER_CAPS."""
+
+RESERVE_FILES, RESERVE_BYTES = 8, 64 << 10
+"""The disk's reserve: files of real blocks, freed by the host to make the verifier's mount
+points on a disk the agent filled."""
+MKFS_EXT4 = ["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "32768", "-O", "^has_journal",
+             "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
+
+
+def disk_skeleton(folder: Path) -> Path:
+    """What a fresh disk holds, as a folder for ``mkfs.ext4 -d`` (made again each time,
+    through a rename): ``upper`` (the overlay's, 0755; the sandbox's root gets it at
+    start), ``work`` (0700) and ``reserve`` (0700, ``RESERVE_FILES`` files of
+    ``RESERVE_BYTES`` not zero, so mkfs gives them real blocks)."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for sub, mode in (("upper", 0o755), ("work", 0o700), ("reserve", 0o700)):
+        (tmp / sub).mkdir(parents=True, mode=mode)
+        os.chmod(tmp / sub, mode)
+    os.chmod(tmp, 0o755)
+    for i in range(RESERVE_FILES):
+        path = tmp / "reserve" / str(i)
+        path.write_bytes(b"\xff" * RESERVE_BYTES)
+        os.chmod(path, 0o600)
+    old = folder.with_name(f".{folder.name}.old.{os.getpid()}")
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def make_disk(path: Path, storage_mb: int, skeleton: Path, timeout: float = 120.0) -> None:
+    """A sparse file of ``storage_mb`` holding a fresh ext4 file system with ``skeleton``'s
+    folders (``disk_skeleton``): one sandbox's writable layer, used once."""
+    with open(path, "wb") as f:
+        f.truncate(storage_mb << 20)
+    out = subprocess.run([*MKFS_EXT4, "-d", str(skeleton), str(path)], capture_output=True,
+                         text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False,
+                         env={"PATH": DEFAULT_PATH})
+    if out.returncode != 0:
+        raise OSError(f"mkfs.ext4 {path} failed ({out.returncode}): "
+                      f"{(out.stdout + out.stderr).strip()[-800:]}")
+
 
 def id_map(uid_base: int) -> str:
     return f"0 {uid_base} {UID_COUNT}\n"

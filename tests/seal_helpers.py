@@ -9,8 +9,8 @@ Two sets of runtime fixtures, each named ``runtime`` and ``make`` where a module
   per module per parameter, ``local`` or ``apptainer`` (the real Apptainer as root, as
   tests/test_apptainer_real.py runs it; the ordinary user's case is there). A test chooses
   its runtimes with ``on_both_runtimes``: an attack the apptainer runtime cannot stop is a
-  strict expected failure there, its reason the missing guarantee as the README's table
-  names it.
+  strict expected failure there, its reason the missing guarantee as docs/sandbox.md's
+  table names it.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ VENV_PATH = f"/opt/tool/bin:{HOST_PATH}"
 RUNNER_SH = "echo 0 > /logs/verifier/reward.txt\nrunner\n"
 """A test.sh that leaves what ``venv_sif``'s runner writes: 0.25."""
 
-# What the apptainer runtime does not guarantee, as the README's table names it
-# ("The apptainer runtime (clusters, and ordinary users)"), and what the tests saw.
+# What the apptainer runtime does not guarantee, as the guarantee table names it
+# (docs/sandbox.md, "The apptainer runtime"), and what the tests saw.
 ROOT_IS_HOST_ROOT = ("root inside is not host root: as root, root inside is host uid 0 "
                      "(a user namespace mapping 0 to 0) with every capability inside it: "
                      "mounts and nested namespaces work")

@@ -7,9 +7,9 @@ limits, filling the node's disk or /dev/shm, reaching another sandbox. Each asse
 broken seal gets wrong: on the old local runtime (commit 2dfe18e: uid 0 inside was host
 uid 0 with a full capability set, no disk quota) every one of them failed. An attack the
 apptainer runtime (as root, as CI runs it) does not stop is a strict expected failure there,
-naming the guarantee it lacks (tests/seal_helpers.py; the README's table of the apptainer
-runtime). The local runtime's own mechanics (loop devices, uid slots, cgroups, refusals) are
-in tests/test_seal_local.py.
+naming the guarantee it lacks (tests/seal_helpers.py; the guarantee table of
+docs/sandbox.md, "The apptainer runtime"). The local runtime's own mechanics (loop devices,
+uid slots, cgroups, refusals) are in tests/test_seal_local.py.
 
 Nothing here changes a host value: kernel settings are written with the value already there,
 /proc/sysrq-trigger is only opened, never written, and cgroup files are written only in the

@@ -56,7 +56,7 @@ def test_a_full_disk_can_be_freed_again(runtime, make):
     """A policy outcome: the sandbox is up, full, and can free its space again. (Local
     only: on Apptainer as root, ``rm`` of the file that filled the ext3 overlay sometimes
     fails with ENOSPC and the file stays, 3 times in 4 tries here: not a strict expected
-    failure, so not parametrized; see the README.)"""
+    failure, so not parametrized; see docs/sandbox.md, Disk quota.)"""
     sid = make(storage_mb=64)
     run(runtime, sid, "dd if=/dev/zero of=/var/fill bs=1M count=1024 status=none")
     assert run(runtime, sid, "rm /var/fill && echo 12 > /var/small && cat /var/small"

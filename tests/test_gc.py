@@ -1,4 +1,4 @@
-"""`tmax gc` (tmax/train/gc.py): runs whose launcher is gone lose their leftover processes
+"""`tmax gc` (tmax/train/gc.py, its command line tmax/train/cli.py): runs whose launcher is gone lose their leftover processes
 (real ones, started here in their own process groups), their still-queued Slurm jobs (real
 jobs of the local cluster, cancelled by id) and their private fleet, and are marked once;
 a live launcher, a reused pid, another host and --dry-run leave everything as it is."""
@@ -16,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from sandfleet.runtime.base import proc_start_time
-from tmax.train.gc import MARK, Queue, SlurmQueryError, collect_run, gc_cmd
+from tmax.train.cli import gc_cmd
+from tmax.train.gc import MARK, Queue, SlurmQueryError, collect_run
 
 HOST = socket.gethostname()
 

@@ -388,7 +388,8 @@ def test_the_jobs_of_a_sigkilled_launcher_end_by_themselves(
 
 
 def test_stop_signals_only_processes_of_this_host_and_their_own_groups(tmp_path):
-    from tmax.train.slurm import Slurm, stop_run
+    from sandfleet.slurm import SlurmClient
+    from tmax.train.control import stop_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -398,14 +399,14 @@ def test_stop_signals_only_processes_of_this_host_and_their_own_groups(tmp_path)
         (run / "processes.json").write_text(json.dumps(
             {"host": "another-login-node", "launcher": leader.pid, "trainer": [leader.pid],
              "inference": {}}))
-        assert stop_run(run, Slurm()) == [f"{run}: nothing of this run is running"]
+        assert stop_run(run, SlurmClient()) == [f"{run}: nothing of this run is running"]
         assert leader.poll() is None
         import socket
 
         (run / "processes.json").write_text(json.dumps(
             {"host": socket.gethostname(), "launcher": None,
              "trainer": [bystander.pid, leader.pid], "inference": {}}))
-        assert stop_run(run, Slurm()) == [f"trainer-1 pid {leader.pid}: SIGTERM"]
+        assert stop_run(run, SlurmClient()) == [f"trainer-1 pid {leader.pid}: SIGTERM"]
         assert leader.wait(10) == -15 and bystander.poll() is None
     finally:
         for p in (bystander, leader):

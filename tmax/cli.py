@@ -17,7 +17,7 @@ from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
 from tmax.package_data import CONFIGS, EXAMPLE_TASKS
 from tmax.tasks.cli import tasks_group
-from tmax.train.gc import gc_cmd
+from tmax.train.cli import gc_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -5,8 +5,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+from dataclasses import asdict
+from pathlib import Path
 
 import click
+
+from tmax.train.gc import default_roots, format_report
+from tmax.train.gc import gc as collect
 
 
 def accelerator_report() -> dict:
@@ -193,3 +198,32 @@ def format_status(report: dict) -> str:
 
 if __name__ == "__main__":  # the orchestrator job (tmax-train --detach) runs this module
     main()
+
+
+@click.command("gc")
+@click.argument("roots", nargs=-1, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Say what would be done; change nothing.")
+@click.option("--grace", "grace_s", default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL of a leftover process group.")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
+def gc_cmd(roots: tuple[Path, ...], dry_run: bool, grace_s: float, output: str) -> None:
+    """Collect runs whose launcher is gone, under RUNS_ROOT... (default: the runs root of
+    the train config, ./runs): scancel their still-queued jobs by id, end their leftover
+    local processes (recorded pid and start time only), stop their private fleet, and mark
+    them (RUN/gc.json). Only this user's runs, jobs and processes. Safe from cron."""
+    chosen = list(roots) or default_roots()
+    notes = [f"{r}: no such folder" for r in chosen if not r.is_dir()]
+    reports = collect([r for r in chosen if r.is_dir()], dry_run=dry_run, grace_s=grace_s)
+    if output == "json":
+        click.echo(json.dumps({"dry_run": dry_run, "roots": [str(r) for r in chosen],
+                               "notes": notes, "runs": [asdict(r) for r in reports]},
+                              indent=1))
+    else:
+        for line in notes:
+            click.echo(line)
+        for report in reports:
+            click.echo(format_report(report, dry_run))
+        if not reports:
+            click.echo(f"no run folders under {', '.join(map(str, chosen))}")
+    if any(r.verdict == "incomplete" for r in reports):
+        raise SystemExit(1)

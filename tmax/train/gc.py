@@ -21,7 +21,8 @@ A run folder is a folder holding ``jobs.json`` (every Slurm job a launcher submi
 For a run whose launcher is gone, gc
 
 1. cancels the run's jobs that are still queued or running, by id: ids of ``jobs.json``
-   that ``squeue --me`` lists (this user's; one squeue for every run), ``scancel ID``;
+   that ``squeue --me`` lists (this user's; one squeue for every run), ``scancel ID``
+   (both through sandfleet's Slurm client);
 2. ends its leftover local processes (``processes.json``, this host only): a pid is
    signalled only when its start time is the recorded one, it is this user's and it leads
    its own process group (the launcher starts each child in its own session): SIGTERM to
@@ -35,6 +36,8 @@ For a run whose launcher is gone, gc
 
 A run whose actions did not all succeed is not marked (the next gc tries again) and gc
 exits with status 1. ``--dry-run`` reports what it would do and changes nothing.
+
+The command line (``tmax gc``) is ``tmax.train.cli.gc_cmd``; this module is the library.
 """
 
 from __future__ import annotations
@@ -47,21 +50,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
-
-
-def _read_jobs(run: Path) -> list[dict[str, Any]]:
-    """RUN/jobs.json (imported here: tmax.train.slurm pulls the run config, and with it
-    torch, into `tmax --help`)."""
-    from tmax.train.slurm import read_jobs
-
-    return read_jobs(run)
-
+from sandfleet import proc_start_time, read_controller_info
+from sandfleet import slurm as slurm_api
+from tmax.train.runfiles import read_jobs as _read_jobs
 
 MARK = "gc.json"
 FLEET_RECORD = "fleet.json"
@@ -74,12 +70,8 @@ DEFAULT_STALE_S = 120.0
 """``distributed.stale_after_s`` when a run's config.yaml cannot be read."""
 
 
-class SlurmQueryError(Exception):
-    """squeue could not say which jobs are queued or running; carries its stderr."""
-
-    def __init__(self, argv: Sequence[str], reason: str):
-        self.argv, self.reason = list(argv), reason
-        super().__init__(f"{' '.join(argv)}: {reason}")
+SlurmQueryError = slurm_api.SlurmError
+"""squeue (or scancel) could not run or failed: argv, exit status and stderr."""
 
 
 @dataclass
@@ -128,7 +120,7 @@ class Launcher:
 
 def default_roots() -> list[Path]:
     """The runs root of the embedded train config (``out_dir`` without its ``{name}``)."""
-    from tmax.train.config import load_train_config
+    from tmax.train.config import load_train_config  # heavy: the config pulls in torch
 
     return [load_train_config(None).run_dir.parent]
 
@@ -162,8 +154,6 @@ def find_runs(roots: Iterable[Path], max_depth: int = MAX_DEPTH) -> list[Path]:
 
 
 def proc_start(pid: int) -> int | None:
-    from sandfleet import proc_start_time
-
     return proc_start_time(pid)
 
 
@@ -194,7 +184,10 @@ def read_launcher(run: Path) -> Launcher | None:
 
 
 def stale_after_s(run: Path) -> float:
-    from tmax.train.config import TrainConfigError, load_train_config
+    from tmax.train.config import (  # heavy: the config pulls in torch
+        TrainConfigError,
+        load_train_config,
+    )
 
     try:
         return load_train_config(run / "config.yaml").distributed.stale_after_s
@@ -218,26 +211,11 @@ class Queue:
 
 def my_queued_jobs(timeout_s: float = COMMAND_TIMEOUT_S) -> dict[str, str]:
     """``squeue -h --me``: this user's jobs Slurm still lists (queued, running, requeued,
-    completing ...), id -> state. A line of another user (never expected) is dropped."""
+    completing ...), id -> state. A line of another user (never expected) is dropped.
+    Raises ``SlurmQueryError``."""
     me = pwd.getpwuid(os.getuid()).pw_name
-    argv = ["squeue", "-h", "--me", "-o", "%i %T %u"]
-    out = _run(argv, timeout_s)
-    if out.returncode != 0:
-        raise SlurmQueryError(argv, f"exit {out.returncode}: {out.stderr.strip()[-1000:]}")
-    jobs = {}
-    for line in out.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[2] == me:
-            jobs[parts[0]] = parts[1]
-    return jobs
-
-
-def _run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, start_new_session=True, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SlurmQueryError(argv, str(e)) from None
+    jobs = slurm_api.SlurmClient(timeout_s).queue()
+    return {j.job_id: j.state for j in jobs.values() if j.user == me}
 
 
 def launcher_state(run: Path, launcher: Launcher | None, queue: Queue
@@ -311,16 +289,11 @@ def cancel_jobs(run: Path, queue: Queue, dry_run: bool) -> list[Action]:
 
 def _scancel(job_id: str) -> str | None:
     """``scancel ID``; None when it worked (or the job had just ended), else the error."""
-    if not job_id.isdigit():
-        return f"not a Slurm job id: {job_id!r}"
     try:
-        out = _run(["scancel", job_id], COMMAND_TIMEOUT_S)
-    except SlurmQueryError as e:
+        slurm_api.SlurmClient(COMMAND_TIMEOUT_S).cancel(job_id)
+    except (slurm_api.SlurmError, ValueError) as e:
         return str(e)
-    if out.returncode == 0 or "Invalid job id" in out.stderr \
-            or "already completing" in out.stderr:
-        return None
-    return f"exit {out.returncode}: {out.stderr.strip()[-500:]}"
+    return None
 
 
 def recorded_processes(run: Path) -> dict[str, tuple[int, int | None]]:
@@ -394,8 +367,6 @@ def end_processes(run: Path, dry_run: bool, grace_s: float) -> list[Action]:
 
 def stop_private_fleet(run: Path, dry_run: bool) -> list[Action]:
     """``sandfleet down --state-dir`` of the private fleet in ``RUN/fleet.json``."""
-    from sandfleet import read_controller_info
-
     doc = read_json(run / FLEET_RECORD)
     if not doc or not doc.get("state_dir"):
         return []
@@ -513,32 +484,3 @@ def format_report(report: RunReport, dry_run: bool) -> str:
             a.what != "mark" for a in report.actions):
         lines.append("  nothing of it was left running")
     return "\n".join(lines)
-
-
-@click.command("gc")
-@click.argument("roots", nargs=-1, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--dry-run", is_flag=True, help="Say what would be done; change nothing.")
-@click.option("--grace", "grace_s", default=10.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL of a leftover process group.")
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text")
-def gc_cmd(roots: tuple[Path, ...], dry_run: bool, grace_s: float, output: str) -> None:
-    """Collect runs whose launcher is gone, under RUNS_ROOT... (default: the runs root of
-    the train config, ./runs): scancel their still-queued jobs by id, end their leftover
-    local processes (recorded pid and start time only), stop their private fleet, and mark
-    them (RUN/gc.json). Only this user's runs, jobs and processes. Safe from cron."""
-    chosen = list(roots) or default_roots()
-    notes = [f"{r}: no such folder" for r in chosen if not r.is_dir()]
-    reports = gc([r for r in chosen if r.is_dir()], dry_run=dry_run, grace_s=grace_s)
-    if output == "json":
-        click.echo(json.dumps({"dry_run": dry_run, "roots": [str(r) for r in chosen],
-                               "notes": notes, "runs": [asdict(r) for r in reports]},
-                              indent=1))
-    else:
-        for line in notes:
-            click.echo(line)
-        for report in reports:
-            click.echo(format_report(report, dry_run))
-        if not reports:
-            click.echo(f"no run folders under {', '.join(map(str, chosen))}")
-    if any(r.verdict == "incomplete" for r in reports):
-        raise SystemExit(1)

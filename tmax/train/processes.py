@@ -39,6 +39,8 @@ from tmax.rollout.trajectory import append_jsonl
 from tmax.train.commands import launch_plan, server_command, trainer_command, vllm_config_of
 from tmax.train.config import TrainConfig, save_config
 from tmax.train.handover import Handover, Heartbeat, is_done
+from tmax.train.runfiles import TrainProcessError
+from tmax.train.slurm import SlurmInferenceServers, SlurmTrainer, make_poller
 from tmax.train.trainer_rank import (
     ORCHESTRATOR,
     REQUEUE_EXIT,
@@ -155,10 +157,6 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await follower
             await sampler.stop()
-
-
-class TrainProcessError(Exception):
-    """A process of the run failed in a way the launcher cannot repair; names its log."""
 
 
 # --------------------------------------------------------------------------- where roles run
@@ -376,11 +374,9 @@ def runners(config: TrainConfig, run_dir: Path, launcher: str
         return (TrainerGroup(run_dir, config.distributed.trainer_ranks, config.torch_threads),
                 InferenceServers(config, run_dir))
     if launcher == "slurm":
-        from tmax.train.slurm import Slurm, SlurmInferenceServers, SlurmTrainer
-
-        slurm = Slurm(config.slurm.command_timeout_s, config.slurm.poll_s)
-        return (SlurmTrainer(config, run_dir, slurm),
-                SlurmInferenceServers(config, run_dir, slurm))
+        poller = make_poller(config)  # one batched poll for the trainer's and servers' jobs
+        return (SlurmTrainer(config, run_dir, poller),
+                SlurmInferenceServers(config, run_dir, poller))
     raise ValueError(f"unknown launcher {launcher!r}; valid: local, slurm")
 
 

@@ -16,11 +16,11 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from sandfleet import slurm
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.config import TrainConfig, load_train_config
 from tmax.train.handover import Handover, Heartbeat, PeerGone, alive, mark_done
@@ -175,8 +175,10 @@ def requeue(backend: Any, run_dir: Path, config: TrainConfig, rank: int) -> None
         log.warning("checkpointed at step %d; %s", backend.step_count,
                     f"requeueing job {job}" if job else "not a Slurm job: exiting")
         if job:
-            subprocess.run(["scontrol", "requeue", job], timeout=60, check=False,
-                           stdin=subprocess.DEVNULL)
+            try:
+                slurm.SlurmClient(60).requeue(job)
+            except (slurm.SlurmError, ValueError) as e:
+                log.warning("requeue of job %s failed: %s", job, e)
     raise Requeue()
 
 

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,6 +116,17 @@ def sender_matches_export(backend) -> bool:
         and all(torch.equal(t.cpu(), exported[n].cpu()) for n, t in sent.items()))
 
 
+def gpu_processes() -> list[str]:
+    """nvidia-smi's ``pid, used memory`` of each process on the GPU (none without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 async def sample(engine, group: int) -> tuple[list, float, int]:
     from tmax.train.trainer import Sample
 
@@ -183,8 +195,18 @@ async def run(args) -> dict:
                    "sync_seconds": sync_s, "loss": metrics.get("loss")}
             report["steps"].append(row)
             print(json.dumps(row), flush=True)
+        report["gpu_processes"] = gpu_processes()  # the trainer and the server, both up
         await engine.aclose()
     report["nccl_sender_gather_matches_export"] = sender_matches_export(backend)
+    if torch.cuda.is_available() and backend.device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(backend.device)
+        report["trainer_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        report["trainer_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    import deepspeed
+    import transformers
+    report["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                          "cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
+                          "transformers": transformers.__version__}
     report["total_seconds"] = time.monotonic() - t_start
     return report
 

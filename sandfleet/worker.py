@@ -131,7 +131,8 @@ class Worker:
         self.work = config.path("work_dir") / fleet_key(self.state_dir) / name
         self.work.mkdir(parents=True, exist_ok=True, mode=0o700)
         if runtime is None:
-            kwargs: dict[str, Any] = {"state_dir": self.work / "runtime"}
+            kwargs: dict[str, Any] = {"state_dir": self.work / "runtime",
+                                      "max_sandboxes": config.cpus_per_node}  # lease slots
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
             elif config.apptainer_allow_root:
@@ -169,6 +170,8 @@ class Worker:
         for line in await self._call(lambda: reap_dead_workers(
                 self.work.parent, self.config, keep=self.name)):
             log.warning("%s", line)
+        if hasattr(self.runtime, "prepare"):  # writable layers made ahead, in the background
+            self.runtime.prepare(self.config.storage_mb)
         info = await self._wait_controller()
         if info is None:
             log.error("no controller in %s after %.0fs; exiting", self.state_dir,
@@ -202,6 +205,8 @@ class Worker:
         await asyncio.gather(*(self._stop(lid, "worker shutting down") for lid in leases),
                              return_exceptions=True)
         await self._call(self.runtime.reap, ())
+        if hasattr(self.runtime, "close"):  # what it made ahead goes too
+            await self._call(self.runtime.close)
         if not await self._call(self.runtime.list_running):
             shutil.rmtree(self.work, ignore_errors=True)  # nothing left to find later
         for task in list(self._tasks):

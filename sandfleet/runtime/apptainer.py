@@ -11,7 +11,9 @@ Which apptainer, and the refusals when the node cannot run it, are in ``apptaine
 What holds, run as root and as an ordinary user (tested both ways with Apptainer 1.4.5):
 
 - Writes go to the sandbox's own sparse ext3 overlay of ``storage_mb`` (ENOSPC inside at
-  the quota; the node's disk gets only what is written), removed at stop.
+  the quota; the node's disk gets only what is written), removed at stop; made ahead where
+  it can be (``self.overlays``, a ``prepared.PreparedPool``; ``SANDFLEET_PREPARED=0``
+  turns it off), one file per sandbox, never used twice.
 - ``--containall``: fresh pid, ipc and mount namespaces, no host home, /tmp or /dev bound,
   a clean environment; ``--no-mount tmp``: /tmp and /var/tmp are the overlay's (the agent's
   files there count in ``storage_mb`` and reach the verifier). The network is a private namespace with only ``lo`` unless
@@ -88,6 +90,7 @@ from sandfleet.runtime.base import (
     read_small,
     write_json_atomic,
 )
+from sandfleet.runtime.prepared import PreparedPool, remove_stale
 from sandfleet.verifier.plan import VERIFIER_TOOLS
 
 log = logging.getLogger(__name__)
@@ -226,7 +229,8 @@ class ApptainerRuntime(CommandRuntime):
     def __init__(self, state_dir: Path, owner: str | None = None,
                  apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
                  start_timeout_s: float = 300.0, call_timeout_s: float = 60.0,
-                 data_rlimit: bool = True, allow_host_root: bool = False):
+                 data_rlimit: bool = True, allow_host_root: bool = False,
+                 prepared: int | None = None, max_sandboxes: int = 256):
         self.state_dir = Path(state_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
         self.prefix = f"{self.owner}-{state_key(self.state_dir)}-"
@@ -242,6 +246,18 @@ class ApptainerRuntime(CommandRuntime):
         self._memory = MemoryWatcher()  # memory_mb without cgroups (apptainer_memory)
         self._data_rlimit = data_rlimit  # and RLIMIT_DATA on each command then
         self.allow_host_root = allow_host_root  # as root: see ROOT_REFUSAL
+        self.overlays = PreparedPool(self.state_dir / "prepared", self._make_overlay,
+                                     per_size=prepared, what="overlay",
+                                     room=lambda: max_sandboxes - len(self._own_dirs()))
+        """Overlays made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
+
+    def _make_overlay(self, path: Path, storage_mb: int) -> None:
+        make_overlay(path, storage_mb, hide=(VERIFIER_TOOLS,), timeout=self.start_timeout_s)
+
+    def prepare(self, storage_mb: int) -> None:
+        """Keep overlays of ``storage_mb`` made ahead from now on (sizes leases use are
+        kept anyway, from their first start)."""
+        self.overlays.want(storage_mb)
 
     @property
     def info(self) -> ApptainerInfo:
@@ -386,8 +402,8 @@ class ApptainerRuntime(CommandRuntime):
                            spec.to_dict(), time.time(), 0, (0, 0), cpus=cpus
                            ).save(home / "sandbox.json")
         try:
-            make_overlay(home / "overlay.img", spec.storage_mb, hide=(VERIFIER_TOOLS,),
-                         timeout=self.start_timeout_s)
+            if not self.overlays.take(spec.storage_mb, home / "overlay.img"):
+                self._make_overlay(home / "overlay.img", spec.storage_mb)
             self._launch(sandbox_id, spec, info, cpus, time.time() + spec.max_lifetime_s)
         except BaseException as e:
             self._destroy(sandbox_id, None)
@@ -468,8 +484,10 @@ class ApptainerRuntime(CommandRuntime):
         shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
 
     def close(self) -> None:
-        """End the memory watcher's thread (it also ends by itself once nothing runs)."""
+        """End the memory watcher's thread (it also ends by itself once nothing runs) and
+        the overlays made ahead (those not taken are removed)."""
         self._memory.close()
+        self.overlays.close()
 
     def _instances(self) -> dict[str, int] | None:
         try:
@@ -500,6 +518,7 @@ class ApptainerRuntime(CommandRuntime):
     def reap(self, keep: Iterable[str]) -> list[str]:
         """Stop every instance of this runtime not in ``keep``, dead leftovers included."""
         keep = set(keep)
+        remove_stale(self.state_dir / "prepared")  # overlays made ahead by an ended process
         gone = sorted(set(self.list_running()) | set(self._own_dirs()))
         gone = [sid for sid in gone if sid not in keep]
         for sandbox_id in gone:

@@ -192,7 +192,8 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                  pids_max: int = 4096, start_timeout_s: float = 60.0,
                  uid_base: int = 1 << 31, uid_slots: int = 4096,
                  uid_lock_dir: Path = Path("/run/sandfleet/uid-slots"),
-                 mount_dir: Path = Path("/run/sandfleet/mnt"), prepared: int | None = None):
+                 mount_dir: Path = Path("/run/sandfleet/mnt"), prepared: int | None = None,
+                 max_sandboxes: int | None = None):
         self.state_dir = Path(state_dir).resolve()
         self.cache_dir = Path(cache_dir).resolve() if cache_dir is not None else None
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
@@ -221,9 +222,10 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         self._lock = threading.Lock()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.skeleton = disk_skeleton(self.state_dir / "disk-skeleton")
+        quota = min(max_sandboxes or uid_slots, uid_slots)  # ready disks never outnumber it
         self.disks = PreparedPool(self.state_dir / "prepared", self._make_disk,
                                   per_size=prepared, what="disk",
-                                  room=lambda: self.uids.slots - len(self._records))
+                                  room=lambda: quota - len(self._records))
         """Disks made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
 
     def _make_disk(self, path: Path, storage_mb: int) -> None:

@@ -38,7 +38,6 @@ import posixpath
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +52,7 @@ from sandfleet.netproxy import ProxyPool
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import ExecResult, SandboxSpec, cap_output, proc_start_time
 from sandfleet.shell import AsyncShellSession
+from sandfleet.slurm import SlurmClient
 from sandfleet.transfer import tar_bounded, unpack_checked
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES
 from sandfleet.wire.messages import (
@@ -532,10 +532,8 @@ def _job_end_time() -> float | None:
 def _squeue_end_time(job_id: str) -> float | None:
     """When Slurm job ``job_id`` hits its time limit (epoch seconds), from squeue."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
-                             text=True, timeout=30, check=False, stdin=subprocess.DEVNULL)
-        return time.mktime(time.strptime(out.stdout.strip(), "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return SlurmClient(30).end_time(job_id)
+    except ValueError:  # not a job id
         return None
 
 

@@ -18,9 +18,10 @@ from tmax.images.bases import (
     normalize,
 )
 from tmax.images.build import ImageBuilds
-from tmax.images.definition import parse_definition, task_definition
-from tmax.images.rootfs import BuildError, apt_mirror
+from tmax.images.plan import task_definition
+from tmax.images.rootfs import apt_mirror
 from tmax.images.store import ImageStore
+from tmax.images.types import BuildError, parse_definition
 from tmax.tasks import load_task
 
 REPO = Path(__file__).resolve().parents[1]

@@ -158,7 +158,7 @@ def test_cli_check_refuses_both_attacks(tmp_path, no_sandbox):
 
 def test_image_build_copy_applies_the_same_rule(tmp_path):
     from tmax.images.builders import copy_into_rootfs
-    from tmax.images.rootfs import BuildError
+    from tmax.images.types import BuildError
 
     root = escape_copy(tmp_path, "COPY data/ /app/data/")
     env, rootfs = root / "environment", tmp_path / "rootfs"
@@ -172,12 +172,12 @@ def test_image_build_copy_applies_the_same_rule(tmp_path):
 
 
 def test_apptainer_files_sources_stay_in_environment(tmp_path):
-    from tmax.images.builders import _task_definition_over
-    from tmax.images.definition import TaskDefinition, parse_definition
+    from tmax.images.plan import task_definition_over
+    from tmax.images.types import TaskDefinition, parse_definition
 
     definition = parse_definition("Bootstrap: docker\nFrom: debian\n%files\n"
                                   "    /data/a.txt /app/a.txt\n")
-    over = _task_definition_over(Path("/base.sif"), TaskDefinition(definition, "b", "/"),
+    over = task_definition_over(Path("/base.sif"), TaskDefinition(definition, "b", "/"),
                                  tmp_path / "environment")
     assert over.files == [(str(tmp_path / "environment/data/a.txt"), "/app/a.txt")]
 

@@ -1,5 +1,5 @@
 """Dockerfiles read and built as Docker does: the parser (tmax.tasks.dockerfile), the build
-script (tmax.images.dockerbuild), and one real build whose image shows Docker's order."""
+script (tmax.images.plan), and one real build whose image shows Docker's order."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests.test_images import cat_sif, list_sif
 from tests.test_tasks import make_task
 from tmax.images.build import ImageBuilds
 from tmax.images.builders import LocalBuilder
-from tmax.images.dockerbuild import stage_script, step_error
-from tmax.images.rootfs import BuildError
+from tmax.images.plan import stage_script, step_error
+from tmax.images.types import BuildError
 from tmax.tasks import load_task
 from tmax.tasks.dockerfile import (
     DEFAULT_PATH,
@@ -375,8 +375,7 @@ def test_apptainer_definition_of_a_stage_from_an_earlier_stage(tmp_path):
     """Apptainer cannot bootstrap from another stage: the final stage repeats the stage it
     continues (its files and script, whose staged files stay for the next script) before its
     own; that stage is not built on its own when nothing copies from it."""
-    from tmax.images.builders import dockerfile_over
-    from tmax.images.definition import dockerfile_definition
+    from tmax.images.plan import dockerfile_definition, dockerfile_over
 
     task = dockerfile_definition(
         "FROM debian:bookworm AS toolchain\nCOPY tool.c /src/\nRUN make /src/tool\n"
@@ -398,8 +397,7 @@ def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     """What `apptainer build` gets for two stages: each bootstrapped from the base with its
     own Stage name, the final one copying from the first by ``%files from s0`` into the
     staging folder its script copies from, the final ENV as %environment."""
-    from tmax.images.builders import dockerfile_over
-    from tmax.images.definition import dockerfile_definition
+    from tmax.images.plan import dockerfile_definition, dockerfile_over
 
     task = dockerfile_definition(
         "FROM debian:bookworm AS build\nRUN make /out/tool\n"
@@ -434,8 +432,7 @@ def test_a_stage_from_an_earlier_stage_is_built_over_its_result(tmp_path, image_
 def test_apptainer_definition_of_stages_on_different_bases(tmp_path):
     """Each stage is bootstrapped from its own base's SIF; one the build was not given is a
     clear error."""
-    from tmax.images.builders import dockerfile_over
-    from tmax.images.definition import dockerfile_definition
+    from tmax.images.plan import dockerfile_definition, dockerfile_over
 
     task = dockerfile_definition(
         "FROM gcc:14 AS build\nRUN make /out/tool\n"
@@ -492,7 +489,7 @@ def test_add_of_a_url_is_fetched_at_staging(tmp_path):
     import http.server
     import threading
 
-    from tmax.images.dockerbuild import stage_files
+    from tmax.images.staging import stage_files
 
     (tmp_path / "served").mkdir()
     (tmp_path / "served" / "tool.txt").write_text("fetched\n")

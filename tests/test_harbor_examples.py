@@ -19,7 +19,7 @@ import pytest
 
 from tests.test_harbor_schema import files_of, harbor_network, harbor_problems, native_dict
 from tests.test_tasks import run_cli
-from tmax.images import verifier_tools
+from tmax.images import verifier_scripts
 from tmax.tasks import find_tasks, load_task, read_any, write_task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_native_to_harbor_to_native_is_lossless(tmp_path, name):
 
 @pytest.mark.parametrize("name", TASKS)
 def test_verifier_boilerplate_is_prepared_for_grading_offline(name):
-    tools = verifier_tools.plan(HARBOR / name / "tests")
+    tools = verifier_scripts.plan(HARBOR / name / "tests")
     assert (tools.uv, tools.uv_pinned, tools.unprepared) == ("0.9.7", True, ())
     assert set(tools.packages) == {"pytest==8.4.1", "pytest-json-ctrf==0.3.5", "pytest"}
 
@@ -83,8 +83,8 @@ def harbor_store(base_store):
     from tmax.images.build import ImageBuilds
     from tmax.images.builders import LocalBuilder
     from tmax.images.checks import image_checker
-    from tmax.images.rootfs import BuildError
     from tmax.images.store import ImageStore
+    from tmax.images.types import BuildError
 
     tasks = [load_task(HARBOR / name) for name in TASKS]
     shared = ImageBuilds(base_store, LocalBuilder(CACHE))

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 from tmax.cli import main
 from tmax.tasks import TaskError, load_task, read_any, validate_task, write_task
 from tmax.tasks.check import run_solution
-from tmax.tasks.config import SCHEMA_VERSIONS, TaskConfig, size_to_mb
+from tmax.tasks.config import TaskConfig
+from tmax.tasks.config_tables import SCHEMA_VERSIONS, size_to_mb
 from tmax.tasks.model import MissingSolution
 
 REPO = Path(__file__).resolve().parents[1]

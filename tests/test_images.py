@@ -21,8 +21,9 @@ from tmax.images.builders import (
     LocalBuilder,
     apptainer_build_argv,
 )
-from tmax.images.definition import parse_definition, task_definition
+from tmax.images.plan import task_definition
 from tmax.images.rootfs import apt_mirror
+from tmax.images.types import parse_definition
 from tmax.tasks import load_task
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import pytest
 
 from tests.test_dockerfile import _build
 from tests.test_images import cat_sif, list_sif
-from tmax.images import installers
-from tmax.images.dockerbuild import stage_script
-from tmax.images.rootfs import BuildError
+from tmax.images import installer_scripts, installers
+from tmax.images.plan import stage_script
+from tmax.images.types import BuildError
 from tmax.tasks.dockerfile import parse
 
 
@@ -63,12 +63,12 @@ def test_a_stage_from_a_golang_tag_with_a_release_gets_that_go(monkeypatch):
         ("go-image", "golang:1.22.7", "1.22.7", 7),
         ("node-image", "node:22-bookworm-slim", "22", 9)]
     script = stage_script(stages[0])
-    unpack = installers.image_tool_line("go-image", f"{installers.SHIM_DIR}/files/0-go-image", 1)
-    assert unpack.startswith(f"if [ -f {installers.SHIM_DIR}/files/0-go-image ]; then rm -rf ")
+    unpack = installers.image_tool_line("go-image", f"{installer_scripts.SHIM_DIR}/files/0-go-image", 1)
+    assert unpack.startswith(f"if [ -f {installer_scripts.SHIM_DIR}/files/0-go-image ]; then rm -rf ")
     assert unpack in script and script.index(unpack) < script.index("go build ./...")
     assert "go-image" not in stage_script(stages[1]) + stage_script(stages[2])
     node = stage_script(stages[4])
-    assert node.index(f"tar -xzf {installers.SHIM_DIR}/files/0-node-image -C /usr/local") < \
+    assert node.index(f"tar -xzf {installer_scripts.SHIM_DIR}/files/0-node-image -C /usr/local") < \
         node.index("npm ci")
     assert "NODE_OPTIONS=--use-openssl-ca" in node  # (it reads the build machine's CAs)
     assert "node-image" not in stage_script(stages[5])
@@ -94,7 +94,7 @@ def test_network_mode_serves_nothing_and_a_bad_mode_is_an_error(monkeypatch):
     text = "FROM debian:bookworm\nRUN curl -LsSf https://astral.sh/uv/0.5.11/install.sh | sh\n"
     monkeypatch.setenv(installers.MODE_ENV, "network")
     assert installers.find(_stages(text)) == []
-    assert installers.SHIM_DIR not in stage_script(_stages(text)[-1])
+    assert installer_scripts.SHIM_DIR not in stage_script(_stages(text)[-1])
     monkeypatch.setenv(installers.MODE_ENV, "offline")
     with pytest.raises(BuildError, match="TMAX_INSTALLERS.*registries, network"):
         installers.find(_stages(text))
@@ -103,11 +103,11 @@ def test_network_mode_serves_nothing_and_a_bad_mode_is_an_error(monkeypatch):
 def test_only_a_stage_with_stand_ins_puts_the_wrappers_first_on_its_run_steps_path(monkeypatch):
     monkeypatch.delenv(installers.MODE_ENV, raising=False)
     (plain,) = _stages("FROM debian:bookworm\nENV PATH=/opt/x/bin:/usr/bin:/bin\nRUN echo hi\n")
-    assert installers.SHIM_DIR not in stage_script(plain)
+    assert installer_scripts.SHIM_DIR not in stage_script(plain)
     (served,) = _stages("FROM debian:bookworm\nENV PATH=/opt/x/bin:/usr/bin:/bin\n"
                         "RUN curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n")
     script = stage_script(served)
-    assert f" PATH={installers.SHIM_DIR}/bin:/opt/x/bin:/usr/bin:/bin " in script
+    assert f" PATH={installer_scripts.SHIM_DIR}/bin:/opt/x/bin:/usr/bin:/bin " in script
     assert re.search(r"# installers-1 [0-9a-f]{12}: https://astral.sh/uv/0.7.13/install.sh", script)
 
 
@@ -127,7 +127,7 @@ def wrappers(tmp_path):
     for tool, script in (("curl", installers.CURL_SH), ("wget", installers.WGET_SH),
                          ("add-apt-repository", installers.ADD_APT_REPOSITORY_SH)):
         path = shim / "bin" / tool
-        path.write_text((installers.COMMON_SH + script).replace(installers.SHIM_DIR, str(shim)))
+        path.write_text((installers.COMMON_SH + script).replace(installer_scripts.SHIM_DIR, str(shim)))
         path.chmod(0o755)
     real = tmp_path / "real"
     real.mkdir()
@@ -268,7 +268,7 @@ def test_uv_go_and_node_install_from_their_vendor_urls_with_only_the_registries(
     assert cat("/go.txt").startswith("go version go1.21.")
     assert cat("/node.txt").startswith("v20.") and cat("/npm.txt").strip()[0].isdigit()
     assert cat("/npx.txt") == cat("/npm.txt")  # npx is npm's, under /usr/local
-    assert installers.SHIM_DIR in cat("/path.txt")  # (what the step saw, not the image)
+    assert installer_scripts.SHIM_DIR in cat("/path.txt")  # (what the step saw, not the image)
     assert ".tmax-build" not in list_sif(sif)
     log = store.path(result.log).read_text()
     assert "installer stand-in: Dockerfile line 2: https://astral.sh/uv/0.7.13/install.sh" \
@@ -379,10 +379,10 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
     apptainer keeps a copy of what it was given; uv itself is not downloaded here)."""
     from tests.test_images import TABLE
     from tests.test_tasks import make_task
-    from tmax.images import verifier_tools
+    from tmax.images import verifier_staging, verifier_tools
     from tmax.images.bases import BaseTable
     from tmax.images.builders import ApptainerBuilder
-    from tmax.images.definition import task_definition
+    from tmax.images.plan import task_definition
 
     monkeypatch.delenv(installers.MODE_ENV, raising=False)
     fake = tmp_path / "apptainer"
@@ -398,7 +398,7 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
             (tree / verifier_tools.ROOT.lstrip("/") / "bin" / tool).write_text(version)
         return tree
 
-    monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
+    monkeypatch.setattr(verifier_staging, "stage_uv", stage_uv)
     task = make_task(tmp_path, **{"environment/Dockerfile": dockerfile})
     tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
     out = tmp_path / "out" / "image.sif"
@@ -406,16 +406,16 @@ def test_the_apptainer_builder_stages_the_wrappers_where_its_files_section_copie
     ApptainerBuilder(apptainer=str(fake), fakeroot=False).build_task(
         tdef, task / "environment", Path("/store/bases/b.sif"), out, tmp_path / "log", 60)
     definition = (tmp_path / "rec.def").read_text()
-    assert f"PATH={installers.SHIM_DIR}/bin:" in definition
-    shim = tmp_path / "rec.tmp" / f"s{stage}" / installers.SHIM_DIR.lstrip("/")
+    assert f"PATH={installer_scripts.SHIM_DIR}/bin:" in definition
+    shim = tmp_path / "rec.tmp" / f"s{stage}" / installer_scripts.SHIM_DIR.lstrip("/")
     assert (shim / "bin" / "curl").stat().st_mode & 0o111
     row, *later = (shim / "table").read_text().splitlines()
     assert [r.split("\t")[0] for r in later] == \
         ([r"https://astral\.sh/uv/0\.7\.12/install\.sh"] if stage else [])
     pattern, served = row.split("\t")
     assert pattern == r"https://astral\.sh/uv/0\.7\.13/install\.sh"
-    assert served.startswith(installers.SHIM_DIR + "/files/")
-    assert "uv 0.7.13" in (shim / served[len(installers.SHIM_DIR) + 1:]).read_text()
+    assert served.startswith(installer_scripts.SHIM_DIR + "/files/")
+    assert "uv 0.7.13" in (shim / served[len(installer_scripts.SHIM_DIR) + 1:]).read_text()
     assert (shim / "uv-0.7.13" / "uvx").read_text() == "0.7.13"
 
 

@@ -14,8 +14,8 @@ from tests.conftest import checked_build, passing_checks_log
 from tests.test_tasks import make_task
 from tmax.tasks import load_task, validate_task
 from tmax.tasks.model import Task
-from tmax.tasks.native import parse_task_toml
 from tmax.tasks.steps import StepError, merged_tests, multi_step_reward, parse_steps
+from tmax.tasks.validate import parse_task_toml
 
 TOML = """\
 schema_version = "1.1"

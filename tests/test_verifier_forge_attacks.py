@@ -170,7 +170,8 @@ def uv_sif(base_sif, tmp_path_factory) -> Path:
     import shutil
 
     from sandfleet.runtime import sif
-    from tmax.images.verifier_tools import DEFAULT_UV, stage_uv
+    from tmax.images.verifier_staging import stage_uv
+    from tmax.images.verifier_tools import DEFAULT_UV
 
     cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
     root = tmp_path_factory.mktemp("uv-image") / "root"

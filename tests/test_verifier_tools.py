@@ -12,8 +12,9 @@ import pytest
 
 from tests.conftest import link_base
 from tests.test_tasks import make_task
-from tmax.images.definition import Definition
-from tmax.images.verifier_tools import DEFAULT_UV, Step, commands, plan, with_tools
+from tmax.images.types import Definition
+from tmax.images.verifier_scripts import commands, plan
+from tmax.images.verifier_tools import DEFAULT_UV, Step, with_tools
 
 # Harbor's boilerplate, as Terminal-Bench 2 and harbor-cookbook ship it (tests/test.sh).
 HARBOR = """\
@@ -284,10 +285,11 @@ UV_TOOL_BIN_DIR=/.tmax/verifier/bin UV_NO_PROGRESS=1 > $V/env
 def test_apptainer_builder_hook(tmp_path, monkeypatch):
     """`apptainer build` gets the task's definition plus the preparation (a stand-in
     apptainer records it); uv is staged beside the definition file."""
-    from tmax.images import verifier_tools
+    from tmax.images import verifier_staging
     from tmax.images.bases import BaseTable
     from tmax.images.builders import ApptainerBuilder
-    from tmax.images.definition import parse_definition, task_definition
+    from tmax.images.plan import task_definition
+    from tmax.images.types import parse_definition
 
     fake = tmp_path / "apptainer"
     fake.write_text('#!/bin/bash\ncat "${@: -1}" > "$RECORD"\ntouch "${@: -2:1}"\n')
@@ -299,7 +301,7 @@ def test_apptainer_builder_hook(tmp_path, monkeypatch):
         staged.append((version, cache_dir))
         return cache_dir / "tree"
 
-    monkeypatch.setattr(verifier_tools, "stage_uv", stage_uv)
+    monkeypatch.setattr(verifier_staging, "stage_uv", stage_uv)
     task = make_task(tmp_path, **{"tests/test.sh": HARBOR})
     table = Path(__file__).resolve().parents[1] / "configs" / "base-images.yaml"
     tdef = task_definition(task / "environment", BaseTable.load(table).resolve)
@@ -525,7 +527,7 @@ TEST_312 = ("import sys\n\ndef test_answer():\n    assert sys.version_info[:2] =
 def test_elf_links_name_the_loader_and_the_libraries():
     import os
 
-    from tmax.images.verifier_tools import _elf_links
+    from tmax.images.verifier_staging import _elf_links
 
     loader, needed = _elf_links(Path(os.path.realpath(shutil.which("bash"))))
     assert loader.startswith("/") and Path(loader).exists()
@@ -535,7 +537,7 @@ def test_elf_links_name_the_loader_and_the_libraries():
 
 
 def test_inside_follows_links_within_the_image_root(tmp_path):
-    from tmax.images.verifier_tools import _inside
+    from tmax.images.verifier_staging import _inside
 
     root = tmp_path / "root"
     (root / "usr" / "lib" / "x").mkdir(parents=True)

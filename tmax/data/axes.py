@@ -13,7 +13,7 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tmax.tasks.config import DOMAINS
+from tmax.tasks.config_tables import DOMAINS
 
 AXIS_NAMES: tuple[str, ...] = (
     "domain", "skill_type", "primitive_skills", "persona", "language", "task_complexity",

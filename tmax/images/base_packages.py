@@ -23,7 +23,12 @@ from pathlib import Path
 
 import yaml
 
+from sandfleet import sif
 from tmax.images.bases import IMAGES_DIR, SHIPPED_TABLE, BaseMappingError, BaseTable
+from tmax.images.build import ImageBuilds
+from tmax.images.builders import LocalBuilder
+from tmax.images.store import ImageStore
+from tmax.images.types import parse_definition
 
 PACKAGES_FILE = IMAGES_DIR / "packages.yaml"
 ENTRY_KEYS = {"image", "base", "source", "has", "unknown", "deviations"}
@@ -134,8 +139,6 @@ def dpkg_installed(status_text: str) -> set[str]:
 def sif_installed(sif_path: Path) -> set[str]:
     """The installed packages of a SIF's root (its /var/lib/dpkg/status, read with
     unsquashfs -cat, no extraction)."""
-    from sandfleet import sif
-
     part = sif.read_partition(sif_path)
     proc = subprocess.run(["unsquashfs", "-o", str(part.offset), "-cat", str(sif_path),
                            "var/lib/dpkg/status"], capture_output=True, text=True,
@@ -215,8 +218,6 @@ def check_file(expectations: list[Expectation], table: BaseTable) -> list[str]:
 
 
 def _chain(table: BaseTable, base: str) -> list[str]:
-    from tmax.images.definition import parse_definition
-
     chain = [base]
     while len(chain) < 8:
         header = parse_definition(table.definition_path(chain[-1]).read_text()).header
@@ -234,10 +235,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="build the bases the store lacks (local builder, as root)")
     parser.add_argument("bases", nargs="*", help="only these bases")
     args = parser.parse_args(argv)
-    from tmax.images.build import ImageBuilds
-    from tmax.images.builders import LocalBuilder
-    from tmax.images.store import ImageStore
-
     expectations = load_expectations()
     table = BaseTable.load(SHIPPED_TABLE)
     failures = check_file(expectations, table)

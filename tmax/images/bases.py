@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from tmax.images.types import parse_definition
 from tmax.package_data import CONFIGS, IMAGES_DIR
 
 SHIPPED_TABLE = CONFIGS / "base-images.yaml"
@@ -131,8 +132,6 @@ def _is_def_path(base: str) -> bool:
 def load_user_map(path: Path, images_dir: Path = IMAGES_DIR
                   ) -> tuple[list[Mapping], dict[str, Path]]:
     """A user's map: its mappings, and its own bases (name -> .def, relative to the map)."""
-    from tmax.images.definition import parse_definition
-
     shipped = sorted(p.stem for p in images_dir.glob("*.def"))
     mappings: list[Mapping] = []
     defs: dict[str, Path] = {}

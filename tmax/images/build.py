@@ -14,34 +14,46 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from sandfleet import sif
-from tmax.images import installers, verifier_tools
-from tmax.images.bases import BaseMappingError, BaseTable
-from tmax.images.builders import Builder
-from tmax.images.definition import (
-    Definition,
-    TaskDefinition,
-    labelled_workdir,
-    parse_definition,
-    task_definition,
+from tmax.images import installers
+from tmax.images.bases import BaseMappingError, BaseTable, default_base_map
+from tmax.images.builders import (
+    ApptainerBuilder,
+    Builder,
+    LocalBuilder,
+    default_builder,
 )
-from tmax.images.rootfs import DEFAULT_PATH, BuildError, environment_of, remove_tree
+from tmax.images.checks import SandboxImage, image_checker
+from tmax.images.plan import task_definition
+from tmax.images.rootfs import environment_of
 from tmax.images.store import (
     BaseEntry,
     Checks,
     ImageEntry,
     ImageStore,
     Manifest,
+    default_cache,
     digest_of,
+    remove_tree,
     tree_digest,
 )
+from tmax.images.types import (
+    DEFAULT_PATH,
+    BuildError,
+    Definition,
+    TaskDefinition,
+    labelled_workdir,
+    parse_definition,
+)
+from tmax.images.verifier_scripts import plan as plan_verifier
+from tmax.images.verifier_tools import INTERPRETER_BASES, Interpreter, VerifierTools, combine
 from tmax.package_data import CONFIGS, IMAGES_DIR
 from tmax.tasks import Task
-
-if TYPE_CHECKING:
-    from tmax.images.checks import SandboxImage
+from tmax.tasks.model import NO_BAKED_TESTS
+from tmax.tasks.steps import merged_tests
 
 log = logging.getLogger(__name__)
 BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
@@ -76,7 +88,7 @@ class Plan:
     base: str
     base_digest: str
     digest: str
-    verifier: verifier_tools.VerifierTools
+    verifier: VerifierTools
     """What its verifier scripts need prepared in the image (empty: nothing)."""
     verifier_image: TaskDefinition | None = None
     """A separate verifier's image (tests/Dockerfile, tests/ its build context), which then
@@ -133,16 +145,14 @@ def _sif_lists(path: Path, member: str) -> bool:
     return f"squashfs-root/{member}" in out.stdout.split()
 
 
-def verifier_plan(task: Task) -> verifier_tools.VerifierTools:
+def verifier_plan(task: Task) -> VerifierTools:
     """What the task's verifier scripts need prepared: tests/'s, or, for a multi-step task,
     every step's (its tests/ merged over the task's, as its verifier sees /tests)."""
     if not task.steps:
-        return verifier_tools.plan(task.tests_dir)
-    from tmax.tasks.steps import merged_tests
-
+        return plan_verifier(task.tests_dir)
     with tempfile.TemporaryDirectory(prefix="tmax-steps-") as tmp:
-        return verifier_tools.combine([
-            verifier_tools.plan(merged_tests(task, step, Path(tmp) / str(step.index)))
+        return combine([
+            plan_verifier(merged_tests(task, step, Path(tmp) / str(step.index)))
             for step in task.steps])
 
 
@@ -252,13 +262,13 @@ class ImageBuilds:
                            *([stand_ins] if stand_ins else []), *separate)  # (every stage's)
         return Plan(task, tdef, tdef.base, base_digest, digest, verifier, vdef)
 
-    def _with_interpreters(self, tools: verifier_tools.VerifierTools
-                           ) -> verifier_tools.VerifierTools:
+    def _with_interpreters(self, tools: VerifierTools
+                           ) -> VerifierTools:
         """``tools`` with an interpreter for each Python version its uv lines ask for that
-        a base has (verifier_tools.INTERPRETER_BASES), used where the image has none."""
-        served = [verifier_tools.Interpreter(v, base, self.base_digest(base))
+        a base has (INTERPRETER_BASES), used where the image has none."""
+        served = [Interpreter(v, base, self.base_digest(base))
                   for v in tools.pythons
-                  if (base := verifier_tools.INTERPRETER_BASES.get(v)) and
+                  if (base := INTERPRETER_BASES.get(v)) and
                   self.bases.definition_path(base).is_file()]
         return dataclasses.replace(tools, interpreters=tuple(served)) if served else tools
 
@@ -381,8 +391,6 @@ class ImageBuilds:
                        ) -> tuple[SandboxImage, SandboxImage | None]:
         """The task's image and its separate verifier's (None when it has none), as the
         checks start them."""
-        from tmax.images.checks import SandboxImage
-
         image = SandboxImage(self.store.path(entry.sif), entry.workdir,
                              plan.definition.start_command, plan.user, plan.verifier_user())
         vdef = plan.verifier_image
@@ -432,8 +440,6 @@ class ImageBuilds:
                                         logfile, timeout=timeout, verifier=verifier or None,
                                         stage_sifs=self._stage_sifs(vdef))
                 if not _sif_lists(tmp / "verifier.sif", "tests/test.sh"):
-                    from tmax.tasks.model import NO_BAKED_TESTS
-
                     raise BuildError("separate verifier", NO_BAKED_TESTS, logfile)
                 vrel = f"sif/{plan.digest}.verifier.sif"
                 vsize, vsha = self.store.publish(tmp / "verifier.sif", vrel)
@@ -478,8 +484,6 @@ class ImageBuilds:
 
     def _build_all(self, tasks: list[Task], jobs: int, force: bool, check: bool,
                    progress: bool) -> list[BuildResult]:
-        from tqdm import tqdm
-
         plans_ok = []
         for task in tasks:
             try:
@@ -499,3 +503,18 @@ class ImageBuilds:
                 bar.set_postfix_str(f"{fut.result().task_id}: {fut.result().status}")
                 bar.update(1)
         return [f.result() for f in futures]
+
+
+def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None = None,
+                check: bool = True, cache_dir: str | Path | None = None,
+                base_map: str | Path | None = None) -> ImageBuilds:
+    """An ``ImageBuilds`` over ``store`` with the named builder (and build-time checks);
+    ``base_map`` (else $TMAX_BASE_MAP) is a user's map of images to bases, tried first.
+    Builds and runs must see the same map: it decides the bases, hence the digests."""
+    cache = Path(cache_dir or default_cache())
+    chosen: Builder = {"auto": lambda: default_builder(cache, mirror),
+              "apptainer": lambda: ApptainerBuilder(mirror=mirror),
+              "local": lambda: LocalBuilder(cache, mirror)}[builder]()
+    checker = image_checker(cache) if check else None
+    return ImageBuilds(ImageStore(store), chosen, checker=checker,
+                       base_map=default_base_map(base_map))

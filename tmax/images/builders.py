@@ -3,14 +3,13 @@
 Both turn the same inputs into the same kind of file: a base from images/<base>.def, and a
 task image on top of its base, from the task's Apptainer definition or its Dockerfile (built
 as Docker builds it: one script per stage that both builders run, see
-tmax.images.dockerbuild). The local builder's SIF is a real one (squashfs primary system partition, definition
-object), so it runs under Apptainer on a cluster unchanged.
+tmax.images.plan). They execute a plan: what it is, is decided there. The local
+builder's SIF is a real one (squashfs primary system partition, definition object), so it runs under Apptainer on a cluster unchanged.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -22,29 +21,32 @@ from typing import Protocol
 from filelock import FileLock
 
 from sandfleet import sif
-from tmax.images import installers, verifier_tools
-from tmax.images.definition import Definition, TaskDefinition, parse_definition
-from tmax.images.dockerbuild import (
-    STAGING,
-    stage_files,
+from tmax.images import installer_staging, installers, verifier_staging
+from tmax.images.installer_scripts import SHIM_DIR
+from tmax.images.plan import (
+    dockerfile_over,
+    stage_base,
+    stage_chain,
     stage_script,
     step_error,
+    task_definition_over,
 )
 from tmax.images.rootfs import (
     UBUNTU_KEYRING,
-    BuildError,
     apt_mirror,
     copy_tree,
     debootstrap_base,
     finish_rootfs,
     is_ubuntu,
-    remove_tree,
     run_in_rootfs,
     run_logged,
     ubuntu_keyring,
 )
+from tmax.images.staging import stage_files
+from tmax.images.store import remove_tree
+from tmax.images.types import STAGING, BuildError, Definition, TaskDefinition, parse_definition
+from tmax.images.verifier_tools import DEFAULT_UV, ROOT, VerifierTools, with_tools
 from tmax.tasks.confine import Escape, expand_source
-from tmax.tasks.dockerfile import Copy, Stage
 
 
 class Builder(Protocol):
@@ -57,7 +59,7 @@ class Builder(Protocol):
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None,
+                   verifier: VerifierTools | None = None,
                    stage_sifs: Mapping[str, Path] | None = None) -> None:
         """Build a task image from its definition and its base's SIF, then prepare the
         ``verifier`` tools in it (tmax.images.verifier_tools); ``stage_sifs``: the SIF of
@@ -74,46 +76,22 @@ def _mirror_for(definition_text: str, mirror: str | None) -> str:
     return apt_mirror(suite) if is_ubuntu(suite) or not mirror else mirror
 
 
-def _task_definition_over(base_sif: Path, task: TaskDefinition, env_dir: Path) -> Definition:
-    """The task's definition bootstrapped from the local base, with absolute %files sources
-    (a leading '/' is environment/'s root, as everywhere else)."""
-    sections = dict(task.definition.sections)
-    if task.definition.files:
-        sections["files"] = "\n".join(
-            f"    {shlex.quote(str(env_dir / src.lstrip('/')))} {shlex.quote(dest)}"
-            for src, dest in task.definition.files)
-    return Definition({"bootstrap": "localimage", "from": str(base_sif)}, sections)
-
-
-def _stage_base(task: TaskDefinition, stage: Stage, base_sif: Path,
-                stage_sifs: Mapping[str, Path] | None) -> Path:
-    """The SIF a stage starts from: the task's base, or its own (``stage_sifs``)."""
-    base = {s.index: b for s, b in task.stages}[stage.index]
-    if base == task.base:
-        return base_sif
-    if stage_sifs is None or base not in stage_sifs:
-        raise BuildError(f"Dockerfile line {stage.line}",
-                         f"stage {stage.name or stage.index} starts from base {base!r}, "
-                         "whose image the build was not given")
-    return stage_sifs[base]
-
-
 def external_image(ref: str, cache_dir: Path, log: Path, timeout: float) -> Path:
     """A folder standing in for the root of registry image ``ref`` (COPY --from=image):
     ghcr.io/astral-sh/uv:<version> (uv and uvx, from PyPI's wheel of that version)."""
     name, _, tag = ref.partition("@")[0].rpartition(":") if ":" in ref.rsplit("/", 1)[-1] \
         else (ref, "", "latest")
     if name in ("ghcr.io/astral-sh/uv", "astral/uv"):
-        version = verifier_tools.DEFAULT_UV if tag == "latest" else tag
+        version = DEFAULT_UV if tag == "latest" else tag
         if not all(p.isdigit() for p in version.split(".")) or version.count(".") != 2:
             raise BuildError(f"COPY --from={ref}", f"tag {tag!r}: only uv's x.y.z tags (or "
                              "latest) are supported")
-        tree = verifier_tools.stage_uv(version, cache_dir, log, timeout)
+        tree = verifier_staging.stage_uv(version, cache_dir, log, timeout)
         root = tree.parent / "image"
         if not (root / "uvx").exists():
             root.mkdir(exist_ok=True)
             for tool in ("uv", "uvx"):
-                shutil.copy2(tree / verifier_tools.ROOT.lstrip("/") / "bin" / tool, root / tool)
+                shutil.copy2(tree / ROOT.lstrip("/") / "bin" / tool, root / tool)
         return root
     raise BuildError(f"COPY --from={ref}", "copying out of a registry image is supported for "
                      "ghcr.io/astral-sh/uv only: vendor the files into the build context or "
@@ -124,63 +102,6 @@ def _note(log: Path, task: TaskDefinition) -> None:
     if task.notes:
         with open(log, "a") as f:
             f.write("".join(f"note: {n}\n" for n in task.notes))
-
-
-def _chain(task: TaskDefinition, stage: Stage) -> list[Stage]:
-    """``stage`` after the stages it continues (FROM <an earlier stage>), first the one on a
-    base: what an Apptainer stage of it runs."""
-    by_index = {s.index: s for s, _ in task.stages}
-    chain = [stage]
-    while chain[0].parent is not None:
-        chain.insert(0, by_index[chain[0].parent])
-    return chain
-
-
-def dockerfile_over(task: TaskDefinition, base_sif: Path, staged: Path | None,
-                    stage_sifs: Mapping[str, Path] | None = None) -> str:
-    """The Apptainer definition of a Dockerfile task: one stage per needed Dockerfile stage
-    (``Stage: s<n>``), each bootstrapped from its base (``base_sif``, or its own in
-    ``stage_sifs``), its staged files (``staged``/s<n>, laid out as the image's
-    /.tmax-build) by %files, COPY --from a stage by ``%files from``, its script as %post;
-    the final stage's ENV as %environment. Apptainer cannot bootstrap from another stage, so
-    a stage ``FROM <an earlier stage>`` repeats that stage's files and script before its own
-    (the chain from the stage on a base); one that only such stages start from is not built
-    on its own."""
-    copied = {step.from_stage for stage, _ in task.stages for step in stage.steps
-              if isinstance(step, Copy) and step.from_stage is not None}
-    final = task.stages[-1][0]
-    parts = []
-    for stage, _ in task.stages:
-        if stage is not final and stage.index not in copied:
-            continue
-        chain = _chain(task, stage)
-        sections: dict[str, str] = {}
-        froms: dict[int, list[str]] = {}
-        for member in chain:
-            for step in member.steps:
-                if isinstance(step, Copy) and step.from_stage is not None:
-                    for k, src in enumerate(step.sources):
-                        dest = f"{STAGING}/s{member.index}/c{step.line}/f{k}/" + \
-                            (PurePosixPath(src).name or "root")
-                        froms.setdefault(step.from_stage, []).append(
-                            f"    {shlex.quote(src)} {shlex.quote(dest)}")
-        for index, lines in froms.items():
-            sections[f"files from s{index}"] = "\n".join(lines)
-        if staged is not None:
-            sections["files"] = "\n".join(
-                f"    {shlex.quote(str(staged / f's{m.index}' / STAGING.lstrip('/')))} /"
-                for m in chain)
-        script = "".join(stage_script(m, clean=m is stage) for m in chain)
-        sections["post"] = "\n".join(f"    {line}" if line else ""
-                                      for line in script.splitlines())
-        if stage is final:
-            sections.update({k: v for k, v in task.definition.sections.items()
-                             if k == "environment"})
-        header = {"bootstrap": "localimage",
-                  "from": str(_stage_base(task, chain[0], base_sif, stage_sifs)),
-                  "stage": f"s{stage.index}"}
-        parts.append(Definition(header, sections).render())
-    return "\n".join(parts)
 
 
 # --------------------------------------------------------------------------- apptainer
@@ -230,7 +151,7 @@ class ApptainerBuilder:
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None,
+                   verifier: VerifierTools | None = None,
                    stage_sifs: Mapping[str, Path] | None = None) -> None:
         """(``network``: Apptainer's build steps always have the host's.)"""
         with tempfile.TemporaryDirectory(prefix=".def-", dir=out.parent) as tmp:
@@ -240,10 +161,10 @@ class ApptainerBuilder:
                 text = self._dockerfile_text(task, env_dir, base_sif, Path(tmp), log, timeout,
                                              verifier, stage_sifs)
             else:
-                definition = _task_definition_over(base_sif, task, env_dir)
+                definition = task_definition_over(base_sif, task, env_dir)
                 if verifier:  # uv by %files, the preparation at the end of %post
-                    staged = verifier_tools.stage(verifier, Path(tmp), log, timeout)
-                    definition = verifier_tools.with_tools(definition, verifier, staged)
+                    staged = verifier_staging.stage(verifier, Path(tmp), log, timeout)
+                    definition = with_tools(definition, verifier, staged)
                 text = definition.render()
             deffile.write_text(text)
             argv = apptainer_build_argv(out, deffile, apptainer=self.apptainer,
@@ -255,24 +176,24 @@ class ApptainerBuilder:
 
     def _dockerfile_text(self, task: TaskDefinition, env_dir: Path, base_sif: Path, tmp: Path,
                          log: Path, timeout: float,
-                         verifier: verifier_tools.VerifierTools | None,
+                         verifier: VerifierTools | None,
                          stage_sifs: Mapping[str, Path] | None) -> str:
         for stage, _ in task.stages:
             stage_files(stage, env_dir, tmp / f"s{stage.index}" / STAGING.lstrip("/") /
                         f"s{stage.index}",
                         image_root=lambda ref: external_image(ref, tmp, log, timeout),
-                        ca=verifier_tools.build_ca())
+                        ca=verifier_staging.build_ca())
             # (the stand-ins of its whole chain: its staged folder is copied after theirs)
-            installers.prepare(installers.find(_chain(task, stage)), tmp / f"s{stage.index}" /
-                               installers.SHIM_DIR.lstrip("/"), tmp, log, timeout)
+            installer_staging.prepare(installers.find(stage_chain(task, stage)), tmp / f"s{stage.index}" /
+                               SHIM_DIR.lstrip("/"), tmp, log, timeout)
         text = dockerfile_over(task, base_sif, tmp, stage_sifs)
         if not verifier:
             return text
         # the verifier tools' preparation goes at the end of the final stage
         head, _, last = text.rpartition("Bootstrap: localimage")
         final = parse_definition("Bootstrap: localimage" + last)
-        staged = verifier_tools.stage(verifier, tmp, log, timeout)
-        final = verifier_tools.with_tools(final, verifier, staged)
+        staged = verifier_staging.stage(verifier, tmp, log, timeout)
+        final = with_tools(final, verifier, staged)
         return head + final.render()
 
 
@@ -332,7 +253,7 @@ class LocalBuilder:
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,
-                   verifier: verifier_tools.VerifierTools | None = None,
+                   verifier: VerifierTools | None = None,
                    stage_sifs: Mapping[str, Path] | None = None) -> None:
         if task.stages:
             _note(log, task)
@@ -348,29 +269,29 @@ class LocalBuilder:
             if post.strip():
                 run_in_rootfs(rootfs, ["/bin/sh", "-ec", post], log, timeout, "%post",
                               network=network)
-            self._finish(rootfs, task, _task_definition_over(base_sif, task, env_dir), out,
+            self._finish(rootfs, task, task_definition_over(base_sif, task, env_dir), out,
                          log, timeout, verifier)
         finally:
             remove_tree(rootfs.parent)
 
     def _finish(self, rootfs: Path, task: TaskDefinition, definition: Definition, out: Path,
                 log: Path, timeout: float,
-                verifier: verifier_tools.VerifierTools | None) -> None:
+                verifier: VerifierTools | None) -> None:
         """The verifier tools (after the task's own steps, as ApptainerBuilder's %post
         ends), Apptainer's metadata, the SIF."""
         if verifier:
-            staged = verifier_tools.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
+            staged = verifier_staging.prepare_rootfs(rootfs, verifier, self.cache_dir, log,
                                                    timeout)
-            definition = verifier_tools.with_tools(definition, verifier, staged)
+            definition = with_tools(definition, verifier, staged)
         finish_rootfs(rootfs, task.definition)
         pack(rootfs, out, log, definition.render(), timeout)
 
     def _build_dockerfile(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                           log: Path, timeout: float, network: bool,
-                          verifier: verifier_tools.VerifierTools | None,
+                          verifier: VerifierTools | None,
                           stage_sifs: Mapping[str, Path] | None) -> None:
         """Each needed stage in its own root filesystem over its own base, in order: its
-        files staged, its script run; the final one packed (see tmax.images.dockerbuild)."""
+        files staged, its script run; the final one packed (see tmax.images.plan)."""
         roots: dict[int, Path] = {}
         try:
             for stage, _ in task.stages:
@@ -378,14 +299,14 @@ class LocalBuilder:
                 rootfs.mkdir()
                 roots[stage.index] = rootfs
                 copy_tree(roots[stage.parent] if stage.parent is not None else
-                          self.base_rootfs(_stage_base(task, stage, base_sif, stage_sifs)),
+                          self.base_rootfs(stage_base(task, stage, base_sif, stage_sifs)),
                           rootfs)  # (FROM <an earlier stage>: over what it built)
                 stage_files(stage, env_dir, rootfs / STAGING.lstrip("/") / f"s{stage.index}",
                             image_root=lambda ref: external_image(ref, self.cache_dir, log,
                                                                   timeout),
-                            stage_root=roots.__getitem__, ca=verifier_tools.build_ca())
-                installers.prepare(installers.find([stage]),
-                                   rootfs / installers.SHIM_DIR.lstrip("/"), self.cache_dir,
+                            stage_root=roots.__getitem__, ca=verifier_staging.build_ca())
+                installer_staging.prepare(installers.find([stage]),
+                                   rootfs / SHIM_DIR.lstrip("/"), self.cache_dir,
                                    log, timeout)
                 try:
                     run_in_rootfs(rootfs, ["/bin/sh", "-c", stage_script(stage)], log, timeout,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import uuid
@@ -31,9 +32,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet import InfraError, Runtime, SandboxSpec, netproxy
-from tmax.images.rootfs import DEFAULT_PATH
+from sandfleet import InfraError, Runtime, SandboxSpec, get_runtime, netproxy
+from sandfleet import sif as sif_file
 from tmax.images.store import Checks
+from tmax.images.types import DEFAULT_PATH
 from tmax.tasks import Task, artifacts
 from tmax.tasks.check import MissingSolution, run_solution
 from tmax.tasks.environment import PROBE as ENV_PROBE
@@ -316,10 +318,6 @@ def unmet_needs(sif: Path) -> list[str]:
     """What the image's verifier tools could not prepare (/.tmax/verifier/unmet, written
     by the build: tmax.images.verifier_tools), read from the SIF's file system; [] when
     there is nothing, or nothing can be read."""
-    import subprocess
-
-    from sandfleet import sif as sif_file
-
     try:
         offset = sif_file.read_partition(sif).offset
         out = subprocess.run(["unsquashfs", "-o", str(offset), "-cat", str(sif),
@@ -336,8 +334,6 @@ def image_checker(cache_dir: Path, runtime: str = "auto"
     """A checker for ``ImageBuilds``: the local runtime as root (sealed; it mounts each image
     in place: nothing per image is left on the node), else apptainer where it is on PATH
     (as root, Apptainer's sandbox root would be host root: refused by that runtime)."""
-    from sandfleet import get_runtime
-
     if runtime == "auto":
         runtime = "apptainer" if shutil.which("apptainer") and os.geteuid() else "local"
     state = Path(cache_dir) / "check-sandboxes"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
-from tmax.images.store import default_store
+from tmax.images.bases import BaseMapError
+from tmax.images.build import open_builds
+from tmax.images.installers import MODE_ENV
+from tmax.images.store import ImageStore, default_store
 from tmax.tasks.cli import load_all, output_option
 
 base_map_option = click.option(
@@ -48,12 +52,6 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, 
               output) -> None:
     """Build (or reuse) the image of every task; then check each new image: it starts,
     the untouched environment scores below 1, the reference solution scores 1."""
-    import os
-
-    from tmax.images import open_builds
-    from tmax.images.bases import BaseMapError
-    from tmax.images.installers import MODE_ENV
-
     os.environ[MODE_ENV] = installers  # (read where the build script is made, and by jobs)
 
     tasks, errors = load_all(paths)
@@ -90,8 +88,6 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, 
 @output_option
 def ls_cmd(store, output) -> None:
     """List the images in the store."""
-    from tmax.images.store import ImageStore
-
     manifest = ImageStore(store).read()
     if output == "json":
         click.echo(manifest.model_dump_json(indent=2))
@@ -112,8 +108,6 @@ def ls_cmd(store, output) -> None:
 @output_option
 def verify_cmd(store, quick, output) -> None:
     """Check every image: present, full size, readable SIF, unchanged content."""
-    from tmax.images.store import ImageStore
-
     s = ImageStore(store)
     problems = s.verify(deep=not quick)
     manifest = s.read()
@@ -137,8 +131,6 @@ def verify_cmd(store, quick, output) -> None:
 @click.option("--dry-run", is_flag=True)
 def gc_cmd(store, keep_tasks, tmp_age_hours, dry_run) -> None:
     """Remove unreferenced images, logs and stale build leftovers."""
-    from tmax.images.store import ImageStore
-
     keep = None
     if keep_tasks:
         tasks, _ = load_all((keep_tasks,))

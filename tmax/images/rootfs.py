@@ -13,28 +13,16 @@ import os
 import platform
 import re
 import select
-import shutil
 import signal
 import subprocess
 import tempfile
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tmax.images.definition import Definition
+from tmax.images.types import DEFAULT_PATH, BuildError, Definition
 
 SINGULARITY_ENV = ".singularity.d/env/90-environment.sh"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class BuildError(Exception):
-    """A build step failed; ``log`` is the build log's path."""
-
-    def __init__(self, what: str, reason: str, log: Path | None = None):
-        self.what, self.reason, self.log = what, reason, log
-        super().__init__(f"{what}: {reason}" + (f" (log: {log})" if log else ""))
 
 
 def _sources(apt_dir: Path) -> list[tuple[str, list[str]]]:
@@ -323,10 +311,3 @@ def copy_tree(src: Path, dest: Path) -> None:
     """cp -a (reflinks where the filesystem has them); keeps owners, modes, links."""
     subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dest)], check=True,
                    timeout=1800)
-
-
-def remove_tree(path: Path) -> None:
-    if path.exists():
-        subprocess.run(["rm", "-rf", "--one-file-system", str(path)], timeout=600, check=False)
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -238,14 +240,20 @@ class ImageStore:
             if now - path.lstat().st_mtime > tmp_age_s:
                 removed.append(path)
         if not dry_run:
-            from tmax.images.rootfs import remove_tree
-
             for path in removed:
                 if path.is_dir() and not path.is_symlink():
                     remove_tree(path)
                 else:
                     path.unlink(missing_ok=True)
         return removed
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf that stays on one file system (a build's mounts are not followed)."""
+    if path.exists():
+        subprocess.run(["rm", "-rf", "--one-file-system", str(path)], timeout=600, check=False)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def digest_of(*parts: bytes | str) -> str:

@@ -92,7 +92,7 @@ def plan_errors() -> tuple[type[Exception], ...]:
     ``BaseMappingError`` (a FROM image with no local base), ``BuildError`` and
     ``ValueError`` (a definition or Dockerfile that cannot be read)."""
     from tmax.images.bases import BaseMappingError
-    from tmax.images.rootfs import BuildError
+    from tmax.images.types import BuildError
 
     return BaseMappingError, BuildError, ValueError
 
@@ -103,7 +103,7 @@ class TaskImages:
     def __init__(self, store: str | Path, base_map: str | Path | None = None):
         """``base_map``: the user's map of images to bases the images were built with
         (default $TMAX_BASE_MAP; tmax.images.bases)."""
-        from tmax.images import open_builds
+        from tmax.images.build import open_builds
 
         self.builds = open_builds(store, check=False, base_map=base_map)
         self._found: dict[tuple[str, str], Any] = {}

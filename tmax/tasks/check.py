@@ -30,9 +30,11 @@ from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
 
 from sandfleet import BwrapSpec, host_root
+from tmax.images.types import parse_definition
 from tmax.tasks.confine import expand_source
 from tmax.tasks.dockerfile import Copy, Run, Workdir
 from tmax.tasks.dockerfile import parse as parse_dockerfile
+from tmax.tasks.environment import PROBE, parse_probe
 from tmax.tasks.grading import decide
 from tmax.tasks.model import MissingSolution, Problem, Task, TaskError
 from tmax.tasks.native import validate_task
@@ -159,8 +161,6 @@ class HostSandbox:
     def environment(self, script: str) -> dict[str, str]:
         """The variables a %environment ``script`` exports, evaluated in the sandbox (a
         task's text never runs on the host itself)."""
-        from tmax.tasks.environment import PROBE, parse_probe
-
         spec = replace(self.spec, env={"PATH": self.spec.env.get(
             "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")})
         try:
@@ -240,8 +240,6 @@ def _apply_dockerfile(box: HostSandbox, task: Task) -> None:
 
 
 def _apply_definition(box: HostSandbox, task: Task) -> None:
-    from tmax.images.definition import parse_definition
-
     definition = parse_definition(task.definition.read_text())
     for src, dest in definition.files:
         for match in expand_source(task.environment_dir, src):

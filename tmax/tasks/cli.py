@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 import click
+from tqdm import tqdm
 
+from tmax.tasks.check import check_task
 from tmax.tasks.model import TaskError
 from tmax.tasks.native import LAYOUTS, find_tasks, load_task, validate_task, write_task
 from tmax.tasks.readers import detect_format, read_any
@@ -204,12 +207,6 @@ def check_cmd(paths: tuple[str, ...], modes: tuple[str, ...], jobs: int, output:
     sandbox is bubblewrap over this machine's system directories (see tmax.tasks.check):
     a quick check before any image is built.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm import tqdm
-
-    from tmax.tasks.check import check_task
-
     tasks, errors = load_all(paths)
     if errors:
         raise click.ClickException("\n".join(str(e) for e in errors))

@@ -3,7 +3,7 @@
 ``parse(text)`` gives the build stages, each an ordered list of steps (``Run``, ``Copy``,
 ``Workdir``) with the environment, working directory, user and shell in force at that step,
 every ``$VAR`` that Docker substitutes already substituted. The image builders turn the
-steps into one build script (tmax.images.definition); validation reads the COPY sources.
+steps into one build script (tmax.images.plan); validation reads the COPY sources.
 
 Supported: line continuations and the ``escape`` directive; comments; JSON and shell forms;
 ``ARG`` before ``FROM`` (global, usable in FROM lines) and in stages, the automatic platform
@@ -22,6 +22,7 @@ import json
 import platform
 import posixpath
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -130,8 +131,6 @@ def entrypoint_command(entrypoint: tuple[str, ...] | list[str], workdir: str = "
     arguments), in its own session in the background, from ``workdir``, then waits for it to
     settle (``ENTRYPOINT_SETTLE``): a script that starts services and ends with
     ``exec "$@"`` leaves them running and listening. "" when there is none."""
-    import shlex
-
     if not entrypoint:
         return ""
     argv = " ".join(shlex.quote(a) for a in (*entrypoint, *HARBOR_COMMAND))

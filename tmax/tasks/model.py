@@ -16,11 +16,10 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from tmax.tasks.config import TaskConfig
-    from tmax.tasks.steps import TaskStep
+from tmax.tasks.config import TaskConfig
+from tmax.tasks.steps import TaskStep, parse_steps
 
 INSTRUCTION = "instruction.md"
 TASK_TOML = "task.toml"
@@ -147,8 +146,6 @@ class Task:
     def steps(self) -> tuple[TaskStep, ...]:
         """A multi-step task's steps (Harbor's ``[[steps]]``, tmax.tasks.steps); () for a
         task of one."""
-        from tmax.tasks.steps import parse_steps
-
         return parse_steps(self) if self.config.steps else ()
 
     @property

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import yaml
 
-from tmax.tasks.config import DOMAINS, Metadata, TaskConfig
+from tmax.tasks.config import TaskConfig
+from tmax.tasks.config_tables import DOMAINS, Metadata
 from tmax.tasks.dockerfile import DockerfileError
 from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.model import FileSpec, Problem, TaskDraft, TaskError
-from tmax.tasks.native import is_task_dir, read_native, validate_config
+from tmax.tasks.native import is_task_dir, read_native
+from tmax.tasks.validate import validate_config
 
 PYTEST_LITE = "tests/tmax_pytest_lite.py"
 

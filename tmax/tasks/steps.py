@@ -21,14 +21,27 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from tmax.tasks.model import Task
+from tmax.tasks.config import TaskConfig
 
 STEPS_DIR = "steps"
 KNOWN_KEYS = frozenset({"name", "min_reward", "agent", "verifier", "healthcheck", "artifacts",
                         "solution", "environment"})
+
+
+class Task(Protocol):
+    """What the steps read of a task (a ``tmax.tasks.model.Task``; this module sits below
+    the task model, which lists its steps)."""
+
+    @property
+    def config(self) -> TaskConfig: ...
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def tests_dir(self) -> Path: ...
 
 
 class StepError(ValueError):

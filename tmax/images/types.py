@@ -1,15 +1,33 @@
-"""Apptainer definition files: parsing, and turning a task's Dockerfile into one."""
+"""The image build's shared types: the Apptainer definition, a task's build plan
+(``TaskDefinition``), the build error, and the paths both builders agree on.
+
+Pure: nothing here runs a command or touches the network. The layers around it:
+``plan`` turns a task's Dockerfile (or container.def) into a ``TaskDefinition``;
+``installers`` and ``verifier_tools`` plan what a build adds; ``builders`` (Apptainer, local)
+execute a plan, with ``rootfs`` and the ``*staging`` modules; ``build`` runs the whole of it
+for a task into the store."""
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tmax.images.dockerbuild import STAGING, environment_section, stage_script
-from tmax.tasks.dockerfile import DEFAULT_PATH, Stage
-from tmax.tasks.dockerfile import parse as parse_dockerfile
+from tmax.tasks.dockerfile import DEFAULT_PATH, Stage, entrypoint_command
+
+__all__ = ["DEFAULT_PATH", "STAGING", "BuildError", "Definition", "TaskDefinition",
+           "labelled_workdir", "parse_definition"]
+
+STAGING = "/.tmax-build"
+"""Where a build stages what its script copies in (removed at the end of the build)."""
+
+
+class BuildError(Exception):
+    """A build step failed; ``log`` is the build log's path."""
+
+    def __init__(self, what: str, reason: str, log: Path | None = None):
+        self.what, self.reason, self.log = what, reason, log
+        super().__init__(f"{what}: {reason}" + (f" (log: {log})" if log else ""))
 
 
 @dataclass
@@ -75,7 +93,7 @@ class TaskDefinition:
     (``resolve``: image reference -> local base name, tmax.images.bases).
 
     A Dockerfile becomes ``definition`` = its final stage as a build script (%post, see
-    tmax.images.dockerbuild) with the staged files (%files) and ENV (%environment);
+    tmax.images.plan) with the staged files (%files) and ENV (%environment);
     ``stages`` are the stages it needs, with their bases (earlier ones: COPY --from)."""
 
     definition: Definition
@@ -105,57 +123,5 @@ class TaskDefinition:
     def start_command(self) -> str:
         """What a sandbox of the image runs first, in the background: its ENTRYPOINT as
         Harbor starts it (tmax.tasks.dockerfile.entrypoint_command); "" for none."""
-        from tmax.tasks.dockerfile import entrypoint_command
-
         return entrypoint_command(self.entrypoint, self.workdir)
 
-
-def task_definition(env_dir: Path, resolve: Callable[[str], str],
-                    base_workdir: Callable[[str], str] = lambda base: "/",
-                    base_path: Callable[[str], str] | None = None) -> TaskDefinition:
-    """The task's Apptainer definition and its base (``base_workdir``: a base's WORKDIR,
-    where a Dockerfile's relative paths start; ``base_path``: its PATH)."""
-    if (env_dir / "Dockerfile").is_file():
-        return dockerfile_definition((env_dir / "Dockerfile").read_text(errors="replace"),
-                                     resolve, base_workdir, base_path)
-    definition = parse_definition((env_dir / "container.def").read_text())
-    bootstrap = definition.header.get("bootstrap", "").lower()
-    if bootstrap not in ("docker", "localimage", "library", "oras", "shub"):
-        raise ValueError(f"{env_dir}: unsupported Bootstrap {bootstrap!r} (use docker)")
-    base = resolve(definition.header.get("from", ""))
-    return TaskDefinition(definition, base, "/root")
-
-
-def dockerfile_definition(text: str, resolve: Callable[[str], str],
-                          base_workdir: Callable[[str], str] = lambda base: "/",
-                          base_path: Callable[[str], str] | None = None) -> TaskDefinition:
-    """A Dockerfile as a TaskDefinition (``DockerfileError`` for what cannot be built)."""
-    bases: dict[str, str] = {}
-
-    def base_of(image: str) -> str:
-        if image not in bases:
-            bases[image] = resolve(image)
-        return bases[image]
-
-    def workdir_of(image: str) -> str:
-        return base_workdir(base_of(image))
-
-    def path_of(image: str) -> str:
-        return base_path(base_of(image)) if base_path else DEFAULT_PATH
-
-    parsed = parse_dockerfile(text, workdir_of, path_of)
-    needed = parsed.needed()
-    final = parsed.final
-    sections = {"files": f"    {STAGING.lstrip('/')} {STAGING}", "post": _indent(stage_script(final))}
-    if final.env:
-        sections["environment"] = environment_section(final)
-    definition = Definition({"bootstrap": "docker", "from": final.image}, sections)
-    notes = [n for stage in needed for n in stage.notes]
-    if final.user:
-        notes.append(f"USER {final.user} at the end ignored: sandboxes start a root shell")
-    return TaskDefinition(definition, bases[final.image], final.workdir,
-                          tuple((s, bases[s.image]) for s in needed), tuple(notes))
-
-
-def _indent(script: str) -> str:
-    return "\n".join(f"    {line}" if line else "" for line in script.splitlines())

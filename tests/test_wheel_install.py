@@ -17,6 +17,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -142,6 +143,18 @@ def test_the_9b_slurm_launch_dry_run_from_the_install(installed):
     missing = subprocess.run([train, "--config", "configs/no-such.yaml", "--dry-run"], env=env,
                              cwd=cwd, capture_output=True, text=True, check=False)
     assert missing.returncode != 0 and "qwen3.5-9b" in missing.stderr  # the names it knows
+
+
+def test_the_tiny_config_finds_the_shipped_tasks_and_agent_config(installed):
+    """Relative paths of a config (and the defaults' examples/tasks) fall back to the
+    package's shipped files when the working folder has none."""
+    venv, env, cwd, site = installed
+    train = str(venv / "bin" / "tmax-train")
+    tiny = yaml.safe_load(run([train, "--config", "tiny-cpu", "--dry-run"], env, cwd).stdout)
+    assert tiny["tasks"]["paths"] == [str(site / "tmax" / "examples" / "tasks")]
+    assert tiny["agent"]["config"] == str(site / "tmax" / "configs" / "agent-tiny.yaml")
+    defaults = yaml.safe_load(run([train, "--dry-run"], env, cwd).stdout)
+    assert defaults["tasks"]["paths"] == [str(site / "tmax" / "examples" / "tasks")]
 
 
 def test_the_example_tasks_and_base_table_from_the_install(installed):

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from tmax.package_data import config_file
+from tmax.package_data import config_file, shipped
 from tmax.train.backends.config import TrainerSection
 from tmax.train.tracking import TrackingSection
 
@@ -405,7 +405,7 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
         raise TrainConfigError(source, [f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                                         for err in e.errors()]) from None
     bases = [Path.cwd()] + ([Path(path).resolve().parent, Path(path).resolve().parent.parent]
-                            if path else [])
+                            if path else []) + [shipped()]  # examples/tasks, configs/...
     if config.agent.config:
         config.agent.config = _resolve(config.agent.config, bases)
     config.tasks.paths = [_resolve(p, bases) for p in config.tasks.paths]
@@ -414,7 +414,8 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
 
 def _resolve(path: str, bases: list[Path]) -> str:
     """A relative path as given when it exists from the working directory, else from the
-    config file's folder or its parent (so shipped configs work from anywhere)."""
+    config file's folder or its parent (so shipped configs work from anywhere), else from
+    the tmax package (its shipped examples/tasks and configs/)."""
     if Path(path).is_absolute() or any(c in path for c in "*?["):
         return path
     for base in bases:

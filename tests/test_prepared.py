@@ -5,6 +5,7 @@ outlives the runtime's close or its process."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -171,11 +172,12 @@ def lingering(root: Path) -> list[str]:
     return found + [line for line in out.splitlines() if str(root) in line]
 
 
-def local_runtime(root: Path, per_size: int = 2):
+def local_runtime(root: Path, per_size: int = 2, ready: int = 0):
     from sandfleet.runtime.local import LocalRuntime
 
     return LocalRuntime(root / "state", root / "cache", owner="prep", uid_base=5 << 28,
-                        uid_slots=8, uid_lock_dir=root / "slots", prepared=per_size)
+                        uid_slots=8, uid_lock_dir=root / "slots", prepared=per_size,
+                        ready=ready)
 
 
 def apptainer_runtime(root: Path, per_size: int = 2):
@@ -244,36 +246,111 @@ def test_close_leaves_no_prepared_layer_or_mount_behind(kind, tmp_path, base_sif
     runtime.start("s", SandboxSpec(image=base_sif, storage_mb=SIZE))
     assert pool.taken == 1
     runtime.stop("s")
+    inits = []
+    if kind == "local":  # and a sandbox started ahead, ended by close
+        runtime.ready.per_shape = 1
+        runtime.ready.want(SandboxSpec(image=base_sif, storage_mb=SIZE),
+                           runtime.partition(base_sif))
+        assert until(lambda: runtime.ready.ready() == 1, 60)
+        inits = [item.record.init for q in runtime.ready._ready.values() for item in q]
+        assert ready_cgroups(runtime)
     runtime.close()
     assert not pool.folder.exists()
+    assert not any(alive(init) for init in inits)
+    if kind == "local":
+        assert not ready_cgroups(runtime) and not runtime.ready.folder.exists()
     assert not list((tmp_path / "state" / "prepared").iterdir())
     assert until(lambda: not lingering(tmp_path), 10), lingering(tmp_path)
     assert not list((tmp_path / "state" / "sandboxes").iterdir())
 
 
+def ready_cgroups(runtime) -> list[Path]:
+    return [p for parent in runtime.cgroups.parents.values()
+            for p in parent.glob(f"{runtime.owner}~*")]
+
+
+def alive(pid_start: tuple[int, int] | None) -> bool:
+    from sandfleet.runtime.base import proc_start_time
+
+    return pid_start is not None and proc_start_time(pid_start[0]) == pid_start[1]
+
+
 @pytest.mark.sandbox
-def test_a_crashed_runtimes_disks_go_at_the_next_reap(tmp_path):
-    """A worker killed with its pool full: the next runtime on its state folder (a requeued
-    worker, ``sandfleet gc``) removes the disks at its first reap."""
+def test_a_crashed_runtimes_disks_and_sandboxes_ahead_go(tmp_path, base_sif):
+    """A worker killed with its pools full: its sandboxes started ahead end by themselves
+    (their lifetime pipe closes), and the next runtime on its state folder (a requeued
+    worker, ``sandfleet gc``) removes the disks, folders and cgroups at its first reap."""
     needs_root()
     script = textwrap.dedent(f"""
-        import sys, time
+        import json, sys, time
         from pathlib import Path
+        from sandfleet.runtime.base import SandboxSpec
         from tests.test_prepared import local_runtime
-        rt = local_runtime(Path({str(tmp_path)!r}))
-        rt.prepare(64)
-        while rt.disks.ready().get(64, 0) < 2:
+        rt = local_runtime(Path({str(tmp_path)!r}), ready=1)
+        rt.start("s", SandboxSpec(image=Path({str(base_sif)!r}), storage_mb=64))
+        rt.stop("s")
+        while rt.disks.ready().get(64, 0) < 2 or rt.ready.ready() < 1:
             time.sleep(0.05)
-        print(rt.disks.folder, flush=True)
+        item = next(iter(rt.ready._ready.values()))[0]
+        print(json.dumps([str(rt.disks.folder), str(rt.ready.folder), item.record.init]),
+              flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             cwd=REPO)
     try:
-        folder = Path(proc.stdout.readline().strip())  # type: ignore[union-attr]
-        assert len(list(folder.glob("64m-*"))) == 2
+        disks, ready, init = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert len(list(Path(disks).glob("64m-*"))) == 2 and alive(tuple(init))
     finally:
         proc.kill()
         proc.wait()
-    local_runtime(tmp_path).reap(())
-    assert not folder.exists()
+    assert until(lambda: not alive(tuple(init)), 10)  # ended with its owner
+    runtime = local_runtime(tmp_path)
+    assert ready_cgroups(runtime)  # left by the dead process, until a reap
+    runtime.reap(())
+    assert not Path(disks).exists() and not Path(ready).exists()
+    assert not ready_cgroups(runtime)
+    assert until(lambda: not lingering(tmp_path), 10), lingering(tmp_path)
+
+
+@pytest.mark.sandbox
+def test_a_sandbox_started_ahead_gets_the_leases_lifetime_cpus_and_environment(
+        tmp_path, base_sif):
+    needs_root()
+    from sandfleet.errors import SandboxLost
+    from sandfleet.runtime.base import SandboxSpec
+
+    runtime = local_runtime(tmp_path, ready=1)
+    spec = SandboxSpec(image=base_sif, storage_mb=SIZE, memory_mb=300, max_lifetime_s=4,
+                       env={"WHO": "one"})
+    try:
+        runtime.start("one", spec)  # the shape's first lease: none ahead yet
+        assert (runtime.ready.taken, runtime.ready.missed) == (0, 1)
+        runtime.exec("one", "echo mine > /root/left", timeout=60)
+        runtime.stop("one")
+        assert until(lambda: runtime.ready.ready() == 1, 60)
+        time.sleep(2.5)  # a deadline counted from its start would be 1.5 s away at most
+        started = time.monotonic()
+        runtime.start("two", SandboxSpec(image=base_sif, storage_mb=SIZE, memory_mb=300,
+                                         max_lifetime_s=4, cpus=1, env={"WHO": "two"},
+                                         workdir="/tmp"))
+        assert runtime.ready.taken == 1
+        out = runtime.exec("two", 'echo "$WHO $(pwd)"; ls /root', timeout=60).output
+        assert out.startswith("two /tmp\n") and "left" not in out, out
+        record = runtime._records["two"]
+        name = runtime._cgroup_name("two")
+        cpuset = runtime.cgroups.parents["cpuset"] / name / "cpuset.cpus"
+        assert cpuset.read_text().strip() == ",".join(map(str, record.cpus))
+        assert len(record.cpus) == 1
+        memory = runtime.cgroups.parents["memory"] / name / "memory.limit_in_bytes"
+        assert int(memory.read_text()) == 300 << 20
+        assert "two" in runtime.list_running()
+        time.sleep(max(0.0, started + 3 - time.monotonic()))
+        assert runtime.exec("two", "true", timeout=30).exit_code == 0  # 3 s on: alive
+        assert until(lambda: "two" not in runtime.list_running(), 10)  # then its end
+        with pytest.raises(SandboxLost):
+            runtime.exec("two", "true", timeout=30)
+    finally:
+        runtime.reap(())
+        runtime.close()
+    assert not ready_cgroups(runtime)

@@ -10,7 +10,9 @@ a private mount namespace (``helper.py seal``), so nothing reaches the host's mo
 and it all goes, loop devices included, with the sandbox's last process. The disk is
 formatted ahead where it can be (``self.disks``, a ``prepared.PreparedPool`` keeping
 ``prepared`` disks per size ready; ``SANDFLEET_PREPARED=0`` turns it off): one file per
-sandbox, moved into its folder, deleted with it, never used twice.
+sandbox, moved into its folder, deleted with it, never used twice. For the shapes of
+spec leases used last, whole sandboxes are started ahead and handed out once, the lease's
+id, CPUs, lifetime and environment applied then (``local_ready``; ``ready``).
 
 Process tree of one sandbox (host view)::
 
@@ -118,8 +120,10 @@ from sandfleet.runtime.local_host import (  # noqa: F401 (the runtime's API, as 
     id_map,
     make_disk,
     pick_cpus,
+    remove_unpacked_cache,
     sandbox_bwrap,
 )
+from sandfleet.runtime.local_ready import ReadySandboxes
 from sandfleet.runtime.prepared import PreparedPool, remove_stale
 from sandfleet.runtime.verify_local import LocalVerifier
 from sandfleet.verifier.plan import path_roots, trusted_first  # noqa: F401
@@ -133,11 +137,15 @@ IMAGE_ENV_FILES = ("/.singularity.d/env/10-docker2singularity.sh",
 
 # Pid 1 inside: writes the image's environment (its env files sourced in a subshell, as
 # NUL-separated entries and one more NUL) to fd $3, drops the host's log file and bwrap's
-# fds, turns deaf to signals, reaps orphans (bash does), ends at the deadline.
+# fds, turns deaf to signals, reaps orphans (bash does), ends at the deadline: $1 seconds
+# from now, or (a sandbox started ahead, ``local_ready``) as many seconds as the line
+# read from fd $4 says from when it comes; the pipe closed without one: at once.
 INIT_SH = ('(for f in ' + " ".join(IMAGE_ENV_FILES) + '; do if [ -r "$f" ]; then . "$f"; '
            'fi; done; unset PWD OLDPWD SHLVL _; env -0; printf "\\0") >&"$3" 2>/dev/null; '
            'exec </dev/null >/dev/null 2>&1; eval "exec $2<&- $3>&-"; '
            'trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; end=$1; '
+           'if [ "$4" != - ]; then read -r end <&"$4" || exit 0; eval "exec $4<&-"; '
+           'end=$((SECONDS + end)); fi; '
            'while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done')
 
 
@@ -147,14 +155,17 @@ class RuntimeUnavailable(RuntimeError):
 
 
 def init_argv(*, lifetime_s: float, seal: dict, network: bool, hostname: str, info_fd: int,
-              block_fd: int, env_fd: int) -> list[str]:
-    """The host command that builds one sandbox and runs its pid 1 (see module doc)."""
+              block_fd: int, env_fd: int, go_fd: int = -1, ready_s: float = 0) -> list[str]:
+    """The host command that builds one sandbox and runs its pid 1 (see module doc); with
+    ``go_fd``, pid 1 waits for its lifetime on that pipe (see INIT_SH) and the host's
+    deadline gives it ``ready_s`` more (the longest it may wait)."""
     seconds = math.ceil(lifetime_s)
     bwrap = sandbox_bwrap(root=seal["root"], network=network, hostname=hostname,
                           info_fd=info_fd, block_fd=block_fd,
                           command=["bash", "-c", INIT_SH, "sandfleet-init", str(seconds),
-                                   str(block_fd), str(env_fd)], as_pid_1=True)
-    return (["timeout", "-s", "KILL", str(seconds + HOST_GRACE_S)]
+                                   str(block_fd), str(env_fd),
+                                   str(go_fd) if go_fd >= 0 else "-"], as_pid_1=True)
+    return (["timeout", "-s", "KILL", str(seconds + math.ceil(ready_s) + HOST_GRACE_S)]
             + helper_argv("seal", marshal.dumps({**seal, "argv": bwrap}).hex()))
 
 
@@ -193,7 +204,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                  uid_base: int = 1 << 31, uid_slots: int = 4096,
                  uid_lock_dir: Path = Path("/run/sandfleet/uid-slots"),
                  mount_dir: Path = Path("/run/sandfleet/mnt"), prepared: int | None = None,
-                 max_sandboxes: int | None = None):
+                 ready: int | None = None, max_sandboxes: int | None = None):
         self.state_dir = Path(state_dir).resolve()
         self.cache_dir = Path(cache_dir).resolve() if cache_dir is not None else None
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
@@ -227,6 +238,8 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                                   per_size=prepared, what="disk",
                                   room=lambda: quota - len(self._records))
         """Disks made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
+        self.ready = ReadySandboxes(self, per_shape=prepared if ready is None else ready)
+        """Sandboxes started ahead for the shapes leases used last (``local_ready``)."""
 
     def _make_disk(self, path: Path, storage_mb: int) -> None:
         make_disk(path, storage_mb, self.skeleton, timeout=self.start_timeout_s)
@@ -237,7 +250,9 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         self.disks.want(storage_mb)
 
     def close(self) -> None:
-        """Stop making disks ahead and remove those not taken (running sandboxes stay)."""
+        """End the sandboxes started ahead and remove the disks made ahead (sandboxes
+        handed out keep running)."""
+        self.ready.close()
         self.disks.close()
 
     # ---- paths and records
@@ -322,24 +337,33 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
         check_name("sandbox id", sandbox_id)
         part = self.partition(spec.image)
-        try:
-            uid_base, slot = self.uids.acquire()
-        except RuntimeError as e:
-            raise SandboxStartError(sandbox_id, str(e)) from None
-        try:
-            self._start(sandbox_id, spec, part, uid_base, slot)
-        finally:
-            os.close(slot)  # the leader keeps its own copy for the sandbox's life
+        with self._lock:
+            self._free_home(sandbox_id)
+            taken = self.ready.take(sandbox_id, spec)  # one started ahead, if any
+        if not taken:
+            try:
+                uid_base, slot = self.uids.acquire()
+            except RuntimeError as e:
+                raise SandboxStartError(sandbox_id, str(e)) from None
+            try:
+                self._start(sandbox_id, spec, part, uid_base, slot)
+            finally:
+                os.close(slot)  # the leader keeps its own copy for the sandbox's life
+        self.ready.want(spec, part)
+
+    def _free_home(self, sandbox_id: str) -> None:
+        """Remove what a dead sandbox of this id left; SandboxStartError if it runs."""
+        if self._dir(sandbox_id).exists():
+            old = self._record(sandbox_id)
+            if old is not None and old.alive():
+                raise SandboxStartError(sandbox_id, "already running")
+            self._destroy(sandbox_id, old)
 
     def _start(self, sandbox_id: str, spec: SandboxSpec, part: sif.Partition,
                uid_base: int, slot: int) -> None:
         home = self._dir(sandbox_id)
         with self._lock:
-            if home.exists():
-                old = self._record(sandbox_id)
-                if old is not None and old.alive():
-                    raise SandboxStartError(sandbox_id, "already running")
-                self._destroy(sandbox_id, old)
+            self._free_home(sandbox_id)
             for sub in ("raw", "disk"):
                 (home / sub).mkdir(parents=True)
             disk = home / "disk.img"  # this sandbox's alone, removed with its folder
@@ -375,8 +399,9 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                 raise error from e
 
     def _launch(self, record: SandboxRecord, spec: SandboxSpec, part: sif.Partition,
-                home: Path, slot: int) -> None:
-        """Start the process tree; returns once pid 1 runs inside (record updated)."""
+                home: Path, slot: int, go_fd: int = -1, ready_s: float = 0) -> None:
+        """Start the process tree; returns once pid 1 runs inside (record updated). With
+        ``go_fd`` (``local_ready``): pid 1 waits for its lifetime on that pipe."""
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         env_r, env_w = os.pipe()
@@ -388,14 +413,15 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                 "hostname": spec.hostname, "network": spec.network}
         argv = init_argv(lifetime_s=spec.max_lifetime_s, seal=seal, network=spec.network,
                          hostname=spec.hostname, info_fd=info_w, block_fd=block_r,
-                         env_fd=env_w)
+                         env_fd=env_w, go_fd=go_fd, ready_s=ready_s)
         if self._cpus(record):
             argv = ["taskset", "-c", ",".join(map(str, record.cpus))] + argv
         try:
             with open(home / "init.log", "wb") as logfile:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logfile,
                                         stderr=subprocess.STDOUT,
-                                        pass_fds=(info_w, block_r, env_w, slot),
+                                        pass_fds=(info_w, block_r, env_w, slot,
+                                                  *([go_fd] if go_fd >= 0 else [])),
                                         env={"PATH": DEFAULT_PATH}, start_new_session=True)
             self._children[record.sandbox_id] = proc
             record.leader = (proc.pid, proc_start_time(proc.pid) or 0)
@@ -555,6 +581,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         (named by owner, id and state dir) are still there."""
         keep = set(keep)
         remove_stale(self.state_dir / "prepared")  # disks made ahead by an ended process
+        self.ready.reap_stale()  # and its sandboxes started ahead (ended with it)
         gone = {sid for sid in self._own_records() if sid not in keep}
         prefix, suffix = f"{self.owner}-", f".{self._scope}"
         for parent in self.cgroups.parents.values():
@@ -564,21 +591,3 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
         for sandbox_id in sorted(gone):
             self.stop(sandbox_id)
         return sorted(gone)
-
-
-def remove_unpacked_cache(cache_dir: Path) -> list[str]:
-    """Remove root filesystems unpacked by earlier versions (``cache_dir/rootfs``, partial
-    ones of a worker killed while unpacking included): images are mounted now, nothing
-    uses them. What was removed, one line each."""
-    root = Path(cache_dir) / "rootfs"
-    if not root.is_dir():
-        return []
-    trash = root.with_name(f".rootfs-removed-{os.getpid()}")
-    try:
-        os.rename(root, trash)
-    except OSError:
-        return []
-    subprocess.run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600, check=False,
-                   stdin=subprocess.DEVNULL)
-    log.info("removed the unpacked image cache %s", root)
-    return [f"removed unpacked image cache {root}"]

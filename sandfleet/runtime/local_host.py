@@ -348,3 +348,21 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def remove_unpacked_cache(cache_dir: Path) -> list[str]:
+    """Remove root filesystems unpacked by earlier versions (``cache_dir/rootfs``, partial
+    ones of a worker killed while unpacking included): images are mounted now, nothing
+    uses them. What was removed, one line each."""
+    root = Path(cache_dir) / "rootfs"
+    if not root.is_dir():
+        return []
+    trash = root.with_name(f".rootfs-removed-{os.getpid()}")
+    try:
+        os.rename(root, trash)
+    except OSError:
+        return []
+    subprocess.run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600, check=False,
+                   stdin=subprocess.DEVNULL)
+    log.info("removed the unpacked image cache %s", root)
+    return [f"removed unpacked image cache {root}"]

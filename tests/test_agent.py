@@ -105,6 +105,7 @@ def run(fleet, images, policy, *, task="hello-world-file", **config) -> Trajecto
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.parametrize("protocol", ["text", "tools"])
 def test_format_errors_are_steps_with_a_corrective_message(example_fleet, images, protocol):
@@ -130,6 +131,7 @@ def test_format_errors_are_steps_with_a_corrective_message(example_fleet, images
         assert "found 2 ```bash blocks" in corrective[1]["content"]
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_command_timeout_is_an_observation_and_the_shell_stays_usable(example_fleet, images):
     policy = ScriptedPolicy(["export KEEP=kept; cd /tmp", "sleep 30; echo never",
@@ -142,6 +144,7 @@ def test_command_timeout_is_an_observation_and_the_shell_stays_usable(example_fl
     assert traj.reward == 1.0 and traj.timings["agent"] < 20
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_step_limit_ends_the_episode_unverified_with_reward_zero(example_fleet, images):
     policy = ScriptedPolicy(["true"] * 2 + [HELLO, "true", "true"])
@@ -154,6 +157,7 @@ def test_step_limit_ends_the_episode_unverified_with_reward_zero(example_fleet, 
     assert (traj.end_reason, traj.policy_failure, traj.reward) == ("step_limit", None, 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_submit_marker_ends_the_episode_and_later_commands_never_run(example_fleet, images):
     policy = ScriptedPolicy([SUBMIT, HELLO])
@@ -165,6 +169,7 @@ def test_submit_marker_ends_the_episode_and_later_commands_never_run(example_fle
     assert (traj.end_reason, traj.steps, traj.reward) == ("submitted", 3, 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_reasoning_stays_in_the_history(example_fleet, images):
     policy = Recording(ScriptedPolicy([{"content": "```bash\nls /app\n```",
@@ -175,6 +180,7 @@ def test_reasoning_stays_in_the_history(example_fleet, images):
     assert traj.messages[2]["reasoning_content"] == "first look around"
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_episode_budget_counts_from_the_grant(example_fleet, images):
     traj = run(example_fleet, images, ScriptedPolicy(["sleep 1"] * 50),
@@ -184,6 +190,7 @@ def test_episode_budget_counts_from_the_grant(example_fleet, images):
     assert 1 <= traj.steps <= 3
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_the_verifier_ignores_what_the_agent_did_to_path(example_fleet, images):
     """An agent that shadows bash/python3 through PATH cannot fake a reward."""
@@ -195,6 +202,7 @@ def test_the_verifier_ignores_what_the_agent_did_to_path(example_fleet, images):
     assert traj.reward == 0.0 and traj.verifier_error is None
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_an_agent_that_breaks_logs_still_gets_the_verifiers_reward(example_fleet, images):
     """/logs replaced by a file: the verifier's /logs/verifier is its own all the same (the
@@ -203,6 +211,7 @@ def test_an_agent_that_breaks_logs_still_gets_the_verifiers_reward(example_fleet
     assert traj.reward == 0.0 and traj.infra_failure is None and not traj.verifier_error
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_oracle_and_nop_bracket_a_task(example_fleet, images):
     assert run(example_fleet, images, make_policy("oracle"), task="csv-sales-aggregate") \
@@ -216,6 +225,7 @@ class Unavailable(ScriptedPolicy):
         raise PolicyUnavailable(self.name, "connection refused")
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_infra_failures_are_recorded_with_their_cause(example_fleet, images, tmp_path):
     traj = run(example_fleet, images, Unavailable([]))

@@ -272,6 +272,7 @@ def _audit(builds, fleet, task_ids, out, **kw):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_probes_alone_label_each_planted_defect_and_leave_clean_tasks_unlabelled(
         audit_store, example_fleet, tmp_path):
@@ -340,6 +341,7 @@ def _with_teacher(server, config, make):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_an_answer_leak_is_repaired_without_an_llm_and_the_rest_is_kept_or_dropped(
         audit_store, example_fleet, tmp_path):
@@ -379,6 +381,7 @@ def test_an_answer_leak_is_repaired_without_an_llm_and_the_rest_is_kept_or_dropp
     assert [r.to_dict() for r in again] == [repairs[t].to_dict() for t in ids]
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hold(
         audit_store, example_fleet, tmp_path):
@@ -451,6 +454,7 @@ def test_the_llm_auditor_labels_what_probes_cannot_and_a_teacher_repair_must_hol
     assert entry.checks.ok and entry.checks.oracle_reward == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, example_fleet,
                                                                tmp_path):
@@ -500,6 +504,7 @@ def test_the_cli_audits_resumes_repairs_and_explains_bad_input(audit_store, exam
     assert "Traceback" not in bad.output + empty.output
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.slurm
 def test_audit_array_runs_one_shard_per_slurm_array_task_and_reads_them_as_one(

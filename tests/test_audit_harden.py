@@ -252,6 +252,7 @@ def _repair(builds, fleet, pairs, clean):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_repair_hardens_a_pytest_verifier_the_exit_hack_forged_and_keeps_a_unittest_one_labelled(
         harden_store, example_fleet, tmp_path):

@@ -516,6 +516,7 @@ def test_apptainer_refuses_an_ubuntu_base_it_could_not_check(tmp_path, monkeypat
 # --------------------------------------------------------------------------- a real build
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_local_builder_builds_a_derived_base_over_the_slim_base(image_store, tmp_path):
     """A user's derived base (From: debian-slim, apt-get install in %post) built for real by

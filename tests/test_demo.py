@@ -11,7 +11,7 @@ import pytest
 from tests.test_tasks import EXAMPLES, make_task
 from tmax.demo import run_demo
 
-pytestmark = [pytest.mark.slurm, pytest.mark.sandbox]
+pytestmark = [pytest.mark.slurm, pytest.mark.sandbox, pytest.mark.slow]
 
 
 def test_demo_builds_and_checks_images_in_slurm_jobs(local_slurm, image_store, tmp_path):

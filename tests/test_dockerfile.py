@@ -234,6 +234,7 @@ def _build(tmp_path: Path, image_store, dockerfile: str, files: dict[str, str]):
     return result, image_store
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_a_real_build_follows_docker_order(tmp_path, image_store):
     import tarfile
@@ -281,6 +282,7 @@ def _offset(sif: Path) -> int:
     return read_partition(sif).offset
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_a_failing_step_fails_the_build_with_its_line(tmp_path, image_store):
     result, _ = _build(tmp_path, image_store,
@@ -291,6 +293,7 @@ def test_a_failing_step_fails_the_build_with_its_line(tmp_path, image_store):
     assert "No such file or directory" in result.error  # the step's own output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_multi_stage_and_apt_in_the_local_builder(tmp_path, image_store):
     """apt works in the build chroot (its _apt sandbox needs setgroups), and the final stage
@@ -330,6 +333,7 @@ def _build_task(tmp_path: Path, image_store, task: Path, base_map: Path | None =
     return builds, result, image_store.path(image_store.read().tasks["demo"].sif), out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_stages_on_different_bases_each_start_from_their_own(tmp_path, image_store):
     """A builder stage over another base (tbench-multiturn's `FROM gcc:14 AS builder` then
@@ -414,6 +418,7 @@ def test_apptainer_definition_of_a_multi_stage_build(tmp_path):
     assert "%environment" not in first and "make /out/tool" in first
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_a_stage_from_an_earlier_stage_is_built_over_its_result(tmp_path, image_store):
     """claims-remittance-auth-desk's `FROM toolchain AS task`: the local builder builds the
@@ -465,6 +470,7 @@ def test_a_bases_workdir_is_where_relative_paths_start(tmp_path):
     assert copy.dest == "/app/"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_run_steps_reach_https_registries_as_this_machine_does(tmp_path, image_store):
     """`RUN pip install` over HTTPS, with python:3.x's pip (no --break-system-packages): the
@@ -538,6 +544,7 @@ def test_path_starts_as_the_base_images_path(tmp_path):
     assert parse("FROM x\nENV PATH=/a:$PATH\n").final.env["PATH"] == f"/a:{DEFAULT_PATH}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_pip_installs_system_wide_after_apt_reinstalls_python(tmp_path, image_store):
     """python:3.x and ubuntu:22.04 have no PEP 668 marker, so `pip install` works there; the

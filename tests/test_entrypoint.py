@@ -67,6 +67,7 @@ def test_the_checks_start_the_entrypoints_service(service_store):
     assert "exec setsid /entrypoint.sh sh -c 'sleep infinity'" in log
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_rollouts_sandbox_runs_the_entrypoint_before_the_agent(service_store,
                                                                  example_fleet):

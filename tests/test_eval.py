@@ -204,6 +204,7 @@ def evaluate(policy, tasks, store, fleet, path, *, trials=1, concurrency=4, **kw
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.parametrize("policy,reward", [(OraclePolicy(), 1.0), (NopPolicy(), 0.0)],
                          ids=["oracle", "nop"])
@@ -251,6 +252,7 @@ class KillsOneSandbox:
         await self.inner.start_episode(episode)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_an_infrastructure_failure_is_recorded_and_run_again(example_store, example_fleet,
                                                              tmp_path):
@@ -288,6 +290,7 @@ class SolvesHalf:
             await self.inner.start_episode(episode)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_an_interrupted_eval_resumes_to_the_same_summary(example_store, example_fleet,
                                                          tmp_path):
@@ -318,6 +321,7 @@ def test_an_interrupted_eval_resumes_to_the_same_summary(example_store, example_
             else got[key] == expected[key], key
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_private_fleet_is_stopped_even_when_the_block_fails(example_store, example_fleet,
                                                               tmp_path):
@@ -345,6 +349,7 @@ def test_a_private_fleet_is_stopped_even_when_the_block_fails(example_store, exa
     assert not list((tmp_path / "work").glob("*/*/runtime/sandboxes/*"))
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_tmax_eval_and_report_from_the_command_line(example_store, example_fleet, tmp_path):
     runner = CliRunner()

@@ -157,6 +157,7 @@ def test_an_unmapped_base_in_a_rollout_is_a_missing_image_not_a_crash(tmp_path):
 # ---- through a real fleet
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_eval_skips_what_cannot_run_and_runs_the_rest(example_store, example_fleet, tmp_path):
     tasks = tmp_path / "tasks"
@@ -243,6 +244,7 @@ def evaluate(tasks, store, fleet, path, *, trials):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_verifier_that_could_not_grade_is_a_verifier_error_not_a_failure(
         example_store, example_fleet, tmp_path):
@@ -308,6 +310,7 @@ def with_verifier_timeout(task_dir: Path, seconds: int) -> Path:
     return task_dir
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_verifier_timeout_scores_0_even_where_the_output_shows_no_network(
         example_store, example_fleet, tmp_path):

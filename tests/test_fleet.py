@@ -380,6 +380,7 @@ def test_full_fleet_queues_then_grants_on_release_and_times_out(shared, base_sif
         assert failures.get("capacity", 0) >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_renewal_keeps_a_lease_and_expiry_reaps_it(shared, client, base_sif):
     kept = client.acquire(base_sif, ttl_s=1.5)  # background renewal every 0.5 s
@@ -422,6 +423,7 @@ def test_oom_is_a_result_and_a_killed_sandbox_is_sandbox_lost(shared, client, ba
     assert shared.status()["failures"].get("sandbox_lost", 0) >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_queued_acquires_are_served_round_robin_across_clients(make_fleet, base_sif):
     """One slot; A queues three acquires (and one that times out), then B one: the grants
@@ -483,6 +485,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_client_that_dies_without_release_loses_its_lease_to_expiry(shared, base_sif):
     proc = subprocess.Popen([sys.executable, "-c", CLIENT_THAT_DIES, str(shared.state),
@@ -579,6 +582,7 @@ def test_put_rejects_path_traversal(shared, client, base_sif, tmp_path):
         assert "No such file" in lease.run("ls /dest").output
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_killed_worker_raises_node_lost_promptly_and_is_replaced(make_fleet, base_sif):
     fleet = make_fleet(max_nodes=2, cpus_per_node=2)
@@ -623,6 +627,7 @@ def test_killed_worker_raises_node_lost_promptly_and_is_replaced(make_fleet, bas
         idle.release()
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_controller_kill9_and_restart_keeps_held_leases(make_fleet, base_sif):
     fleet = make_fleet(min_nodes=1)
@@ -652,6 +657,7 @@ def test_controller_kill9_and_restart_keeps_held_leases(make_fleet, base_sif):
     assert len(fleet.worker_pids()) == 1  # the same worker, not orphaned or doubled
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_workers_outlive_a_dead_controller_only_for_the_grace_and_gc_cleans_up(
         make_fleet, base_sif):
@@ -678,6 +684,7 @@ def test_workers_outlive_a_dead_controller_only_for_the_grace_and_gc_cleans_up(
 # ---- Slurm
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.slurm
 def test_slurm_scales_from_zero_to_one_node_and_back(local_slurm, make_fleet, base_sif):
@@ -724,6 +731,7 @@ def test_slurm_scales_from_zero_to_one_node_and_back(local_slurm, make_fleet, ba
     assert squeue.stdout.strip() in ("", "COMPLETING"), squeue.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.slurm
 def test_slurm_drains_a_node_before_its_time_limit_and_replaces_it(local_slurm, make_fleet,

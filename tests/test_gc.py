@@ -253,6 +253,7 @@ def sbatch(env: dict[str, str], out: Path) -> str:
     return cp.stdout.strip().split(";")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_gc_cancels_exactly_the_dead_runs_jobs_by_id(local_slurm, tmp_path):
     env = local_slurm.env

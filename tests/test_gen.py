@@ -479,6 +479,7 @@ def test_shards_split_the_seeds_and_share_the_run_folder(tmp_path):
     assert res.exit_code == 2 and "K/N with 0 <= K < N" in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_gen_array_runs_the_shards_as_one_slurm_array_and_reads_their_records(
         local_slurm, tmp_path):

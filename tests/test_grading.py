@@ -312,6 +312,7 @@ def changed_tests(task, tmp_path: Path, old: str, new: str) -> Path:
     return dest
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.timeout(3600)
 def test_check_and_eval_agree_on_the_boilerplate_offline(harbor, example_fleet, tmp_path):
@@ -351,6 +352,7 @@ def test_check_and_eval_agree_on_the_boilerplate_offline(harbor, example_fleet, 
         assert s["mean_reward"] == (1.0 if policy == "oracle" else 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_uvx_line_nobody_prepared_is_a_verifier_error_in_the_sandbox(harbor, example_fleet,
                                                                          tmp_path):
@@ -364,6 +366,7 @@ def test_a_uvx_line_nobody_prepared_is_a_verifier_error_in_the_sandbox(harbor, e
         in g.error, g.error
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_an_exit_status_the_report_contradicts_scores_0_in_the_sandbox(harbor, example_fleet,
                                                                         tmp_path):

@@ -105,6 +105,7 @@ def harbor_store(base_store):
     return store, {r.task_id: r for r in results}
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("name", TASKS)

@@ -273,6 +273,7 @@ class _EchoShell:
                     else "")
 
 
+@pytest.mark.slow
 def test_sft_learns_the_reference_commands(tokenizer):
     config = load_agent_config()
     tasks = [load_task(EXAMPLES / name) for name in SFT_TASKS]

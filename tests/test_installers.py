@@ -231,6 +231,7 @@ def test_an_image_without_the_tool_fails_as_it_would_under_docker(wrappers):
 # --------------------------------------------------------------------------- a real build
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 def test_uv_go_and_node_install_from_their_vendor_urls_with_only_the_registries(
         tmp_path, image_store):
@@ -279,6 +280,7 @@ GO_PROGRAM = {"go.mod": "module hello\n\ngo 1.22\n",
               "main.go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hi") }\n'}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local builder needs root")
 @pytest.mark.parametrize("image, files, run, version, log_line", [
     ("golang:1.22-bookworm", GO_PROGRAM,

@@ -104,6 +104,7 @@ class Buggy(NopPolicy):
         raise KeyError("missing")
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_eval_records_internal_errors_never_reruns_them_and_stops(example_store,
                                                                   example_fleet, tmp_path):

@@ -9,6 +9,8 @@ import pytest
 
 from tmax.launch.array import ArrayOptions, run_array
 
+pytestmark = pytest.mark.slow
+
 
 def square(x: int) -> int:
     return x * x

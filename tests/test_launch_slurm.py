@@ -152,6 +152,7 @@ class CancelInference(threading.Thread):
                                    check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_a_run_on_slurm_jobs_survives_a_cancelled_inference_job(
@@ -229,6 +230,7 @@ class SignalTrainer(threading.Thread):
                 return
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_tmax_train_status_and_stop_of_a_run_launched_from_the_command_line(
@@ -283,6 +285,7 @@ def test_tmax_train_status_and_stop_of_a_run_launched_from_the_command_line(
     assert "sbatch:" not in err_text and "squeue:" not in err_text  # no Slurm chatter
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_an_inference_job_that_fails_before_registering_stops_the_run_naming_it(
@@ -309,6 +312,7 @@ def test_an_inference_job_that_fails_before_registering_stops_the_run_naming_it(
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_a_deepspeed_trainer_job_on_two_nodes_trains_and_survives_a_usr2_requeue(
@@ -349,6 +353,7 @@ def test_a_deepspeed_trainer_job_on_two_nodes_trains_and_survives_a_usr2_requeue
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_the_jobs_of_a_sigkilled_launcher_end_by_themselves(
@@ -414,6 +419,7 @@ def test_stop_signals_only_processes_of_this_host_and_their_own_groups(tmp_path)
             p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.sandbox
 def test_a_detached_run_is_an_orchestrator_job_and_stop_ends_all_of_it(

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import local_slurm_cmd
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def slurm(*argv: str, env: dict[str, str], timeout: float = 30) -> str:

@@ -88,6 +88,7 @@ def make_env(example_fleet, base_sif):
         env.close()
 
 
+@pytest.mark.slow
 def test_state_persists_and_the_submission_is_what_mini_reports(make_env, tmp_path):
     note = f"/tmp/note-{uuid.uuid4().hex}"
     env = make_env(cwd="/tmp", env={"GREETING": "hello from the fleet"})
@@ -109,6 +110,7 @@ def test_state_persists_and_the_submission_is_what_mini_reports(make_env, tmp_pa
     assert saved["info"]["sandfleet"]["lease_id"] == env.lease.lease_id
 
 
+@pytest.mark.slow
 def test_a_timeout_is_reported_as_mini_does_and_the_shell_survives(make_env, tmp_path):
     env = make_env(timeout=2)
     model = scripted("export MARK=kept; cd /tmp", "echo started; sleep 60",
@@ -133,6 +135,7 @@ def test_a_timeout_is_reported_as_mini_does_and_the_shell_survives(make_env, tmp
     assert elapsed < 20, f"the timed-out command held the agent for {elapsed:.1f}s"
 
 
+@pytest.mark.slow
 def test_get_environment_builds_it_from_the_import_path(make_env, example_fleet, base_sif):
     env = make_env(cpus=1, memory_mb=512, lease_ttl_s=20)
     assert type(env) is SandfleetEnvironment
@@ -154,6 +157,7 @@ def test_get_environment_builds_it_from_the_import_path(make_env, example_fleet,
         make_env(timout=5)  # a typo is an error, not a default
 
 
+@pytest.mark.slow
 def test_the_lease_is_released_after_the_run(make_env, example_fleet, tmp_path):
     before = held(example_fleet.state)
     env = make_env()
@@ -170,6 +174,7 @@ def test_the_lease_is_released_after_the_run(make_env, example_fleet, tmp_path):
     assert held(example_fleet.state) == before
 
 
+@pytest.mark.slow
 def test_an_infra_failure_ends_the_run_instead_of_becoming_an_observation(
         make_env, example_fleet, tmp_path):
     env = make_env()
@@ -197,6 +202,7 @@ def test_the_shipped_example_config_selects_this_environment():
     SandfleetEnvironmentConfig(**environment)  # every key is a known field
 
 
+@pytest.mark.slow
 def test_the_mini_cli_runs_offline_in_the_fleet(example_fleet, base_sif, tmp_path):
     """The real ``mini`` script: the shipped example config, a scripted model from a config
     file, yolo mode, no exit prompt; the lease is released when ``mini`` exits."""

@@ -161,6 +161,7 @@ def test_the_checks_run_each_steps_solution_and_verifier_in_one_sandbox(steps_st
     assert "## step count" in log and "bash ./setup.sh" in log
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_rollout_goes_through_the_steps_in_one_conversation(steps_store, example_fleet):
     from tmax.agent.config import AgentConfig
@@ -210,6 +211,7 @@ def test_a_rollout_goes_through_the_steps_in_one_conversation(steps_store, examp
     assert "[not run: the episode ended first]" in [m["content"] for m in both.messages]
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_the_oracle_runs_each_steps_solution_as_the_checks_do(steps_store, example_fleet,
                                                                tmp_path):

@@ -353,6 +353,7 @@ then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt
 """
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.sandbox
 def test_a_fleet_lease_with_allowed_hosts_and_its_offline_verifier(tmp_path, base_sif, upstream,

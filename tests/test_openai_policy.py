@@ -327,6 +327,7 @@ def _rollout(server: ScriptedServer, fleet_state: Path, store_root: Path, **opti
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_rollout_in_a_sandbox_scores_the_scripted_solution(example_store, example_fleet):
     write = {"tool_calls": [{"name": "bash",
@@ -341,6 +342,7 @@ def test_rollout_in_a_sandbox_scores_the_scripted_solution(example_store, exampl
     assert traj.messages[3]["role"] == "tool"
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_rollout_records_an_unavailable_endpoint_as_infra(example_store, example_fleet):
     with ScriptedServer([{"status": 503}] * 5) as server:

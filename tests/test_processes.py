@@ -87,6 +87,7 @@ class Faults(threading.Thread):
                 return
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_run_of_separate_processes_survives_a_dead_server_and_a_dead_trainer(
         example_fleet, example_store, sft_init, tmp_path):

@@ -46,6 +46,7 @@ def test_a_private_slurm_fleet_keeps_its_own_sizes_and_needs_a_shared_folder():
         asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.slurm
 def test_a_private_fleet_on_the_slurm_partition_serves_leases_and_leaves_no_job(

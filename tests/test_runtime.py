@@ -366,6 +366,7 @@ def test_list_running_and_reap_from_a_fresh_instance(runtime, make, dirs):
         assert proc_start_time(pid) != start
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_max_lifetime_holds_when_the_bookkeeping_is_killed(base_sif, dirs):
     script = (
@@ -508,6 +509,7 @@ def tools_sif(base_sif, tmp_path_factory) -> Path:
     return sif.pack(root, root.parent / "tools.sif")
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_verifier_tools_are_hidden_from_the_agent_and_given_to_the_verifier(
         runtime, tools_sif, tmp_path):

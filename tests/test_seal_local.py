@@ -118,6 +118,7 @@ def test_stop_leaves_no_loop_device_mount_cgroup_slot_or_state(tmp_path, private
     assert rt.list_running() == []
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_sandbox_whose_owner_is_sigkilled_dies_at_max_lifetime_and_reap_clears_it(
         tmp_path, private_sif):

@@ -29,7 +29,7 @@ from tests.seal_helpers import (
     write_file,
 )
 
-pytestmark = pytest.mark.sandbox
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HELLO = EXAMPLES / "hello-world-file"
 CSV = EXAMPLES / "csv-sales-aggregate"
 

@@ -34,6 +34,7 @@ from tests.seal_helpers import (  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.sandbox
 
 
+@pytest.mark.slow
 @on_both_runtimes()
 def test_the_verifier_is_out_of_sight_and_reach_of_the_agents_processes(runtime, make,
                                                                         tmp_path):

@@ -176,6 +176,7 @@ def test_both_images_build_and_the_checks_grade_in_the_verifiers(separate_store)
         verifier_image.write_bytes(original)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_rollout_hands_its_artifacts_to_a_fresh_verifier_sandbox(separate_store,
                                                                     example_fleet):
@@ -217,6 +218,7 @@ def test_a_rollout_hands_its_artifacts_to_a_fresh_verifier_sandbox(separate_stor
         sabotaged.verifier_output
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_verifier_image_without_its_tests_is_a_clear_build_error(image_store):
     from tmax.images.build import ImageBuilds

@@ -256,6 +256,7 @@ def test_timeout_kills_every_process_the_command_started(runtime, shell):
     assert run(sh, "echo ok").output == "ok\n"
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_timeout_stops_the_whole_command_inside_functions_and_loops(shell):
     sh = shell()

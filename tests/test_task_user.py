@@ -111,6 +111,7 @@ def test_the_checks_run_the_solution_and_the_verifier_as_the_user(user_store):
     passing_checks_log(*user_store)  # the oracle's files say who wrote them (TEST_SH)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_rollouts_agent_runs_as_the_user(user_store, example_fleet):
     from tmax.agent.config import AgentConfig

@@ -188,6 +188,7 @@ def sample_groups(fleet, store, policy, calls, **kw):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_active_sampling_fills_the_batch_when_most_groups_are_filtered(example_fleet,
                                                                        example_store):
@@ -203,6 +204,7 @@ def test_active_sampling_fills_the_batch_when_most_groups_are_filtered(example_f
     assert set(stats.groups_filtered) <= {"zero_std"}
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_stale_groups_are_dropped(example_fleet, example_store):
     policy = Coin(0.5, seed=1)
@@ -219,12 +221,14 @@ def test_stale_groups_are_dropped(example_fleet, example_store):
     assert all(g.version == 5 for g in batch)
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_fleet_that_keeps_failing_stops_the_run(example_fleet, example_store):
     with pytest.raises(RolloutsFailing, match="policy_unavailable x"):
         sample_groups(example_fleet, example_store, Down([]), [lambda s: s.next_batch(1, 0)])
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_tasks_without_learning_signal_stop_the_run(example_fleet, example_store):
     # the oracle solves every rollout: every group has zero std, none is usable
@@ -239,6 +243,7 @@ def test_tasks_without_learning_signal_stop_the_run(example_fleet, example_store
 
 # ---- the tiny run
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_tiny_run_learns(example_fleet, example_store, tmp_path):
     """SFT warm start, then DPPO against real sandboxes: reward must rise by a margin a

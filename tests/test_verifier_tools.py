@@ -340,6 +340,7 @@ def test_pip_preparation_and_python_checks_in_the_script(tmp_path):
 # --------------------------------------------------------------------------- the digest
 
 
+@pytest.mark.slow
 def test_the_image_digest_covers_what_is_prepared(image_store, tmp_path):
     """A test.sh change that changes what the image holds rebuilds it; other changes to
     tests/ (and a verifier that needs nothing) leave the digest as it was."""
@@ -369,6 +370,7 @@ PIP_TESTS = ("#!/bin/bash\npip install pytest==8.4.1 pytest-timeout==2.3.1\n"
              "python3 -m pytest -p timeout --timeout 60 $TEST_DIR/test_outputs.py -rA\n")
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_unmodified_boilerplates_grade_without_a_network(image_store, tmp_path):
     """One image, three real boilerplates in its tests/: Harbor's uvx test.sh (the build's
@@ -432,6 +434,7 @@ VENV_PYTEST = ("FROM python:3.11-slim\nRUN python3 -m venv /opt/venv && "
                "WORKDIR /app\n")
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.parametrize("dockerfile, script, version", [
     (IMAGE_PYTEST, CTRF_TESTS, "8.3.5"), (IMAGE_PYTEST, UPGRADE_TESTS, "8.4.1"),
@@ -579,6 +582,7 @@ def test_a_python_the_image_lacks_is_taken_from_the_base_that_has_it(tmp_path):
         tools.script()
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_uvx_python_312_grades_offline_on_a_311_image(image_store, base_store, tmp_path):
     """A real build: a python:3.11-slim task whose unmodified verifier asks uvx for 3.12

@@ -182,6 +182,7 @@ def test_payloads_are_bounded_by_request_type_and_headers_before_authentication(
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_silent_and_idle_connections_are_closed_after_their_timeouts():
     async def go():
         async with serving(auth_timeout_s=0.3, idle_timeout_s=0.8) as (server, port):
@@ -367,6 +368,7 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_pre_auth_probes_do_not_grow_the_controller_or_the_worker(fleet):
     info = fleet.info()
@@ -386,6 +388,7 @@ def test_pre_auth_probes_do_not_grow_the_controller_or_the_worker(fleet):
     assert max(taken) < 64 << 20, taken  # the rest of the payload was never read
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_idle_pooled_connections_closed_by_the_fleet_are_reopened_transparently(
         fleet, base_sif, tmp_path):
@@ -410,6 +413,7 @@ def test_idle_pooled_connections_closed_by_the_fleet_are_reopened_transparently(
         assert client.status()["leases"]["held"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_well_behaved_client_works_while_abuse_connections_are_open(fleet, base_sif):
     info = fleet.info()

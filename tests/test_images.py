@@ -56,7 +56,7 @@ def test_dockerfile_becomes_definition_with_mapped_base(tmp_path):
     tdef = task_definition(task / "environment", BaseTable.load(TABLE).resolve)
     assert tdef.base == "debian-slim" and tdef.workdir == "/app"
     d = tdef.definition
-    assert d.files == [(".tmax-build", "/.tmax-build")]  # staged COPY sources, see dockerbuild
+    assert d.files == [(".tmax-build", "/.tmax-build")]  # staged COPY sources, see tmax.images.plan
     post = d.sections["post"]
     copy, run = post.index("tmax_copy /.tmax-build/s0/c4 /app/ 1"), post.index("echo built")
     assert post.index("mkdir -p /app") < copy < run  # in the Dockerfile's order

@@ -1,5 +1,6 @@
-"""The image build's shared types: the Apptainer definition, a task's build plan
-(``TaskDefinition``), the build error, and the paths both builders agree on.
+"""The image build's shared types: the Apptainer definition (``Definition``, read by
+``tmax.tasks.container_def``), a task's build plan (``TaskDefinition``), the build error, and
+the paths both builders agree on.
 
 Pure: nothing here runs a command or touches the network. The layers around it:
 ``plan`` turns a task's Dockerfile (or container.def) into a ``TaskDefinition``;
@@ -9,10 +10,10 @@ for a task into the store."""
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from tmax.tasks.container_def import Definition, parse_definition
 from tmax.tasks.dockerfile import DEFAULT_PATH, Stage, entrypoint_command
 
 __all__ = ["DEFAULT_PATH", "STAGING", "BuildError", "Definition", "TaskDefinition",
@@ -28,50 +29,6 @@ class BuildError(Exception):
     def __init__(self, what: str, reason: str, log: Path | None = None):
         self.what, self.reason, self.log = what, reason, log
         super().__init__(f"{what}: {reason}" + (f" (log: {log})" if log else ""))
-
-
-@dataclass
-class Definition:
-    """Header (``Bootstrap``, ``From``, ...; keys lower-cased) and sections by name."""
-
-    header: dict[str, str] = field(default_factory=dict)
-    sections: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def files(self) -> list[tuple[str, str]]:
-        """(source, destination) pairs of %files; a missing destination repeats the source."""
-        pairs = []
-        for line in self.sections.get("files", "").splitlines():
-            if line.strip() and not line.strip().startswith("#"):
-                src, *dest = shlex.split(line)
-                pairs.append((src, dest[0] if dest else src))
-        return pairs
-
-    def render(self) -> str:
-        head = "\n".join(f"{k.title() if k != 'osversion' else 'OSVersion'}: {v}"
-                         for k, v in self.header.items())
-        body = "".join(f"\n%{name}\n{text.rstrip()}\n" for name, text in self.sections.items())
-        return head + "\n" + body
-
-
-def parse_definition(text: str) -> Definition:
-    d = Definition()
-    current = None
-    lines: list[str] = []
-    for line in text.splitlines():
-        s = line.strip()
-        if s.startswith("%") and not s.startswith("%%"):
-            if current:
-                d.sections[current] = "\n".join(lines)
-            current, lines = s.split()[0][1:].lower(), []
-        elif current:
-            lines.append(line)
-        elif s and not s.startswith("#") and ":" in s:
-            key, _, value = s.partition(":")
-            d.header[key.strip().lower()] = value.strip()
-    if current:
-        d.sections[current] = "\n".join(lines)
-    return d
 
 
 WORKDIR_LABEL = "org.tmax.workdir"

@@ -30,8 +30,8 @@ from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
 
 from sandfleet import BwrapSpec, host_root
-from tmax.images.types import parse_definition
 from tmax.tasks.confine import expand_source
+from tmax.tasks.container_def import parse_definition
 from tmax.tasks.dockerfile import Copy, Run, Workdir
 from tmax.tasks.dockerfile import parse as parse_dockerfile
 from tmax.tasks.environment import PROBE, parse_probe

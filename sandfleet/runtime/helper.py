@@ -469,10 +469,18 @@ def execvpe(argv: list[str], env: dict[str, str]) -> None:
 
 
 def default_signals(signal) -> None:
-    """Undo what Python's start-up did (SIGPIPE, SIGXFSZ ignored), which an exec would
-    pass on: ``yes | head`` must end by SIGPIPE, not by an error message."""
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_DFL)
+    """Every signal at its default action and none blocked, as a ``docker exec`` starts:
+    an exec passes ignored signals and the mask on. Python's start-up ignores SIGPIPE and
+    SIGXFSZ (``yes | head`` must end by SIGPIPE, not by an error message); a runtime started
+    in the background (``cmd &`` without job control, nohup) ignores SIGINT, SIGQUIT,
+    SIGHUP (a task's ``kill -INT`` of its own python must raise KeyboardInterrupt)."""
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):  # (32, 33: the C library's own)
+                pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
 def enter_spec(args: list[str]) -> dict:

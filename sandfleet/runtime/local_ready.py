@@ -20,31 +20,28 @@ a process that is gone are removed by the next runtime's ``reap``. The host's ow
 (``timeout``) of a sandbox started ahead is its lifetime plus ``max_age_s`` plus 5 s from
 its start: at most ``max_age_s`` later than a lease's; pid 1's holds to the second.
 
-Kept: ``per_shape`` per shape for the ``shapes`` shapes used last, never more than the node's
-room for sandboxes (``LocalRuntime.disks``'s bound, which counts them). Off with
-``SANDFLEET_PREPARED=0``, and where CPUs cannot be set at hand-out (no cpuset cgroup).
+Kept (``prepared.ReadyPool``): ``per_shape`` per shape for the ``shapes`` shapes used
+last, never more than the node's room for sandboxes (``LocalRuntime.disks``'s bound, which
+counts them). Off with ``SANDFLEET_PREPARED=0``, and where CPUs cannot be set at hand-out
+(no cpuset cgroup).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
+import signal
 import subprocess
-import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from sandfleet.runtime import sif
 from sandfleet.runtime.base import SandboxSpec, kill_group, proc_start_time
 from sandfleet.runtime.local_host import Cgroups, SandboxRecord, pick_cpus
-from sandfleet.runtime.prepared import per_size_default, remove_stale
-
-log = logging.getLogger(__name__)
+from sandfleet.runtime.prepared import Ready, ReadyPool, remove_stale
 
 
 def shape(spec: SandboxSpec) -> str:
@@ -55,108 +52,21 @@ def shape(spec: SandboxSpec) -> str:
     return json.dumps([plain.to_dict(), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size])
 
 
-@dataclass
-class Ready:
-    name: str
-    """``~ready-<n>``: a record name no sandbox id can be (``check_name`` refuses ``~``)."""
-    home: Path
-    record: SandboxRecord
-    go: int
-    """Write end of pid 1's lifetime pipe; closing it ends the sandbox."""
-    made_at: float
-
-
-class ReadySandboxes:
-    """Sandboxes started ahead for one ``LocalRuntime`` (see the module doc)."""
+class ReadySandboxes(ReadyPool):
+    """Sandboxes started ahead for one ``LocalRuntime`` (see the module doc). Their record
+    names are ``~ready-<n>``, which no sandbox id can be (``check_name`` refuses ``~``)."""
 
     def __init__(self, runtime: Any, *, per_shape: int | None = None, shapes: int = 4,
                  max_age_s: float = 120.0):
-        self.rt = runtime
-        self.per_shape = per_size_default() if per_shape is None else per_shape
+        super().__init__(runtime.state_dir / "ready", runtime.disks.room,
+                         per_shape=per_shape, shapes=shapes, max_age_s=max_age_s)
         if "cpuset" not in runtime.cgroups.parents:
             self.per_shape = 0  # CPUs are pinned by taskset at launch then: not movable
-        self.shapes, self.max_age_s = shapes, max_age_s
-        tag = f"{os.getpid()}-{proc_start_time(os.getpid())}"
-        self.root = runtime.state_dir / "ready"
-        self.folder = self.root / tag
-        self.cgroup_tag = f"{runtime.owner}~{tag}"
-        self._ready: dict[str, deque[Ready]] = {}
-        self._wanted: OrderedDict[str, tuple[SandboxSpec, sif.Partition]] = OrderedDict()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._count = 0
-        self.taken = self.missed = 0
+        self.rt = runtime
+        self.cgroup_tag = f"{runtime.owner}~{self.tag}"
 
-    # ---- what the runtime calls
-
-    def want(self, spec: SandboxSpec, part: sif.Partition) -> None:
-        """Keep sandboxes of ``spec``'s shape ready (the ``shapes`` used last)."""
-        if self.per_shape <= 0:
-            return
-        key = shape(spec)
-        with self._cond:
-            if self._closed:
-                return
-            self._wanted[key] = (spec, part)
-            self._wanted.move_to_end(key)
-            while len(self._wanted) > self.shapes:
-                old, _ = self._wanted.popitem(last=False)
-                for item in self._ready.pop(old, deque()):
-                    self._end_later(item)
-            if self._thread is None:
-                self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="ready-sandboxes")
-                self._thread.start()
-            self._cond.notify_all()
-
-    def take(self, sandbox_id: str, spec: SandboxSpec) -> bool:
-        """Make a ready sandbox of ``spec``'s shape the lease's ``sandbox_id`` (called with
-        the runtime's lock held, its folder free); False when there is none or it failed
-        (it is ended then, and the caller starts one as without)."""
-        if self.per_shape <= 0:
-            return False
-        key = shape(spec)
-        with self._cond:
-            queue = self._ready.get(key)
-            item = None
-            while queue:
-                item = queue.popleft()
-                if time.monotonic() - item.made_at < self.max_age_s and item.record.alive():
-                    break
-                self._end_later(item)
-                item = None
-            self._cond.notify_all()
-            if item is None:
-                self.missed += 1
-                return False
-        try:
-            self._adopt(item, sandbox_id, spec)
-        except Exception as e:  # noqa: BLE001 - never fail a start for the pool's sake
-            log.warning("ready sandbox %s not handed to %s: %s", item.name, sandbox_id, e)
-            self._end(item, also=sandbox_id)
-            return False
-        self.taken += 1
-        return True
-
-    def ready(self) -> int:
-        with self._cond:
-            return sum(len(q) for q in self._ready.values())
-
-    def close(self) -> None:
-        """End every sandbox still waiting, and the maker."""
-        with self._cond:
-            self._closed = True
-            items = [item for queue in self._ready.values() for item in queue]
-            self._ready.clear()
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=60)
-        for item in items:
-            self._end(item)
-        shutil.rmtree(self.folder, ignore_errors=True)
+    def shape(self, spec: SandboxSpec) -> str:
+        return shape(spec)
 
     def reap_stale(self) -> list[str]:
         """Remove the folders and cgroups of sandboxes started ahead by processes that are
@@ -173,9 +83,8 @@ class ReadySandboxes:
                     gone.append(str(path))
         return gone
 
-    # ---- hand-out and ending
-
     def _adopt(self, item: Ready, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Called with the runtime's lock held and the lease's folder free."""
         rt = self.rt
         home = rt._dir(sandbox_id)
         home.parent.mkdir(parents=True, exist_ok=True)
@@ -207,13 +116,9 @@ class ReadySandboxes:
             rt._children[sandbox_id] = child
         item.record = record
 
-    def _end_later(self, item: Ready) -> None:
-        threading.Thread(target=self._end, args=(item,), daemon=True).start()
-
     def _end(self, item: Ready, also: str = "") -> None:
-        """End a sandbox started ahead: its pipe closed (pid 1 exits), its tree killed if
-        it lingers, its cgroups and folder removed (under the lease's name too, ``also``,
-        when a hand-out failed halfway)."""
+        """Its pipe closed (pid 1 exits), its tree killed if it lingers, its cgroups and
+        folder removed (under the lease's name too, ``also``)."""
         rt = self.rt
         if item.go >= 0:
             os.close(item.go)
@@ -221,7 +126,7 @@ class ReadySandboxes:
         init, leader = item.record.init, item.record.leader
         if init is not None and proc_start_time(init[0]) == init[1]:
             try:
-                os.kill(init[0], 9)
+                os.kill(init[0], signal.SIGKILL)
             except ProcessLookupError:
                 pass
         child = rt._children.pop(item.name, None) or (
@@ -241,60 +146,21 @@ class ReadySandboxes:
             Cgroups.remove(path)
         shutil.rmtree(item.home, ignore_errors=True)
 
-    # ---- the maker
-
-    def _next(self) -> tuple[str, SandboxSpec, sif.Partition] | None:
-        """A shape short of sandboxes, the one used last first (lock held)."""
-        if self.rt.disks.room() <= 0:
-            return None
-        for key in reversed(self._wanted):
-            if len(self._ready.get(key, ())) < self.per_shape:
-                return key, *self._wanted[key]
-        return None
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                for queue in self._ready.values():
-                    while queue and now - queue[0].made_at > self.max_age_s:
-                        self._end_later(queue.popleft())
-                job = None if self._closed else self._next()
-                while job is None and not self._closed:
-                    self._cond.wait(timeout=min(self.max_age_s / 2, 30.0))
-                    job = self._next()
-                if self._closed or job is None:
-                    return
-                self._count += 1
-                name = f"~ready-{self._count}"
-            key, spec, part = job
-            try:
-                item = self._start(name, spec, part)
-            except Exception as e:  # noqa: BLE001 - a failed start must not end the maker
-                log.warning("sandbox ahead for %s not started: %s", spec.image, e)
-                with self._cond:
-                    self._cond.wait(timeout=5.0)
-                continue
-            with self._cond:
-                if self._closed or key not in self._wanted:
-                    self._end_later(item)
-                    continue
-                self._ready.setdefault(key, deque()).append(item)
-
-    def _start(self, name: str, spec: SandboxSpec, part: sif.Partition) -> Ready:
+    def _start(self, number: int, spec: SandboxSpec, part: sif.Partition) -> Ready:
         """One sandbox of ``spec``'s shape, its pid 1 waiting for its lifetime."""
         rt = self.rt
-        home = self.folder / name[1:]
+        name, home = f"~ready-{number}", self.folder / f"ready-{number}"
         for sub in ("raw", "disk"):
             (home / sub).mkdir(parents=True)
         uid_base, slot = rt.uids.acquire()
         go_r, go_w = os.pipe()
-        record = None
+        cgroup = f"{self.cgroup_tag}-{number}.{rt._scope}"
+        record = SandboxRecord(name, rt.owner, os.getuid(), {}, 0, 0, (0, 0), cgroups=[
+            str(p) for p in rt.cgroups.paths(cgroup).values()])  # what to remove on error
         try:
             if not rt.disks.take(spec.storage_mb, home / "disk.img"):
                 rt._make_disk(home / "disk.img", spec.storage_mb)
-            cgroups = rt.cgroups.create(f"{self.cgroup_tag}-{name[len('~ready-'):]}"
-                                        f".{rt._scope}", memory_mb=spec.memory_mb,
+            cgroups = rt.cgroups.create(cgroup, memory_mb=spec.memory_mb,
                                         cpus=sorted(os.sched_getaffinity(0)),
                                         pids_max=rt.pids_max)
             now = time.time()
@@ -302,11 +168,9 @@ class ReadySandboxes:
                                    now + spec.max_lifetime_s + self.max_age_s, (0, 0),
                                    uid_base=uid_base, cgroups=[str(p) for p in cgroups])
             rt._launch(record, spec, part, home, slot, go_fd=go_r, ready_s=self.max_age_s)
-            return Ready(name, home, record, go_w, time.monotonic())
+            return Ready(name, home, record, time.monotonic(), go_w)
         except BaseException:
-            item = Ready(name, home, record or SandboxRecord(
-                name, rt.owner, os.getuid(), {}, 0, 0, (0, 0)), go_w, 0)
-            self._end(item)
+            self._end(Ready(name, home, record, 0, go_w))
             raise
         finally:
             os.close(go_r)

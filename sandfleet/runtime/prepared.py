@@ -27,9 +27,11 @@ import os
 import shutil
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sandfleet.runtime.base import proc_start_time
 
@@ -200,3 +202,174 @@ class PreparedPool:
                     return
                 self._ready.setdefault(size, deque()).append((path, time.monotonic()))
                 self.made += 1
+
+
+@dataclass
+class Ready:
+    """A sandbox started ahead, waiting in a ``ReadyPool``."""
+
+    name: str
+    """The runtime's name for it until handed out (one no sandbox id can be)."""
+    home: Path
+    record: Any
+    """Its record (``alive()``), the runtime's kind."""
+    made_at: float
+    go: int = -1
+    """The local runtime's: write end of pid 1's lifetime pipe (closing it ends it)."""
+
+
+class ReadyPool:
+    """Whole sandboxes started ahead for the *shapes* (the part of a spec a sandbox is made
+    for) leases used last, handed out once each: the generic half. A runtime fills the
+    hooks ``shape``, ``_start``, ``_adopt`` and ``_end`` (``local_ready``,
+    ``apptainer_ready``). ``per_shape`` per shape for the ``shapes`` shapes used last,
+    never more than ``room()``; a sandbox older than ``max_age_s`` is ended, never handed
+    out; ``SANDFLEET_PREPARED=0`` turns it off. Its folder is ``root/<pid>-<start>``."""
+
+    def __init__(self, root: Path, room: Callable[[], int], *, per_shape: int | None = None,
+                 shapes: int = 4, max_age_s: float = 120.0):
+        self.per_shape = per_size_default() if per_shape is None else per_shape
+        self.room, self.shapes, self.max_age_s = room, shapes, max_age_s
+        self.tag = f"{os.getpid()}-{proc_start_time(os.getpid())}"
+        self.root = Path(root)
+        self.folder = self.root / self.tag
+        self._ready: dict[str, deque[Ready]] = {}
+        self._wanted: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._count = 0
+        self.taken = self.missed = 0
+        """Hand-outs, and takes that found none (the caller started its own)."""
+
+    # ---- the hooks
+
+    def shape(self, spec: Any) -> str:
+        raise NotImplementedError
+
+    def _start(self, number: int, spec: Any, extra: Any) -> Ready:
+        """Start sandbox ``number`` of ``spec``'s shape ahead (ended again on error)."""
+        raise NotImplementedError
+
+    def _adopt(self, item: Ready, sandbox_id: str, spec: Any) -> None:
+        """Make ``item`` the lease's ``sandbox_id`` with ``spec`` applied."""
+        raise NotImplementedError
+
+    def _end(self, item: Ready, also: str = "") -> None:
+        """End ``item`` and remove what it left (``also``: a lease's name it half took)."""
+        raise NotImplementedError
+
+    # ---- what the runtime calls
+
+    def want(self, spec: Any, extra: Any = None) -> None:
+        """Keep sandboxes of ``spec``'s shape ready (``extra``: what ``_start`` needs)."""
+        if self.per_shape <= 0:
+            return
+        key = self.shape(spec)
+        with self._cond:
+            if self._closed:
+                return
+            self._wanted[key] = (spec, extra)
+            self._wanted.move_to_end(key)
+            while len(self._wanted) > self.shapes:
+                old, _ = self._wanted.popitem(last=False)
+                for item in self._ready.pop(old, deque()):
+                    self._end_later(item)
+            if self._thread is None:
+                self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="ready-sandboxes")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def take(self, sandbox_id: str, spec: Any) -> bool:
+        """Make a ready sandbox of ``spec``'s shape the lease's ``sandbox_id``; False when
+        there is none or the hand-out failed (that one is ended; start one as without)."""
+        if self.per_shape <= 0:
+            return False
+        key = self.shape(spec)
+        with self._cond:
+            queue, item = self._ready.get(key), None
+            while queue:
+                item = queue.popleft()
+                if time.monotonic() - item.made_at < self.max_age_s and item.record.alive():
+                    break
+                self._end_later(item)
+                item = None
+            self._cond.notify_all()
+            if item is None:
+                self.missed += 1
+                return False
+        try:
+            self._adopt(item, sandbox_id, spec)
+        except Exception as e:  # noqa: BLE001 - never fail a start for the pool's sake
+            log.warning("ready sandbox %s not handed to %s: %s", item.name, sandbox_id, e)
+            self._end(item, also=sandbox_id)
+            return False
+        self.taken += 1
+        return True
+
+    def ready(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._ready.values())
+
+    def items(self) -> list[Ready]:
+        with self._cond:
+            return [item for queue in self._ready.values() for item in queue]
+
+    def close(self) -> None:
+        """End every sandbox still waiting, and the maker."""
+        with self._cond:
+            self._closed = True
+            items = [item for queue in self._ready.values() for item in queue]
+            self._ready.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=120)
+        for item in items:
+            self._end(item)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _end_later(self, item: Ready) -> None:
+        threading.Thread(target=self._end, args=(item,), daemon=True).start()
+
+    # ---- the maker
+
+    def _next(self) -> tuple[str, Any, Any] | None:
+        """A shape short of sandboxes, the one used last first (lock held)."""
+        if self.room() <= 0:
+            return None
+        for key in reversed(self._wanted):
+            if len(self._ready.get(key, ())) < self.per_shape:
+                return key, *self._wanted[key]
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                for queue in self._ready.values():
+                    while queue and now - queue[0].made_at > self.max_age_s:
+                        self._end_later(queue.popleft())
+                job = None if self._closed else self._next()
+                while job is None and not self._closed:
+                    self._cond.wait(timeout=min(self.max_age_s / 2, 30.0))
+                    job = self._next()
+                if self._closed or job is None:
+                    return
+                self._count += 1
+                number = self._count
+            key, spec, extra = job
+            try:
+                item = self._start(number, spec, extra)
+            except Exception as e:  # noqa: BLE001 - a failed start must not end the maker
+                log.warning("sandbox ahead for %s not started: %s", spec, e)
+                with self._cond:
+                    self._cond.wait(timeout=5.0)
+                continue
+            with self._cond:
+                if self._closed or key not in self._wanted:
+                    self._end_later(item)
+                    continue
+                self._ready.setdefault(key, deque()).append(item)

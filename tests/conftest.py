@@ -130,12 +130,41 @@ def example_store(base_store):
 @pytest.fixture(scope="session")
 def example_fleet(tmp_path_factory):
     """A local fleet (one worker, 8 CPUs: four 2-CPU sandboxes at once) for rollout tests."""
-    from tests.test_fleet import Fleet
+    from tests.fleet_harness import Fleet
 
     root = tmp_path_factory.mktemp("example-fleet")
     with Fleet(root, root / "cache", min_nodes=1, cpus_per_node=8,
                memory_mb_per_node=16384).running() as fleet:
         yield fleet
+
+
+@pytest.fixture(scope="module")
+def fleet_cache(tmp_path_factory):
+    """The image cache of the fleets a test module starts."""
+    return tmp_path_factory.mktemp("fleet-cache")
+
+
+@pytest.fixture
+def make_fleet(tmp_path, fleet_cache):
+    """``make_fleet(**config overrides)``: a local fleet up under tmp_path (tests/fleet_harness.py);
+    each one made is taken down at the end and checked to leave nothing behind."""
+    from tests.fleet_harness import Fleet
+
+    fleets = []
+
+    def make(**overrides) -> Fleet:
+        fleet = Fleet(tmp_path / f"f{len(fleets)}", fleet_cache, **overrides)
+        fleets.append(fleet)
+        return fleet.up()
+
+    yield make
+    errors = []
+    for fleet in fleets:
+        try:
+            fleet.down()
+        except AssertionError as e:
+            errors.append(str(e))
+    assert not errors, "\n".join(errors)
 
 
 def store_with_base(root: Path, base_store, base: str = "debian-slim"):

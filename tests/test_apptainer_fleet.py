@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import EXAMPLES
+from tests.fleet_harness import Fleet
 from tests.test_eval import evaluate
-from tests.test_fleet import Fleet
 from tmax.agent.policies.simple import NopPolicy, OraclePolicy
 from tmax.eval.summary import summarize
 from tmax.tasks import find_tasks, load_task
@@ -22,7 +22,7 @@ def apptainer_fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("apptainer-fleet")
     # heartbeats as a real fleet sets them: every apptainer call is a process tree of its
     # own (nsenter, apptainer's starter), and a 2-core machine shared with other jobs can
-    # stall a worker for more than tests/test_fleet.FAST's 1.2 s
+    # stall a worker for more than tests/fleet_harness.FAST's 1.2 s
     with Fleet(root, root / "cache", runtime="apptainer", apptainer_allow_root=True, min_nodes=1, cpus_per_node=8,
                memory_mb_per_node=16384, heartbeat_s=2.0, lost_after_s=30.0,
                lease_ttl_s=120, acquire_wait_s=120).running() as fleet:

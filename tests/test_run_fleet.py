@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_fleet import FAST
+from tests.fleet_harness import FAST
 from tmax.fleet import open_fleet, private_fleet_config
 from tmax.train.config import FleetSection
 
@@ -83,7 +83,7 @@ def test_a_private_fleet_on_the_slurm_partition_serves_leases_and_leaves_no_job(
 
 @pytest.mark.sandbox
 def test_status_shows_the_runs_own_fleet_and_stop_takes_it_down(tmp_path):
-    from tests.test_fleet import Fleet
+    from tests.fleet_harness import Fleet
     from tmax.train.cli import format_status
     from tmax.train.config import load_train_config, save_config
     from tmax.train.slurm import run_status, stop_run

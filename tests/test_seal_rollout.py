@@ -41,7 +41,7 @@ def fleet(runtime_kind: str, request, tmp_path_factory):
     if runtime_kind == "local":
         yield request.getfixturevalue("example_fleet")
         return
-    from tests.test_fleet import Fleet
+    from tests.fleet_harness import Fleet
 
     ensure_apptainer()
     root = tmp_path_factory.mktemp("seal-apptainer-fleet")

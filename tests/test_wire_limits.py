@@ -27,7 +27,7 @@ from sandfleet.client import FleetClient
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES, PREAUTH_HEADER_BYTES, PREFIX, read_frame
 from sandfleet.wire.messages import Exec, Ping, Put, new_id
 from sandfleet.wire.transport import Connection, Server, WireLimits
-from tests.test_fleet import Fleet
+from tests.fleet_harness import Fleet
 
 TOKEN = "the-fleets-token"
 LOOPBACK = "127.0.0.1"

@@ -95,17 +95,36 @@ def test_the_installed_copy_runs_not_the_checkout(installed):
     assert not [p for p in path if p and Path(p).resolve() == REPO]
 
 
+def files_and_modes(folder: Path) -> dict[str, bool]:
+    return {str(p.relative_to(folder)): os.access(p, os.X_OK) for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.name != "README.md"}
+
+
 def test_the_data_files_ship_with_their_modes(installed):
     site = installed[3]
     for folder in SHIPPED:
-        mine = {p: os.access(REPO / p, os.X_OK) for p in source_files()
+        mine = {str(Path(p).relative_to(folder)): os.access(REPO / p, os.X_OK)
+                for p in source_files()
                 if p.startswith(folder + "/") and not p.endswith("/README.md")}
         assert mine, f"{folder}: nothing there in the checkout"
-        theirs = {str(p.relative_to(site)): os.access(p, os.X_OK)
-                  for p in (site / folder).rglob("*") if p.is_file()
-                  and "__pycache__" not in p.parts and p.name != "README.md"}
-        assert theirs == mine, folder
+        assert files_and_modes(site / folder) == mine, folder
     assert os.access(site / "sandfleet" / "runtime" / "tmax-apptainer", os.X_OK)
+
+
+def shipped_example_tasks(installed) -> Path:
+    """example_tasks() of the install: pip compiled the shipped tasks' .py files, so a copy
+    without their __pycache__ folders, in the user's cache."""
+    venv, env, cwd, site = installed
+    code = "from tmax.package_data import example_tasks; print(example_tasks())"
+    tasks = Path(run([str(venv / "bin" / "python"), "-c", code], env, cwd).stdout.strip())
+    raw = site / "tmax" / "examples" / "tasks"
+    if any(raw.rglob("__pycache__")):
+        assert tasks.is_relative_to(Path(env["HOME"]) / ".cache" / "tmax"), tasks
+        assert not any(tasks.rglob("__pycache__"))
+        assert files_and_modes(tasks) == files_and_modes(raw)
+    else:
+        assert tasks == raw
+    return tasks
 
 
 def test_the_commands_run_from_the_install(installed):
@@ -113,7 +132,7 @@ def test_the_commands_run_from_the_install(installed):
     bin_dir = venv / "bin"
     assert "demo" in run([str(bin_dir / "tmax"), "--help"], env, cwd).stdout
     demo = run([str(bin_dir / "tmax"), "demo", "--help"], env, cwd).stdout
-    assert str(site / "tmax" / "examples" / "tasks") in "".join(demo.split())  # the default
+    assert "[default: (the shipped example tasks)]" in " ".join(demo.split())
     # sandfleet doctor needs nothing of root's to report; its apptainer is the shipped
     # wrapper where no apptainer is on PATH
     doctor = json.loads(run([str(bin_dir / "sandfleet"), "doctor", "-o", "json"], env,
@@ -150,16 +169,17 @@ def test_the_tiny_config_finds_the_shipped_tasks_and_agent_config(installed):
     package's shipped files when the working folder has none."""
     venv, env, cwd, site = installed
     train = str(venv / "bin" / "tmax-train")
+    tasks = str(shipped_example_tasks(installed))
     tiny = yaml.safe_load(run([train, "--config", "tiny-cpu", "--dry-run"], env, cwd).stdout)
-    assert tiny["tasks"]["paths"] == [str(site / "tmax" / "examples" / "tasks")]
+    assert tiny["tasks"]["paths"] == [tasks]
     assert tiny["agent"]["config"] == str(site / "tmax" / "configs" / "agent-tiny.yaml")
     defaults = yaml.safe_load(run([train, "--dry-run"], env, cwd).stdout)
-    assert defaults["tasks"]["paths"] == [str(site / "tmax" / "examples" / "tasks")]
+    assert defaults["tasks"]["paths"] == [tasks]
 
 
 def test_the_example_tasks_and_base_table_from_the_install(installed):
     venv, env, cwd, site = installed
-    tasks = site / "tmax" / "examples" / "tasks"
+    tasks = shipped_example_tasks(installed)
     report = json.loads(run([str(venv / "bin" / "tmax"), "tasks", "validate", "-o", "json",
                              str(tasks)], env, cwd).stdout)
     expected = sorted(p.parent.name for p in (REPO / "tmax" / "examples" / "tasks")

@@ -15,7 +15,7 @@ from tmax.audit.cli import audit_cmd, repair_cmd
 from tmax.data.cli import data_group, gen_cmd
 from tmax.eval.cli import eval_cmd, report_cmd
 from tmax.images.cli import images_group
-from tmax.package_data import CONFIGS, EXAMPLE_TASKS
+from tmax.package_data import CONFIGS, example_tasks
 from tmax.tasks.cli import tasks_group
 from tmax.train.cli import gc_cmd
 
@@ -71,8 +71,8 @@ def serve_cmd(model_dir, host, port, max_batch, max_tokens, temperature, served_
 
 @main.command("demo")
 @click.option("--tasks", "tasks_dir", type=click.Path(exists=True, file_okay=False),
-              default=str(EXAMPLE_TASKS),
-              show_default=True, help="Folder of native tasks.")
+              default=lambda: str(example_tasks()),
+              show_default="the shipped example tasks", help="Folder of native tasks.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Run folder (default runs/demo-<time>).")
 @click.option("--store", default=None, type=click.Path(file_okay=False),

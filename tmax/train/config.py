@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from tmax.package_data import config_file, shipped
+from tmax.package_data import config_file, shipped, shipped_path
 from tmax.train.backends.config import TrainerSection
 from tmax.train.tracking import TrackingSection
 
@@ -404,8 +404,9 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     except ValidationError as e:
         raise TrainConfigError(source, [f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                                         for err in e.errors()]) from None
-    bases = [Path.cwd()] + ([Path(path).resolve().parent, Path(path).resolve().parent.parent]
-                            if path else []) + [shipped()]  # examples/tasks, configs/...
+    folder = Path(path).resolve().parent if path is not None else None
+    bases = [Path.cwd()] + ([folder, folder.parent]  # a shipped config's: as shipped
+                            if folder and not folder.is_relative_to(shipped()) else [])
     if config.agent.config:
         config.agent.config = _resolve(config.agent.config, bases)
     config.tasks.paths = [_resolve(p, bases) for p in config.tasks.paths]
@@ -414,14 +415,15 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
 
 def _resolve(path: str, bases: list[Path]) -> str:
     """A relative path as given when it exists from the working directory, else from the
-    config file's folder or its parent (so shipped configs work from anywhere), else from
-    the tmax package (its shipped examples/tasks and configs/)."""
+    config file's folder or its parent (a config of the user's own), else as the tmax
+    package ships it (examples/tasks, configs/...: shipped configs work from anywhere)."""
     if Path(path).is_absolute() or any(c in path for c in "*?["):
         return path
     for base in bases:
         if (base / path).exists():
             return str(base / path) if base != Path.cwd() else path
-    return path
+    found = shipped_path(path)
+    return str(found) if found else path
 
 
 def save_config(config: TrainConfig, path: Path, *, launcher: str | None = None) -> None:

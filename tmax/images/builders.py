@@ -1,10 +1,11 @@
 """Image builders, one small class each: ``apptainer`` (clusters) and ``local`` (no Apptainer).
 
-Both turn the same inputs into the same kind of file: a base from images/<base>.def, and a
-task image on top of its base, from the task's Apptainer definition or its Dockerfile (built
-as Docker builds it: one script per stage that both builders run, see
-tmax.images.plan). They execute a plan: what it is, is decided there. The local
-builder's SIF is a real one (squashfs primary system partition, definition object), so it runs under Apptainer on a cluster unchanged.
+Both execute a plan (``tmax.images.plan``: what to build is decided there) and turn the same
+inputs into the same kind of file: a base from images/<base>.def, and a task image on top of
+its base, from the task's Apptainer definition or its Dockerfile (built as Docker builds it:
+one script per stage that both builders run). The local builder's SIF is a real one
+(squashfs primary system partition, definition object), so it runs under Apptainer on a
+cluster unchanged.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ class ApptainerBuilder:
                         image_root=lambda ref: external_image(ref, tmp, log, timeout),
                         ca=verifier_staging.build_ca())
             # (the stand-ins of its whole chain: its staged folder is copied after theirs)
-            installer_staging.prepare(installers.find(stage_chain(task, stage)), tmp / f"s{stage.index}" /
-                               SHIM_DIR.lstrip("/"), tmp, log, timeout)
+            installer_staging.prepare(installers.find(stage_chain(task, stage)),
+                                      tmp / f"s{stage.index}" / SHIM_DIR.lstrip("/"), tmp, log,
+                                      timeout)
         text = dockerfile_over(task, base_sif, tmp, stage_sifs)
         if not verifier:
             return text

@@ -13,9 +13,9 @@ both build what Docker builds, in Docker's order:
   log says which line failed (``tmax-build: line N failed with exit C``, read back by
   ``step_error``);
 - COPY/ADD happen where they stand: their sources are staged first under
-  ``/.tmax-build/s<stage>/c<line>/<n>/<name>`` (``tmax.images.staging``) and copied into place by the
-  script when it gets there, owned by root (or ``--chown``), modes kept (or ``--chmod``),
-  with Docker's rule for files versus directories;
+  ``/.tmax-build/s<stage>/c<line>/<n>/<name>`` (``tmax.images.staging``) and copied into
+  place by the script when it gets there, owned by root (or ``--chown``), modes kept (or
+  ``--chmod``), with Docker's rule for files versus directories;
 - RUN steps that download a vendor's installer (astral.sh's uv, Go, NodeSource, rustup)
   get a stand-in from the package registries (tmax.images.installers);
 - RUN steps trust the certificates the build machine trusts (``CA_VARIABLES`` pointing at a

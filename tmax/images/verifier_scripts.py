@@ -13,8 +13,8 @@ from tmax.images.verifier_tools import (
     UV_VALUE_OPTIONS,
     Step,
     VerifierTools,
-    _options,
-    _positionals,
+    option_pairs,
+    positionals,
 )
 
 UV_GLOBAL_VALUE_OPTIONS = frozenset(
@@ -234,7 +234,7 @@ class _Reader:
             if name in ("curl", "wget") and UV_INSTALLER.search(" ".join(argv)):
                 return
             if name in ("apt-get", "apt") and \
-                    set(_positionals(tuple(argv[2:]), frozenset({"-o", "-t"}))) <= {"curl"}:
+                    set(positionals(tuple(argv[2:]), frozenset({"-o", "-t"}))) <= {"curl"}:
                 return  # the boilerplate's curl, for uv's installer: not needed
             self.unprepared.append(shown)
 
@@ -269,7 +269,7 @@ class _Reader:
         head, tool = _split_positional(args)
         if tool is None:
             return
-        for opt, value in _options(tuple(head)):
+        for opt, value in option_pairs(tuple(head)):
             if opt in PYTHON_OPTIONS:
                 self.python(value)
         inlined = self.inline(head, "--with-requirements", "--with", where)
@@ -294,12 +294,12 @@ class _Reader:
             return  # uv --version, uv pip list, ...: nothing to fetch
         if kind == "pip" and "--system" in rest:  # into the image's Python, as pip would
             return self.pip_command(where, shown, [Word(a) for a in _pip_form(rest)])
-        for opt, value in _options(tuple(rest)):
+        for opt, value in option_pairs(tuple(rest)):
             if opt in PYTHON_OPTIONS:
                 self.python(value)
         if kind == "run":
             head, _command = _split_positional(rest)
-            if not any(o in WITH_OPTIONS + PYTHON_OPTIONS for o, _ in _options(tuple(head))):
+            if not any(o in WITH_OPTIONS + PYTHON_OPTIONS for o, _ in option_pairs(tuple(head))):
                 return  # runs in an environment made before: nothing of its own to fetch
             rest = self.inline(head, "--with-requirements", "--with", where)
         elif kind == "venv":
@@ -308,7 +308,7 @@ class _Reader:
             if "--system" in rest:
                 return self.unprepared.append(f"{shown} (the system Python is read-only "
                                               "for the verifier)")
-            local = [p for p in _positionals(tuple(rest), UV_VALUE_OPTIONS) if _is_path(p)]
+            local = [p for p in positionals(tuple(rest), UV_VALUE_OPTIONS) if _is_path(p)]
             if local or "-e" in rest or "--editable" in rest:
                 return self.unprepared.append(f"{shown} (local paths)")
             rest = self.inline(rest, ("-r", "--requirement", "--requirements"), None, where)
@@ -318,7 +318,7 @@ class _Reader:
 
     def venv_args(self, args: list[str]) -> list[str]:
         """A venv's path as the scratch folder will have it (absolute ones made relative)."""
-        positional = _positionals(tuple(args), UV_VALUE_OPTIONS)
+        positional = positionals(tuple(args), UV_VALUE_OPTIONS)
         path = positional[0] if positional else ".venv"
         local = path if not path.startswith("/") else \
             "venv-" + re.sub(r"[^A-Za-z0-9._-]", "_", path.strip("/"))

@@ -268,13 +268,13 @@ class VerifierTools:
 
 def _requirements_of(step: Step) -> list[str]:
     if step.kind in ("tool", "run"):
-        named = [v for o, v in _options(step.args) if o in ("-w", "--with", "--from")]
-        if step.kind == "tool" and "--from" not in dict(_options(step.args)):
+        named = [v for o, v in option_pairs(step.args) if o in ("-w", "--with", "--from")]
+        if step.kind == "tool" and "--from" not in dict(option_pairs(step.args)):
             name, _, version = step.args[-1].partition("@")
             named.append(f"{name}=={version}" if version and version != "latest" else name)
         return named
     if step.kind in ("pip", "add", "tool-install"):
-        return list(_positionals(step.args, UV_VALUE_OPTIONS))
+        return list(positionals(step.args, UV_VALUE_OPTIONS))
     return []
 
 
@@ -284,7 +284,7 @@ def _requirement_name(req: str) -> str:
     return m.group(1) if m and "://" not in req else ""
 
 
-def _options(args: tuple[str, ...]) -> list[tuple[str, str]]:
+def option_pairs(args: tuple[str, ...]) -> list[tuple[str, str]]:
     """(option, value) pairs of value-taking options (--opt=value read as --opt value)."""
     out, it = [], iter(args)
     for arg in it:
@@ -296,7 +296,7 @@ def _options(args: tuple[str, ...]) -> list[tuple[str, str]]:
     return out
 
 
-def _positionals(args: tuple[str, ...], value_options: frozenset[str]) -> list[str]:
+def positionals(args: tuple[str, ...], value_options: frozenset[str]) -> list[str]:
     out, skip = [], False
     for arg in args:
         if skip:
@@ -312,7 +312,7 @@ def _warm_lines(step: Step) -> list[str]:
     """The shell lines that run ``step`` once in the scratch folder (its cwd)."""
     env = "".join(f"{shlex.quote(e)} " for e in step.env)
     args = " ".join(shlex.quote(a) for a in step.args)
-    shown = f"{step.where}: {_shown(step)}"
+    shown = f"{step.where}: {shown_step(step)}"
     fail = f' || tmax_failed "$1" {shlex.quote(shown)}'
     if step.kind == "activate" and step.args[0].startswith("/"):
         # the image's own venv: never written at build time; one like it in the scratch
@@ -332,7 +332,7 @@ def _warm_lines(step: Step) -> list[str]:
     return [f"{env}$V/bin/uv {sub} {args}{fail}"]
 
 
-def _shown(step: Step) -> str:
+def shown_step(step: Step) -> str:
     sub = {"tool": "uvx", "run": "uv run", "pip": "uv pip install",
            "tool-install": "uv tool install"}.get(step.kind, f"uv {step.kind}")
     return " ".join([*step.env, sub, *step.args])

@@ -136,6 +136,7 @@ def builds(image_store, tmp_path):
     return ImageBuilds(image_store, LocalBuilder(Path.home() / ".cache" / "tmax"))
 
 
+@pytest.mark.slow
 def test_local_build_makes_a_real_sif_with_the_task_layer(builds, tmp_path):
     task = load_task(EXAMPLES / "log-rotation-script")
     result = builds.build(task, check=False)
@@ -154,6 +155,7 @@ def test_local_build_makes_a_real_sif_with_the_task_layer(builds, tmp_path):
     assert "Def.FILE" in dump and "Squashfs/*System" in dump
 
 
+@pytest.mark.slow
 def test_rebuild_only_when_inputs_change(builds, tmp_path):
     src = tmp_path / "tasks" / "t"
     shutil.copytree(EXAMPLES / "hello-world-file", src)
@@ -168,6 +170,7 @@ def test_rebuild_only_when_inputs_change(builds, tmp_path):
     assert builds.store.read().tasks["t"].digest == third.digest
 
 
+@pytest.mark.slow
 def test_failed_build_leaves_no_entry_and_keeps_the_old_one(builds, tmp_path):
     src = make_task(tmp_path / "tasks", "t", **{
         "environment/Dockerfile": "FROM python:3.11-slim\nRUN echo one > /one\n"})
@@ -183,6 +186,7 @@ def test_failed_build_leaves_no_entry_and_keeps_the_old_one(builds, tmp_path):
     assert not builds.store.path(f"sif/{bad.digest}.sif").exists()
 
 
+@pytest.mark.slow
 def test_hanging_build_times_out(builds, tmp_path):
     src = make_task(tmp_path / "tasks", "t", **{
         "environment/Dockerfile": "FROM python:3.11-slim\nRUN sleep 600\n",
@@ -192,6 +196,7 @@ def test_hanging_build_times_out(builds, tmp_path):
     assert builds.store.read().tasks == {}
 
 
+@pytest.mark.slow
 def test_unmapped_base_fails_the_task_only(builds, tmp_path):
     src = make_task(tmp_path / "tasks", "t", **{"environment/Dockerfile": "FROM alpine:3\n"})
     result = builds.build(load_task(src), check=False)
@@ -205,6 +210,7 @@ def _build_in_process(store_root: str, task_dir: str, queue) -> None:
     queue.put(b.build(load_task(task_dir), check=False).status)
 
 
+@pytest.mark.slow
 def test_two_concurrent_builders_build_once(builds, tmp_path):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -220,6 +226,7 @@ def test_two_concurrent_builders_build_once(builds, tmp_path):
     assert builds.store.verify() == []
 
 
+@pytest.mark.slow
 def test_verify_catches_corruption_and_truncation(builds, tmp_path):
     builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
     entry = builds.store.read().tasks["hello-world-file"]
@@ -241,6 +248,7 @@ def test_verify_catches_corruption_and_truncation(builds, tmp_path):
         builds.store.task_image("hello-world-file", entry.digest)
 
 
+@pytest.mark.slow
 def test_missing_or_stale_image_at_run_time_is_image_missing(builds, tmp_path):
     with pytest.raises(ImageMissing, match="no image"):
         builds.store.task_image("nope", "0" * 32)
@@ -253,6 +261,7 @@ def test_missing_or_stale_image_at_run_time_is_image_missing(builds, tmp_path):
         builds.store.task_image("hello-world-file", result.digest)
 
 
+@pytest.mark.slow
 def test_gc_removes_only_unreferenced(builds, tmp_path):
     builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
     stray = builds.store.path("sif/deadbeef.sif")
@@ -269,6 +278,7 @@ def test_gc_removes_only_unreferenced(builds, tmp_path):
     assert builds.store.read().bases  # bases stay
 
 
+@pytest.mark.slow
 def test_cli_build_ls_verify(image_store, tmp_path, monkeypatch):
     monkeypatch.setenv("TMAX_CACHE", str(Path.home() / ".cache" / "tmax"))
     store = str(image_store.root)
@@ -292,6 +302,7 @@ def _build_and_hang(store_root: str, task_dir: str, cache: str) -> None:
     b.build(load_task(task_dir), check=False)
 
 
+@pytest.mark.slow
 def test_killed_build_leaves_no_entry_and_releases_its_lock(builds, tmp_path):
     src = make_task(tmp_path / "tasks", "t", **{
         "environment/Dockerfile": "FROM python:3.11-slim\nRUN touch /started && sleep 60\n"})
@@ -318,6 +329,7 @@ def test_killed_build_leaves_no_entry_and_releases_its_lock(builds, tmp_path):
     assert list((builds.store.root / "tmp").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_full_disk_fails_the_build_cleanly(base_store, tmp_path):
     from tmax.images.store import ImageStore
 
@@ -353,6 +365,7 @@ def checked_builds(image_store):
     return ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_checks_recorded_in_manifest(checked_builds):
     result = checked_builds.build(load_task(EXAMPLES / "count-log-lines"))
@@ -364,6 +377,7 @@ def test_checks_recorded_in_manifest(checked_builds):
     assert "## nop" in log and "## oracle" in log and "bash /tests/test.sh" in log
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.parametrize("override, reason", [
     ({"tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\n"
@@ -388,6 +402,7 @@ def test_checks_report_broken_tasks(checked_builds, tmp_path, override, reason):
     assert "checks=FAILED" in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_verifier_that_hangs_on_the_untouched_environment_scores_it_0(
         checked_builds, tmp_path):
@@ -405,6 +420,7 @@ def test_a_verifier_that_hangs_on_the_untouched_environment_scores_it_0(
     assert "verifier timed out after 2 s ([verifier] timeout_sec): scores 0" in log
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_cached_image_is_checked_again_when_its_tests_or_solution_change(checked_builds,
                                                                           tmp_path):
@@ -427,6 +443,7 @@ def test_a_cached_image_is_checked_again_when_its_tests_or_solution_change(check
     assert entry.checks.ok is False and entry.digest == again.digest  # same image
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_a_task_without_a_solution_builds_with_its_oracle_not_checked(checked_builds, tmp_path):
     """solution/ is optional in Harbor: the image is built and usable, the untouched
@@ -444,6 +461,7 @@ def test_a_task_without_a_solution_builds_with_its_oracle_not_checked(checked_bu
     assert "checks=ok, oracle not checked" in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_the_checks_run_the_verifier_on_the_images_own_path(checked_builds, tmp_path):
     """A tool the image puts on its ENV PATH (e.g. a venv with pytest, as real TB1 tasks
@@ -463,6 +481,7 @@ def test_the_checks_run_the_verifier_on_the_images_own_path(checked_builds, tmp_
             result.checks["oracle_reward"]) == (True, 0.0, 1.0), result.checks
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_every_example_builds_and_passes_checks(example_store):
     """All example tasks (built with checks by the session fixture): oracle 1, untouched < 1."""
@@ -479,6 +498,7 @@ def test_every_example_builds_and_passes_checks(example_store):
     assert not (Path.home() / ".cache" / "tmax" / "check-roots").exists()
 
 
+@pytest.mark.slow
 def test_identical_environments_share_one_image(builds, tmp_path):
     for name in ("a", "b"):
         shutil.copytree(EXAMPLES / "hello-world-file", tmp_path / "tasks" / name)
@@ -494,6 +514,7 @@ def test_identical_environments_share_one_image(builds, tmp_path):
     assert builds.store.verify() == []
 
 
+@pytest.mark.slow
 @pytest.mark.sandbox
 def test_task_image_holds_neither_tests_nor_solution(builds, tmp_path):
     """The verifier and the reference solution reach a sandbox only when copied in."""
@@ -521,6 +542,7 @@ def test_task_image_holds_neither_tests_nor_solution(builds, tmp_path):
     assert out.strip() == "visible input"
 
 
+@pytest.mark.slow
 def test_a_builder_crash_fails_that_task_only(image_store, tmp_path):
     """Unexpected tool failures (unsquashfs, cp) fail the task's result, not the whole run."""
 

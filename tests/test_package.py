@@ -14,6 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def modules(package: str) -> list[Path]:
+    """The package's Python modules: files in folders with an ``__init__.py`` all the way
+    down (the Python files shipped as data, the example tasks', are not modules)."""
+    return [p for p in (REPO / package).rglob("*.py")
+            if all((f / "__init__.py").is_file() for f in p.parents if f.is_relative_to(
+                REPO / package))]
+
+
 def test_sandfleet_never_imports_tmax():
     offenders = []
     for path in (REPO / "sandfleet").rglob("*.py"):
@@ -141,7 +149,7 @@ def test_tmax_uses_only_sandfleets_public_api():
     import sandfleet
 
     offenders = []
-    for path in (REPO / "tmax").rglob("*.py"):
+    for path in modules("tmax"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -157,7 +165,7 @@ def test_tmax_uses_only_sandfleets_public_api():
 def test_library_modules_never_import_cli_modules():
     """Only command-line modules (cli.py, and tmax/cli.py) import other CLI modules."""
     offenders = []
-    for path in list((REPO / "tmax").rglob("*.py")) + list((REPO / "sandfleet").rglob("*.py")):
+    for path in modules("tmax") + modules("sandfleet"):
         if path.name == "cli.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

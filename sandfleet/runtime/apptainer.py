@@ -13,7 +13,8 @@ What holds, run as root and as an ordinary user (tested both ways with Apptainer
 - Writes go to the sandbox's own sparse ext3 overlay of ``storage_mb`` (ENOSPC inside at
   the quota; the node's disk gets only what is written), removed at stop; made ahead where
   it can be (``self.overlays``, a ``prepared.PreparedPool``; ``SANDFLEET_PREPARED=0``
-  turns it off), one file per sandbox, never used twice.
+  turns it off), one file per sandbox, never used twice. For the shapes of spec leases
+  used last, whole instances are started ahead and handed out once (``apptainer_ready``).
 - ``--containall``: fresh pid, ipc and mount namespaces, no host home, /tmp or /dev bound,
   a clean environment; ``--no-mount tmp``: /tmp and /var/tmp are the overlay's (the agent's
   files there count in ``storage_mb`` and reach the verifier). The network is a private namespace with only ``lo`` unless
@@ -65,6 +66,7 @@ from pathlib import Path
 from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
 from sandfleet.runtime import sif
 from sandfleet.runtime.apptainer_memory import MemoryWatcher, cgroup_v2_delegated, data_rlimit_argv
+from sandfleet.runtime.apptainer_ready import ReadyInstances
 from sandfleet.runtime.apptainer_setup import (
     ROOT_REFUSAL,
     START_ACTION,
@@ -230,7 +232,8 @@ class ApptainerRuntime(CommandRuntime):
                  apptainer: str = "apptainer", *, cgroup_limits: bool | None = None,
                  start_timeout_s: float = 300.0, call_timeout_s: float = 60.0,
                  data_rlimit: bool = True, allow_host_root: bool = False,
-                 prepared: int | None = None, max_sandboxes: int = 256):
+                 prepared: int | None = None, ready: int | None = None,
+                 max_sandboxes: int = 256):
         self.state_dir = Path(state_dir).resolve()
         self.owner = check_name("owner", owner or default_owner(), OWNER_RE)
         self.prefix = f"{self.owner}-{state_key(self.state_dir)}-"
@@ -250,6 +253,8 @@ class ApptainerRuntime(CommandRuntime):
                                      per_size=prepared, what="overlay",
                                      room=lambda: max_sandboxes - len(self._own_dirs()))
         """Overlays made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
+        self.ready = ReadyInstances(self, per_shape=prepared if ready is None else ready)
+        """Instances started ahead for the shapes leases used last (``apptainer_ready``)."""
 
     def _make_overlay(self, path: Path, storage_mb: int) -> None:
         make_overlay(path, storage_mb, hide=(VERIFIER_TOOLS,), timeout=self.start_timeout_s)
@@ -286,7 +291,10 @@ class ApptainerRuntime(CommandRuntime):
         return self.state_dir / "sandboxes" / self._name(sandbox_id)
 
     def _record(self, sandbox_id: str) -> InstanceRecord | None:
-        record = InstanceRecord.load(self._dir(sandbox_id) / "sandbox.json")
+        return self._record_at(self._dir(sandbox_id))
+
+    def _record_at(self, home: Path) -> InstanceRecord | None:
+        record = InstanceRecord.load(home / "sandbox.json")
         if record is None or (record.owner, record.uid) != (self.owner, os.getuid()):
             return None
         return record
@@ -395,27 +403,33 @@ class ApptainerRuntime(CommandRuntime):
                 if old is not None and old.alive():
                     raise SandboxStartError(sandbox_id, "already running")
                 self._destroy(sandbox_id, old)
-            home.mkdir(parents=True)
-            cpus = () if self.cgroup_limits else self._pick_cpus(spec.cpus)
-            # claimed before the (slow) start, so parallel starts spread
-            InstanceRecord(sandbox_id, self.owner, os.getuid(), self._name(sandbox_id),
-                           spec.to_dict(), time.time(), 0, (0, 0), cpus=cpus
-                           ).save(home / "sandbox.json")
-        try:
-            if not self.overlays.take(spec.storage_mb, home / "overlay.img"):
-                self._make_overlay(home / "overlay.img", spec.storage_mb)
-            self._launch(sandbox_id, spec, info, cpus, time.time() + spec.max_lifetime_s)
-        except BaseException as e:
-            self._destroy(sandbox_id, None)
-            if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
-                raise
-            raise SandboxStartError(sandbox_id, f"{type(e).__name__}: {e}") from e
+            taken = self.ready.take(sandbox_id, spec)  # an instance started ahead, if any
+            if not taken:
+                home.mkdir(parents=True)
+                cpus = () if self.cgroup_limits else self._pick_cpus(spec.cpus)
+                # claimed before the (slow) start, so parallel starts spread
+                InstanceRecord(sandbox_id, self.owner, os.getuid(), self._name(sandbox_id),
+                               spec.to_dict(), time.time(), 0, (0, 0), cpus=cpus
+                               ).save(home / "sandbox.json")
+        if not taken:
+            try:
+                if not self.overlays.take(spec.storage_mb, home / "overlay.img"):
+                    self._make_overlay(home / "overlay.img", spec.storage_mb)
+                self._launch(sandbox_id, spec, info, cpus, time.time() + spec.max_lifetime_s)
+            except BaseException as e:
+                self._destroy(sandbox_id, None)
+                if isinstance(e, (SandboxStartError, KeyboardInterrupt)):
+                    raise
+                raise SandboxStartError(sandbox_id, f"{type(e).__name__}: {e}") from e
+        self.ready.want(spec, info)
 
     def _launch(self, sandbox_id: str, spec: SandboxSpec, info: ApptainerInfo,
-                cpus: tuple[int, ...], deadline: float) -> None:
-        """Start the instance over the sandbox's overlay (made already), its watchdog set
-        for ``deadline``, and record both."""
-        name, home = self._name(sandbox_id), self._dir(sandbox_id)
+                cpus: tuple[int, ...], deadline: float, *, home: Path | None = None,
+                watch: bool = True) -> None:
+        """Start the instance over the sandbox's overlay (made already; in ``home``, the
+        sandbox's folder unless given), its watchdog set for ``deadline``, and record
+        both; its memory watched (``watch``) where no cgroup limits it."""
+        name, home = self._name(sandbox_id), home or self._dir(sandbox_id)
         pid_file, logfile = home / "instance.pid", home / "start.log"
         pid_file.unlink(missing_ok=True)
         argv = start_argv(self.apptainer, spec, name, pid_file, overlay=home / "overlay.img",
@@ -427,16 +441,21 @@ class ApptainerRuntime(CommandRuntime):
         if start is None:
             tail = logfile.read_text(errors="replace")[-1500:].strip()
             raise SandboxStartError(sandbox_id, f"instance start failed ({code}): {tail}")
-        with open(home / "watchdog.log", "wb") as out:
+        InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), time.time(),
+                       deadline, (pid, start), self._watchdog(name, deadline, pid, home), cpus
+                       ).save(home / "sandbox.json")
+        if watch and not self.cgroup_limits:
+            self._memory.watch(sandbox_id, pid, spec.memory_mb)
+
+    def _watchdog(self, name: str, deadline: float, pid: int, home: Path) -> tuple[int, int]:
+        """A detached watchdog stopping instance ``name`` (its init ``pid``) at
+        ``deadline``; its (pid, start time)."""
+        with open(home / "watchdog.log", "ab") as out:
             dog = subprocess.Popen(
                 watchdog_argv(self.apptainer, name, max(deadline - time.time(), 0.1), pid),
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self._env, start_new_session=True)
-        InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), time.time(),
-                       deadline, (pid, start), (dog.pid, proc_start_time(dog.pid) or 0), cpus
-                       ).save(home / "sandbox.json")
-        if not self.cgroup_limits:
-            self._memory.watch(sandbox_id, pid, spec.memory_mb)
+        return dog.pid, proc_start_time(dog.pid) or 0
 
     def _end_instance(self, sandbox_id: str, record: InstanceRecord | None) -> None:
         """Stop the instance and its watchdog; its folder (overlay, record) stays."""
@@ -444,7 +463,8 @@ class ApptainerRuntime(CommandRuntime):
         self._memory.forget(sandbox_id)
         home = self._dir(sandbox_id)
         try:  # also when the record says dead: apptainer may still list it
-            self._call(stop_argv(self.apptainer, self._name(sandbox_id)),
+            name = record.name if record is not None else self._name(sandbox_id)
+            self._call(stop_argv(self.apptainer, name),
                        home / "stop.log" if home.is_dir() else Path(os.devnull),
                        self.call_timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -487,6 +507,7 @@ class ApptainerRuntime(CommandRuntime):
         """End the memory watcher's thread (it also ends by itself once nothing runs) and
         the overlays made ahead (those not taken are removed)."""
         self._memory.close()
+        self.ready.close()
         self.overlays.close()
 
     def _instances(self) -> dict[str, int] | None:
@@ -512,13 +533,19 @@ class ApptainerRuntime(CommandRuntime):
         if instances is None:
             return [sid for sid in self._own_dirs()
                     if (rec := self._record(sid)) is not None and rec.alive()]
-        return sorted(sid for name in instances if name.startswith(self.prefix)
-                      and NAME_RE.fullmatch(sid := name[len(self.prefix):]))
+        named = {rec.name: sid for sid in self._own_dirs()  # one started ahead keeps its name
+                 if (rec := self._record(sid)) is not None}
+        waiting = self.prefix + self.ready.prefix  # this runtime's, not handed out yet
+        return sorted(named.get(name) or name[len(self.prefix):] for name in instances
+                      if name in named or (name.startswith(self.prefix) and not
+                                           name.startswith(waiting) and
+                                           NAME_RE.fullmatch(name[len(self.prefix):])))
 
     def reap(self, keep: Iterable[str]) -> list[str]:
         """Stop every instance of this runtime not in ``keep``, dead leftovers included."""
         keep = set(keep)
         remove_stale(self.state_dir / "prepared")  # overlays made ahead by an ended process
+        remove_stale(self.state_dir / "ready")  # its instances: in list_running, reaped here
         gone = sorted(set(self.list_running()) | set(self._own_dirs()))
         gone = [sid for sid in gone if sid not in keep]
         for sandbox_id in gone:

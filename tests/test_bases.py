@@ -26,7 +26,7 @@ from tmax.tasks import load_task
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "configs" / "base-images.yaml"
-IMAGES = REPO / "images"
+IMAGES = REPO / "tmax" / "images" / "data"  # shipped in the package (images/ links to it)
 
 
 # --------------------------------------------------------------------------- normalisation

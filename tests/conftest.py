@@ -220,41 +220,32 @@ def image_store(tmp_path, base_store):
     return store_with_base(tmp_path / "store", base_store)
 
 
-# Tests that build images, bring up a Slurm cluster or a fleet of several nodes, or train:
-# the full suite (CI) runs them; `bin/tmax-dev test --quick` (-m "not slow") leaves them out.
+# A test says itself that it is slow: `@pytest.mark.slow` on the test, or
+# `pytestmark = pytest.mark.slow` for a module whose tests all are. The full suite (CI) runs
+# them; `bin/tmax-dev test --quick` (-m "not slow") leaves them out. Slow are the tests that
+# build images, bring up a Slurm cluster or a fleet of several nodes, or train, and the
+# longest of the rest (over ~2.5 s each on a 2-core machine: fault injection with real
+# timeouts, SFT, sandboxes killed at their lifetime). A test that uses one of these fixtures
+# (or is marked `slurm`) and is not marked slow fails the collection (the check below), so
+# the quick tier cannot grow a slow test unnoticed.
 SLOW_FIXTURES = frozenset({"local_slurm", "example_store", "example_fleet", "image_store",
                            "checked_builds", "builds", "harbor_store"})
 
 
-# And the longest of the rest (over ~2.5 s each on a 2-core machine): fault injection with
-# real timeouts (a killed controller, expiring leases, idle connections), SFT, sandboxes
-# killed at their lifetime. Each module keeps quicker tests in the quick tier.
-SLOW_TESTS = frozenset({
-    "test_controller_kill9_and_restart_keeps_held_leases",
-    "test_workers_outlive_a_dead_controller_only_for_the_grace_and_gc_cleans_up",
-    "test_renewal_keeps_a_lease_and_expiry_reaps_it",
-    "test_sft_learns_the_reference_commands",
-    "test_full_disk_fails_the_build_cleanly",
-    "test_verifier_tools_are_hidden_from_the_agent_and_given_to_the_verifier",
-    "test_idle_pooled_connections_closed_by_the_fleet_are_reopened_transparently",
-    "test_the_verifier_is_out_of_sight_and_reach_of_the_agents_processes",
-    "test_pre_auth_probes_do_not_grow_the_controller_or_the_worker",
-    "test_killed_worker_raises_node_lost_promptly_and_is_replaced",
-    "test_queued_acquires_are_served_round_robin_across_clients",
-    "test_a_sandbox_whose_owner_is_sigkilled_dies_at_max_lifetime_and_reap_clears_it",
-    "test_max_lifetime_holds_when_the_bookkeeping_is_killed",
-    "test_timeout_stops_the_whole_command_inside_functions_and_loops",
-    "test_a_well_behaved_client_works_while_abuse_connections_are_open",
-    "test_silent_and_idle_connections_are_closed_after_their_timeouts",
-    "test_a_client_that_dies_without_release_loses_its_lease_to_expiry",
-})
+def unmarked_slow_tests(items) -> list[str]:
+    """Node ids of the tests that use a slow fixture or are marked `slurm`, unmarked slow."""
+    return [item.nodeid for item in items
+            if not item.get_closest_marker("slow")
+            and (SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                 or item.get_closest_marker("slurm"))]
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or \
-                item.get_closest_marker("slurm") or item.originalname in SLOW_TESTS:
-            item.add_marker(pytest.mark.slow)
+    unmarked = unmarked_slow_tests(items)
+    if unmarked:
+        raise pytest.UsageError(
+            "tests using a slow fixture (" + ", ".join(sorted(SLOW_FIXTURES)) + ") or marked "
+            "slurm must be marked slow: add @pytest.mark.slow to\n  " + "\n  ".join(unmarked))
 
 
 MYPY_TEST = "tests/test_lint.py::test_mypy_finds_nothing"

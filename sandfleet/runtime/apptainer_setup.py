@@ -1,8 +1,8 @@
 """What the apptainer runtime needs from the node, checked before a sandbox starts.
 
 ``find_apptainer`` picks the binary: ``$SANDFLEET_APPTAINER``, else ``apptainer`` on PATH,
-else this checkout's ``bin/tmax-apptainer`` (Debian sid's Apptainer in a root made by
-``bin/tmax-setup-apptainer``). ``probe`` then refuses, naming what is missing and what to
+else sandfleet's own ``tmax-apptainer`` (``WRAPPER``, shipped in the package; Debian sid's
+Apptainer in a root made by ``bin/tmax-setup-apptainer``). ``probe`` then refuses, naming what is missing and what to
 do, rather than start a weaker sandbox: no apptainer, one older than ``MIN_VERSION``, and
 for an ordinary user (who has no setuid starter here, so runs in user namespaces, with
 ``--fakeroot``) user namespaces turned off or no FUSE (squashfuse, fuse2fs and

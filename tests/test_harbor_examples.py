@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_harbor_schema import files_of, harbor_network, harbor_problems, native_dict
+from tests.harbor_cases import files_of, harbor_network, harbor_problems, native_dict
 from tests.test_tasks import run_cli
 from tmax.images import verifier_scripts
 from tmax.tasks import find_tasks, load_task, read_any, write_task

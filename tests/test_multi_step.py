@@ -249,7 +249,7 @@ def test_the_oracle_runs_each_steps_solution_as_the_checks_do(steps_store, examp
 def test_a_multi_step_task_round_trips_through_harbors_layout(tmp_path):
     """No top-level instruction.md appears (the steps hold the instructions), and one the
     task has is kept as one of its files."""
-    from tests.test_harbor_schema import files_of
+    from tests.harbor_cases import files_of
     from tmax.tasks import read_any, write_task
 
     src = steps_task(tmp_path / "src")

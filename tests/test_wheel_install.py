@@ -159,6 +159,10 @@ def test_the_9b_slurm_launch_dry_run_from_the_install(installed):
     assert [s.rsplit("/", 1)[1] for s in scripts] == \
         [f"inference-{i}.sbatch" for i in range(6)] + ["trainer.sbatch"]
     assert by_path.count("#SBATCH --job-name=tmax-qwen3.5-9b-") == 7
+    detached = run([train, "--config", "qwen3.5-9b", "--launcher", "slurm", "--detach",
+                    "--dry-run"], env, cwd).stdout  # the orchestrator's template too
+    assert detached.startswith("# ===== ") and \
+        detached.splitlines()[0].endswith("/orchestrator.sbatch")
     missing = subprocess.run([train, "--config", "configs/no-such.yaml", "--dry-run"], env=env,
                              cwd=cwd, capture_output=True, text=True, check=False)
     assert missing.returncode != 0 and "qwen3.5-9b" in missing.stderr  # the names it knows

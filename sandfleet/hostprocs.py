@@ -24,7 +24,7 @@ NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
 
 
 class ProcStat(NamedTuple):
-    """A process as a sandbox's procfs shows it (``sandfleet.shell`` reads them too)."""
+    """A process as a sandbox's procfs shows it (``sandfleet.shell_procs`` reads them too)."""
 
     state: str
     ppid: int  # (from the host's /proc here: the host's number; no caller picks by it)

@@ -16,14 +16,9 @@ import pytest
 from sandfleet.errors import SandboxLost
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.local import LocalRuntime
-from sandfleet.shell import (
-    MARKER,
-    RESET,
-    AsyncShellSession,
-    ShellSession,
-    _Scanner,
-    spawned_since,
-)
+from sandfleet.shell import RESET, AsyncShellSession, ShellSession
+from sandfleet.shell_bash import MARKER, Scanner
+from sandfleet.shell_procs import spawned_since
 from sandfleet.wire.transport import new_event_loop
 
 OWNER = f"sh{os.getpid()}"
@@ -35,7 +30,7 @@ def test_scanner_finds_the_marker_across_chunks_and_keeps_lookalikes():
     lookalikes = b"out __TMAX_abc124__ 0\n\n__TMAX_\n__TMAX_abc123_ 1\n"
     stream = lookalikes + b"x" * 100 + MARKER % b"abc123" + b"7\n" + b"later"
     for step in (1, 5, 7, len(stream)):  # every split point of the marker comes up
-        scanner = _Scanner(1 << 20)
+        scanner = Scanner(1 << 20)
         scanner.expect("abc123")
         for i in range(0, len(stream), step):
             scanner.feed(stream[i:i + step])
@@ -48,7 +43,7 @@ def test_spawned_since_picks_new_groups_and_new_members_of_bash_group():
     picked = spawned_since(before, bash_pid=5, bash_pgid=5)
 
     def st(pgid, start=99):
-        from sandfleet.shell import ProcStat
+        from sandfleet.hostprocs import ProcStat
         return ProcStat("S", 5, pgid, 5, start)
 
     assert not picked(7, st(7, 30))  # an older job

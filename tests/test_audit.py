@@ -572,11 +572,12 @@ def test_array_tasks_rerun_the_command_line_with_their_shard_and_sbatch_options(
         "tasks_per_node": 1, "slurm_array_parallelism": 256, "slurm_partition": "cpu",
         "slurm_setup": ["module load x"]}
     with pytest.raises(click.UsageError, match="leave out --shard"):
+        from tmax.audit.cli import audit_shard
         from tmax.launch.cli import submit_shards
 
         ctx = audit_cmd.make_context("audit", ["t1", "--out", "o", "--array", "2",
                                                "--shard", "0/2"])
-        submit_shards(ctx, "audit", tmp_path)
+        submit_shards(ctx, audit_shard, tmp_path)
 
 
 def test_shards_split_the_sorted_tasks_and_bad_shards_are_refused(monkeypatch):

@@ -14,7 +14,14 @@ import click
 
 from tmax.data.cli import parse_shard
 from tmax.images.cli import base_map_option, store_option
-from tmax.launch.cli import array_job, array_options, describe, failed, submit_shards
+from tmax.launch.cli import (
+    array_job,
+    array_options,
+    describe,
+    failed,
+    run_shard,
+    submit_shards,
+)
 from tmax.package_data import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "audit.yaml"
@@ -176,7 +183,7 @@ def _audit_array(ctx, task_specs, out_dir, output, no_progress) -> None:
     from tmax.audit.run import format_audit, label_counts, read_all_records
 
     tasks = _tasks(task_specs, None)
-    outcomes = submit_shards(ctx, "audit", out_dir, progress=not no_progress)
+    outcomes = submit_shards(ctx, audit_shard, out_dir, progress=not no_progress)
     found = read_all_records(out_dir)
     records = [found[t.task_id] for t in tasks if t.task_id in found]
     if output == "json":
@@ -202,7 +209,7 @@ def _repair_array(ctx, task_specs, clean_dir, audit_dir, output, no_progress) ->
     from tmax.audit.run import read_all_records
 
     tasks = _tasks(task_specs, None)
-    outcomes = submit_shards(ctx, "repair", clean_dir, progress=not no_progress)
+    outcomes = submit_shards(ctx, repair_shard, clean_dir, progress=not no_progress)
     audits_found = read_all_records(audit_dir or clean_dir / "audit")
     repairs_found = read_repairs(clean_dir)
     done = [t for t in tasks if t.task_id in audits_found and t.task_id in repairs_found]
@@ -312,3 +319,13 @@ def repair_cmd(ctx, task_specs, clean_dir, audit_dir, rounds, builder, shard, co
         click.echo(f"{len(report['unfinished'])} tasks not finished (see above); run the same "
                    "command to try them again", err=True)
         sys.exit(1)
+
+
+def audit_shard(argv: list[str], k: int, n: int) -> int:
+    """Array task k of ``tmax audit --array n`` (``tmax.launch.cli.run_shard``)."""
+    return run_shard(audit_cmd, argv, k, n)
+
+
+def repair_shard(argv: list[str], k: int, n: int) -> int:
+    """Array task k of ``tmax repair --array n`` (``tmax.launch.cli.run_shard``)."""
+    return run_shard(repair_cmd, argv, k, n)

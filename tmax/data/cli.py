@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from tmax.launch.cli import array_job, array_options, failed, submit_shards
+from tmax.launch.cli import array_job, array_options, failed, run_shard, submit_shards
 from tmax.package_data import CONFIGS
 
 DEFAULT_CONFIG = CONFIGS / "gen.yaml"
@@ -53,7 +53,7 @@ def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, mo
     from tmax.images.store import default_store
 
     if ctx.params["array"]:
-        outcomes = submit_shards(ctx, "gen", Path(out_dir), progress=not no_progress)
+        outcomes = submit_shards(ctx, gen_shard, Path(out_dir), progress=not no_progress)
         wanted = set(range(first_seed, first_seed + num_tasks))
         records = [r for r in run_records(Path(out_dir)) if r["seed"] in wanted]
         click.echo(format_yield(yield_table(records)))
@@ -99,6 +99,11 @@ def gen_cmd(ctx, config_path, out_dir, num_tasks, first_seed, jobs, base_url, mo
                f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
                f"cost {u.cost:.4f}, {u.parse_failures} unparsable replies, "
                f"{u.dropped} dropped; tasks in {Path(out_dir) / 'tasks'}")
+
+
+def gen_shard(argv: list[str], k: int, n: int) -> int:
+    """Array task k of ``tmax gen --array n`` (``tmax.launch.cli.run_shard``)."""
+    return run_shard(gen_cmd, argv, k, n)
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:

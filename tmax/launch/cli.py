@@ -1,16 +1,24 @@
-"""``--array N`` for sharded commands (``tmax gen``, ``tmax audit``): the same command line
-as N Slurm array tasks, each with ``--shard K/N``, submitted through submitit; the
-launching command waits with a progress bar, then reads the shards' records as one."""
+"""``--array N`` for sharded commands (``tmax gen``, ``tmax audit``, ``tmax repair``): the
+same command as N Slurm array tasks, each with ``--shard K/N``, submitted through submitit
+(``tmax.launch.array``: submitit is the array executor; the one Slurm client,
+``sandfleet.slurm``, renders and watches the other jobs); the launching command waits with
+a progress bar, then reads the shards' records as one.
+
+An array task runs ``shard(K)``, a module-level function of the sharded command's own
+module (``tmax.data.cli.gen_shard`` ...), which runs that command with the launcher's
+parameters and ``--shard K/N`` (``run_shard``): never the root ``tmax`` group, so this
+module imports no command line above it."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
+from tmax import log
 from tmax.launch.array import ArrayOptions, Outcome, run_array
 
 ARRAY_PARAMS = ("array", "partition", "account", "qos", "cpus_per_job", "mem", "time_min",
@@ -36,14 +44,14 @@ def array_options(f):
                         "through submitit) and wait for them; logs in OUT/slurm/.")(f)
 
 
-def cli_shard(argv: list[str], k: int, n: int) -> int:
-    """Array task k: ``tmax ARGV --shard k/n --no-progress``; its exit code (a click error
-    is raised, so the launcher shows its message)."""
-    from tmax.cli import main
-
+def run_shard(command: click.Command, argv: list[str], k: int, n: int) -> int:
+    """Array task k: ``command ARGV --shard k/n --no-progress`` (the command alone, not the
+    root ``tmax`` group); its exit code (a click error is raised, so the launcher shows its
+    message)."""
+    log.setup(0)
     try:
-        main.main(args=[*argv, "--shard", f"{k}/{n}", "--no-progress"], prog_name="tmax",
-                  standalone_mode=False)
+        command.main(args=[*argv, "--shard", f"{k}/{n}", "--no-progress"],
+                     prog_name=f"tmax {command.name}", standalone_mode=False)
     except SystemExit as e:
         return int(e.code or 0) if isinstance(e.code, int | None) else 1
     except click.ClickException as e:
@@ -51,23 +59,24 @@ def cli_shard(argv: list[str], k: int, n: int) -> int:
     return 0
 
 
-def submit_shards(ctx: click.Context, command: str, out_dir: Path, *,
-                  progress: bool = True) -> list[Outcome]:
-    """Run ``ctx``'s command as ``--array`` N shards; echo each failed shard with its log.
-    The caller reads the shards' records afterwards."""
+def submit_shards(ctx: click.Context, shard: Callable[[list[str], int, int], int],
+                  out_dir: Path, *, progress: bool = True) -> list[Outcome]:
+    """Run ``ctx``'s command as ``--array`` N shards, task K calling ``shard(argv, K, N)``
+    (the command's module-level ``run_shard`` of itself); echo each failed shard with its
+    log. The caller reads the shards' records afterwards."""
     p = ctx.params
     if p.get("shard") is not None:
         raise click.UsageError("--array runs every shard itself: leave out --shard")
     n = p["array"]
-    argv = [command, *shard_argv(p, ctx.command, (*ARRAY_PARAMS, "shard", "no_progress"))]
-    options = ArrayOptions(name=f"tmax-{command}", partition=p["partition"],
+    argv = shard_argv(p, ctx.command, (*ARRAY_PARAMS, "shard", "no_progress"))
+    options = ArrayOptions(name=f"tmax-{ctx.command.name}", partition=p["partition"],
                            account=p["account"], qos=p["qos"],
                            cpus=p["cpus_per_job"] or p.get("jobs", 1) + 1, mem=p["mem"],
                            time_min=p["time_min"], setup=tuple(p["setup"]))
     from submitit.core.utils import FailedSubmissionError
 
     try:
-        outcomes = run_array(cli_shard, [(argv, k, n) for k in range(n)],
+        outcomes = run_array(shard, [(argv, k, n) for k in range(n)],
                              Path(out_dir) / "slurm", options, progress=progress)
     except (FailedSubmissionError, OSError, RuntimeError) as e:  # no sbatch, or refused
         raise click.ClickException(f"--array {n}: could not submit the array: {e}") from None

@@ -30,7 +30,7 @@ KNOWN_KEYS = frozenset({"name", "min_reward", "agent", "verifier", "healthcheck"
                         "solution", "environment"})
 
 
-class Task(Protocol):
+class TaskLike(Protocol):
     """What the steps read of a task (a ``tmax.tasks.model.Task``; this module sits below
     the task model, which lists its steps)."""
 
@@ -97,7 +97,7 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
-def parse_steps(task: Task) -> tuple[TaskStep, ...]:
+def parse_steps(task: TaskLike) -> tuple[TaskStep, ...]:
     """The task's steps, in order; ``StepError`` for an entry that cannot run."""
     config = task.config
     steps: list[TaskStep] = []
@@ -162,7 +162,7 @@ def multi_step_reward(rewards: list[float], n_steps: int, strategy: str | None) 
     return sum(rewards) / n_steps
 
 
-def merged_tests(task: Task, step: TaskStep, dest: Path) -> Path:
+def merged_tests(task: TaskLike, step: TaskStep, dest: Path) -> Path:
     """``dest``: the task's tests/ with the step's tests/ over it (what /tests is for the
     step's verifier)."""
     if task.tests_dir.is_dir():

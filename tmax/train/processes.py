@@ -29,18 +29,43 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from tqdm.auto import tqdm
+
+from sandfleet import proc_start_time, run_event_loop
+from tmax import log as tmax_log
+from tmax.agent.policy import PolicyUnavailable
+from tmax.images.store import default_store
+from tmax.inference.base import EngineError
+from tmax.inference.http import HttpEngine
+from tmax.inference.process import ServerProcess, free_port
+from tmax.rollout.run import TaskImages
 from tmax.rollout.trajectory import append_jsonl
 from tmax.train.commands import launch_plan, server_command, trainer_command, vllm_config_of
 from tmax.train.config import TrainConfig, save_config
+from tmax.train.engines import EnginePool
 from tmax.train.handover import Handover, Heartbeat, is_done
+from tmax.train.loop import (
+    load_training_tasks,
+    prepare_model,
+    run_agent_config,
+    run_fleet,
+    seed_everything,
+    step_metrics,
+    write_plots,
+)
+from tmax.train.model_load import checkpoint_context_length
+from tmax.train.nccl_pool import NcclCoordinator
+from tmax.train.rollouts import GroupSampler
 from tmax.train.runfiles import TrainProcessError
 from tmax.train.slurm import SlurmInferenceServers, SlurmTrainer, make_poller
+from tmax.train.trainer import samples_of
 from tmax.train.trainer_rank import (
     ORCHESTRATOR,
     REQUEUE_EXIT,
@@ -69,15 +94,6 @@ async def orchestrate(config: TrainConfig, run_dir: Path, pool: Any, *,
     The caller holds the orchestrator's ``Heartbeat`` (from before the trainer starts, so
     the trainer never takes a slow start for a dead orchestrator). With ``nccl`` (an
     ``NcclCoordinator``) new versions arrive by broadcast: no folder path is posted."""
-    from tqdm.auto import tqdm
-
-    from tmax.images.store import default_store
-    from tmax.rollout.run import TaskImages
-    from tmax.train.loop import load_training_tasks, run_agent_config, run_fleet, step_metrics
-    from tmax.train.model_load import checkpoint_context_length
-    from tmax.train.rollouts import GroupSampler
-    from tmax.train.trainer import samples_of
-
     d = config.distributed
     handover = Handover(run_dir)
     tasks = load_training_tasks(config)
@@ -203,8 +219,6 @@ class TrainerGroup:
         self.starts = 0
 
     def start(self) -> None:
-        from tmax.inference.process import free_port
-
         port = free_port()
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -272,9 +286,6 @@ class InferenceServers:
 
     async def start_one(self) -> Any:
         """A new healthy server and its engine, serving ``run_dir/init``'s weights."""
-        from tmax.inference.http import HttpEngine
-        from tmax.inference.process import ServerProcess, free_port
-
         i = self.started
         self.started += 1
         argv, env = server_command(self.config, self.run_dir, i, free_port())
@@ -318,10 +329,6 @@ def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunne
     names itself for good (host, pid, ``launcher_start``: its start time, and
     ``launcher_job``: the Slurm job it runs in, if any), and ``start_times`` names each
     child pid, so ``tmax gc`` never mistakes a reused pid for one of this run's."""
-    import socket
-
-    from sandfleet import proc_start_time
-
     trainer, inference = trainers.pids(), servers.pids()
     doc = {"host": socket.gethostname(), "launcher": os.getpid(),
            "launcher_start": proc_start_time(os.getpid()),
@@ -337,15 +344,6 @@ def write_processes(run_dir: Path, trainers: TrainerRunner, servers: ServerRunne
 def run_processes(config: TrainConfig, *, progress: bool = True,
                   launcher: str = "local") -> Path:
     """The launcher (``distributed.enabled``): see the module docstring."""
-    from sandfleet import run_event_loop
-    from tmax.train.loop import (
-        load_training_tasks,
-        prepare_model,
-        run_agent_config,
-        seed_everything,
-        write_plots,
-    )
-
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir / "config.yaml", launcher=launcher)
@@ -382,10 +380,6 @@ def runners(config: TrainConfig, run_dir: Path, launcher: str
 
 async def _launch(config: TrainConfig, run_dir: Path, progress: bool,
                   trainers: TrainerRunner, servers: ServerRunner) -> None:
-    from tmax.agent.policy import PolicyUnavailable
-    from tmax.inference.base import EngineError
-    from tmax.train.engines import EnginePool
-
     d = config.distributed
     handover = Handover(run_dir)
     replacing: set[asyncio.Task] = set()
@@ -474,7 +468,6 @@ def nccl_coordinator(config: TrainConfig, run_dir: Path, trainer_alive: Any) -> 
     """The orchestrator's NCCL weight sync (``vllm.weight_transfer: nccl``), else None."""
     if config.engine != "vllm" or config.vllm.weight_transfer != "nccl":
         return None
-    from tmax.train.nccl_pool import NcclCoordinator
 
     v = config.vllm
     return NcclCoordinator(run_dir, gpus_per_server=v.tensor_parallel_size
@@ -485,8 +478,6 @@ def nccl_coordinator(config: TrainConfig, run_dir: Path, trainer_alive: Any) -> 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m tmax.train.processes trainer RUN_DIR``: one trainer rank."""
-    from tmax import log as tmax_log
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "trainer":
         sys.exit("usage: python -m tmax.train.processes trainer RUN_DIR")

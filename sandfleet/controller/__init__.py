@@ -29,8 +29,9 @@ What it owns:
 The modules, in the order they depend on each other: ``journal`` (typed events, the file,
 one ``replay``), ``state`` (records and the registry), ``placement`` (queues and pure
 placement decisions), ``monitor`` (liveness decisions, status), ``pool`` (worker
-connections), ``scaler`` (worker jobs, through the ``FleetView`` protocol) and ``core``
-(the ``Controller``: request handling and wiring).
+connections), ``scaler`` (worker jobs, through the ``FleetView`` protocol), ``leasing``
+(the ``LeaseDesk``: acquire, grant, renew, release, end) and ``core`` (the ``Controller``:
+request handling and wiring).
 """
 
 from __future__ import annotations

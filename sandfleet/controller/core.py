@@ -2,10 +2,11 @@
 
 One ``Controller`` per fleet (an asyncio daemon) answers workers and clients; see the
 package doc for what it owns. The parts it wires: the ``Registry`` of records
-(``state``), the ``Queues`` and placement decisions (``placement``), the ``Journal``
-(``journal``: typed events, one replay), the ``WorkerPool`` of worker connections
-(``pool``), the liveness checks (``monitor``) and, when it has a provider, the ``Scaler``
-(``scaler``), which sees it through the ``FleetView`` this class implements.
+(``state``), the ``LeaseDesk`` that acquires, grants, renews, releases and ends leases
+(``leasing``, over the ``Queues`` and placement decisions of ``placement``), the
+``Journal`` (``journal``: typed events, one replay), the ``WorkerPool`` of worker
+connections (``pool``), the liveness checks (``monitor``) and, when it has a provider, the
+``Scaler`` (``scaler``), which sees it through the ``FleetView`` this class implements.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import secrets
@@ -22,31 +22,28 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn, TypeGuard
+from typing import TypeGuard
 
 from sandfleet.config import CONFIG_FILE, FleetConfig
-from sandfleet.controller import monitor, placement
+from sandfleet.controller import monitor
 from sandfleet.controller.journal import (
     JOURNAL,
+    Event,
     FleetDown,
     JobEnded,
     Journal,
-    LeaseEnded,
     NodeEnded,
     load,
     replay,
     rewrite,
 )
-from sandfleet.controller.placement import Queues
+from sandfleet.controller.leasing import LeaseDesk
 from sandfleet.controller.pool import WorkerPool
 from sandfleet.controller.scaler import Scaler
-from sandfleet.controller.state import Job, Lease, Node, Registry, Waiter
+from sandfleet.controller.state import Job, Lease, Node, Registry
 from sandfleet.discovery import ControllerInfo, read_controller_info, write_private
 from sandfleet.errors import (
     BadRequest,
-    CapacityTimeout,
-    InfraError,
-    LeaseClosed,
     NodeLost,
     SandboxLost,
 )
@@ -60,9 +57,7 @@ from sandfleet.wire.messages import (
     Register,
     Release,
     Renew,
-    SandboxSpecModel,
     Shutdown,
-    StartSandbox,
     Status,
     new_id,
 )
@@ -91,13 +86,11 @@ class Controller:
         self.token = ""
         self.address = ""
         self.reg = Registry()
-        self.queues = Queues()
-        self.inflight: dict[str, asyncio.Future] = {}
-        """The future of every acquire still waiting or starting, by request id."""
         self.started = time.time()
         self.scaler: Scaler | None = None
         self._stopping = asyncio.Event()
         self._pool = WorkerPool(self._stopping)
+        self.desk = LeaseDesk(self.reg, config, self._pool, self)
         self._server: Server | None = None
         self._journal: Journal | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -123,7 +116,7 @@ class Controller:
         return self._stopping.is_set()
 
     def queued_cpus(self) -> int:
-        return self.queues.cpus()
+        return self.desk.queues.cpus()
 
     def take_worker_index(self) -> int:
         index = self.reg.next_index
@@ -236,13 +229,7 @@ class Controller:
             if task.get_name() == "scaler":
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for waiter in list(self.queues):
-            self._fail_waiter(waiter, CapacityTimeout(
-                time.monotonic() - waiter.enqueued, "the fleet is shutting down"))
-        self.queues.clear()
-        for lease in list(self.reg.leases.values()):
-            self._end(lease, "released", {"error": "LeaseClosed",
-                                          "message": "the fleet was shut down"})
+        self.desk.close_all()
         stops = [self._pool.rpc(node, Shutdown(id=new_id(), token=self.token,
                                                reason="fleet down"), timeout=30)
                  for node in self.reg.nodes.values() if node.state in ("up", "draining")]
@@ -274,20 +261,14 @@ class Controller:
         await self._journal.swap(self.reg.snapshot(round(time.time(), 3)))
         log.info("journal compacted")
 
-    def _journaled(self, event, result: dict) -> asyncio.Future:
-        """A future of ``result``, resolved once ``event`` is journaled (or failed to be:
-        logged by the journal; the fleet keeps serving, as with ``_log``)."""
+    def commit(self, event: Event) -> asyncio.Future:
+        """Journal ``event`` (group commit): the ``LeaseHost``'s."""
         assert self._journal is not None
-        answer = asyncio.get_running_loop().create_future()
+        return self._journal.commit(event)
 
-        def resolve(done: asyncio.Future) -> None:
-            if not done.cancelled():
-                done.exception()  # retrieved: logged by the journal
-            if not answer.done():
-                answer.set_result(result)
-
-        self._journal.commit(event).add_done_callback(resolve)
-        return answer
+    def log_later(self, event: Event) -> None:
+        """Journal ``event`` in a task of its own."""
+        self._spawn(self._log(event), "journal")
 
     async def _log(self, event) -> None:
         assert self._journal is not None
@@ -305,11 +286,11 @@ class Controller:
         if isinstance(req, Heartbeat):
             return self._heartbeat(req)
         if isinstance(req, Acquire):
-            return self._acquire(req, peer)
+            return self.desk.acquire(req, peer)
         if isinstance(req, Release):
-            return self._release(req.lease_id)
+            return self.desk.release(req.lease_id)
         if isinstance(req, Renew):
-            return self._renew(req.lease_id)
+            return self.desk.renew(req.lease_id)
         if isinstance(req, Ping):
             return {"role": "controller", "address": self.address}
         if isinstance(req, Register):
@@ -321,199 +302,6 @@ class Controller:
             self._stopping.set()
             return {"stopping": True}
         raise BadRequest(f"the controller does not serve {req.type!r}")
-
-    # ---- acquire: queue, place, start, grant
-
-    def _acquire(self, req: Acquire, peer: Peer) -> dict | asyncio.Future:
-        """The answer to an acquire: at once for a repeated id whose lease exists, else a
-        future of the grant (the asker's own: the server cancels it when the asker hangs
-        up, which drops the wait if it is still queued)."""
-        if req.id in self.reg.by_request:
-            return self._renew(self.reg.by_request[req.id])
-        if req.id in self.inflight:
-            return _follow(self.inflight[req.id])
-        why = placement.too_big(req, self.config)
-        if why is not None:
-            raise BadRequest(why)
-        if self._down or self._stopping.is_set():
-            raise CapacityTimeout(0.0, "the fleet is shutting down")
-        future = asyncio.get_running_loop().create_future()
-        future.add_done_callback(_retrieve)
-        self.inflight[req.id] = future
-        wait_s = self.config.acquire_wait_s if req.wait_s is None else req.wait_s
-        waiter = Waiter(req, req.client or peer.address.rpartition(":")[0], future, wait_s)
-        self.queues.push(waiter)
-        self._schedule()
-        if waiter.queued:  # no slot for it now
-            self._arm(waiter)
-            if self.scaler is not None:
-                self.scaler.kick()
-        answer = _follow(future)
-        answer.add_done_callback(functools.partial(self._asker_done, waiter))
-        return answer
-
-    def _asker_done(self, waiter: Waiter, answer: asyncio.Future) -> None:
-        if answer.cancelled() and self.queues.withdraw(waiter):  # the asker hung up
-            self._fail_waiter(waiter, CapacityTimeout(0.0, "the asker went away"))
-        if waiter.future.done():
-            self.inflight.pop(waiter.request.id, None)
-
-    def _arm(self, waiter: Waiter) -> None:
-        if waiter.timer is None:
-            left = waiter.wait_s - (time.monotonic() - waiter.enqueued)
-            waiter.timer = asyncio.get_running_loop().call_later(max(0.0, left),
-                                                                 self._wait_timeout, waiter)
-
-    def _wait_timeout(self, waiter: Waiter) -> None:
-        if not self.queues.withdraw(waiter):
-            return  # already placed: the start proceeds
-        up = sum(1 for n in self.reg.nodes.values() if n.state == "up")
-        self._fail_waiter(waiter, CapacityTimeout(
-            time.monotonic() - waiter.enqueued,
-            f"{self.queues.count()} others queued, {len(self.reg.leases)} leases held on "
-            f"{up} nodes (max {self.config.max_nodes})"))
-        self.reg.failures["capacity"] += 1
-
-    def _fail_waiter(self, waiter: Waiter, error: BaseException) -> None:
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        if not waiter.future.done():
-            waiter.future.set_exception(error)
-        self.inflight.pop(waiter.request.id, None)
-
-    def queued_count(self) -> int:
-        return self.queues.count()
-
-    def _place(self, cpus: int, memory_mb: int) -> Node | None:
-        return placement.best_fit(self.reg.free, cpus, memory_mb, now=time.time(),
-                                  mono=time.monotonic(),
-                                  drain_s=placement.drain_before_s(self.config))
-
-    def _schedule(self) -> None:
-        """Grant what fits: round-robin over clients, FIFO within each."""
-        if self.queues:
-            self.queues.schedule(self._place, self._grant)
-
-    def _grant(self, waiter: Waiter, node: Node) -> None:
-        """Reserve a slot on ``node`` for ``waiter`` and ask the worker to start it."""
-        req = waiter.request
-        lease = Lease(new_id("L"), req.id, waiter.client, node.worker_id, node.node,
-                      node.address, placement.sandbox_spec(req, self.config), req.cpus,
-                      req.memory_mb, req.ttl_s or self.config.lease_ttl_s)
-        self.reg.reserve(lease, node)
-        self.reg.index(node)
-        lease.queued_s = round(time.monotonic() - waiter.enqueued, 4)  # until a slot, not start
-        started = self._pool.call(node, StartSandbox(
-            id=new_id(), token=self.token, lease_id=lease.lease_id,
-            spec=SandboxSpecModel.model_validate(lease.spec)),  # as pydantic reads the dict
-            timeout=self.config.sandbox_start_timeout_s + 10)
-        started.add_done_callback(functools.partial(self._started, waiter, lease, node))
-
-    def _started(self, waiter: Waiter, lease: Lease, node: Node,
-                 started: asyncio.Future) -> None:
-        """The worker answered the start: journal the grant (then ``_granted``), or try
-        another node, or fail the acquire."""
-        if started.cancelled():
-            return  # the controller stops
-        e = started.exception()
-        if isinstance(e, (ConnectionError, OSError)):  # TimeoutError included
-            self.reg.unreserve(lease, node)
-            node.unschedulable_until = time.monotonic() + self.config.lost_after_s
-            if waiter.attempts < 2 and not waiter.future.done() \
-                    and not self._stopping.is_set():
-                waiter.attempts += 1
-                log.warning("start of %s on %s failed (%s); queued again", lease.lease_id,
-                            node.worker_id, e)
-                self.queues.push_front(waiter)
-                self._arm(waiter)
-                self._schedule()
-                return
-            self._start_failed(waiter, NodeLost(node.node, f"sandbox start failed: {e}"))
-            return
-        if e is not None:  # ImageMissing, SandboxStartError...: they go to the asker
-            self.reg.unreserve(lease, node)
-            self._start_failed(waiter, e)
-            return
-        if self.reg.leases.get(lease.lease_id) is not lease:  # node lost or fleet down
-            self._start_failed(waiter, InfraError.from_dict(
-                self.reg.ended.get(lease.lease_id, {}).get("error")
-                or NodeLost(node.node, "lost while the sandbox started").to_dict()))
-            return
-        lease.granted_at = lease.renewed_at = time.time()
-        lease.state = "held"
-        self.reg.by_request[waiter.request.id] = lease.lease_id
-        assert self._journal is not None
-        self._journal.commit(lease.record()).add_done_callback(
-            functools.partial(self._granted, waiter, lease))
-
-    def _granted(self, waiter: Waiter, lease: Lease, journaled: asyncio.Future) -> None:
-        _retrieve(journaled)  # a journal error is logged there; the fleet keeps serving
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        self.inflight.pop(waiter.request.id, None)
-        if not waiter.future.done():
-            waiter.future.set_result(lease.grant())
-
-    def _start_failed(self, waiter: Waiter, error: BaseException) -> None:
-        self.reg.note(getattr(error, "cause", "bad_request"), str(error)[:500])
-        self._fail_waiter(waiter, error)
-        self._schedule()
-
-    # ---- renew, release, end
-
-    def _renew(self, lease_id: str) -> dict:
-        lease = self.reg.leases.get(lease_id)
-        if lease is not None:
-            if lease.state == "held":
-                lease.renewed_at = time.time()
-            return {**lease.grant(), "state": lease.state}
-        self._raise_ended(lease_id)
-
-    def _raise_ended(self, lease_id: str) -> NoReturn:
-        ended = self.reg.ended.get(lease_id)
-        if ended is None:
-            raise SandboxLost(lease_id, "no such lease in this fleet")
-        error = ended["error"]
-        if error.get("error") == "LeaseClosed":
-            raise LeaseClosed(error.get("message", "lease released"))
-        raise InfraError.from_dict(error)
-
-    def _release(self, lease_id: str) -> dict | asyncio.Future:
-        """The answer to a release: at once when the lease had ended, else a future that
-        resolves once its end is journaled."""
-        lease = self.reg.leases.get(lease_id)
-        if lease is None:
-            return {"released": True, "was": self.reg.ended.get(lease_id, {}).get("cause")}
-        self._end(lease, "released", {"error": "LeaseClosed", "message": "lease released"})
-        return self._journaled(LeaseEnded(lease_id, "released",
-                                          self.reg.ended[lease_id]["error"], lease.request_id),
-                               {"released": True, "was": "held"})
-
-    def _end(self, lease: Lease, cause: str, error: dict, *, stop: bool = True) -> None:
-        """End a lease: free its slot, remember why, stop its sandbox. Journaled by callers
-        that await; the others go through ``_end_logged``."""
-        reg = self.reg
-        if reg.leases.get(lease.lease_id) is not lease:
-            return
-        node = reg.nodes.get(lease.worker_id)
-        if node is not None:
-            reg.unreserve(lease, node)
-        else:
-            del reg.leases[lease.lease_id]
-        reg.remember_end(lease.lease_id, cause, error, lease.request_id)
-        if cause != "released":
-            reg.note(cause, error.get("message", "")[:500], lease_id=lease.lease_id,
-                     node=lease.node, count=cause != "expired")
-            log.info("lease %s ended: %s (%s)", lease.lease_id, cause, error.get("message"))
-        if stop and node is not None and node.state in ("up", "draining") \
-                and lease.state == "held":
-            self._pool.stop_sandbox(node, lease.lease_id, cause)
-        self._schedule()
-
-    def _end_logged(self, lease: Lease, cause: str, error: dict, *, stop: bool = True) -> None:
-        self._end(lease, cause, error, stop=stop)
-        self._spawn(self._log(LeaseEnded(lease.lease_id, cause, error, lease.request_id)),
-                    "journal")
 
     # ---- workers: register, heartbeat, lost, gone
 
@@ -540,7 +328,7 @@ class Controller:
         if self.scaler is not None:
             self.scaler.worker_registered(node)
         keep = self._reconcile(node, req.leases, {})
-        self._schedule()
+        self.desk.schedule()
         return {"known": True, "keep": keep, "heartbeat_s": self.config.heartbeat_s}
 
     def _heartbeat(self, req: Heartbeat) -> dict:
@@ -561,7 +349,7 @@ class Controller:
         keep, gone = monitor.reconcile(node, reported, lost, self.reg.leases, now=time.time(),
                                        heartbeat_s=self.config.heartbeat_s)
         for lease, reason in gone:
-            self._end_logged(lease, "sandbox_lost", SandboxLost(lease.lease_id,
+            self.desk.end_logged(lease, "sandbox_lost", SandboxLost(lease.lease_id,
                                                                 reason).to_dict(), stop=False)
         return keep
 
@@ -577,7 +365,7 @@ class Controller:
         self._forget(node, reason)
         if self.scaler is not None:
             self.scaler.worker_lost(node)
-        self._schedule()
+        self.desk.schedule()
 
     def node_gone(self, node: Node, reason: str) -> None:
         """A node released on purpose (idle, down): forgotten without a failure."""
@@ -591,9 +379,9 @@ class Controller:
         for lease_id in list(node.leases):
             lease = self.reg.leases.get(lease_id)
             if lease is not None:
-                self._end_logged(lease, "node_lost", NodeLost(node.node, reason).to_dict(),
+                self.desk.end_logged(lease, "node_lost", NodeLost(node.node, reason).to_dict(),
                                  stop=False)
-        self._spawn(self._log(NodeEnded(node.worker_id, reason)), "journal")
+        self.log_later(NodeEnded(node.worker_id, reason))
         conn = self._pool.forget(node.worker_id)
         if conn is not None:
             self._spawn(conn.close(), "close")
@@ -620,7 +408,7 @@ class Controller:
         for node in forget:
             self.reg.nodes.pop(node.worker_id, None)  # kept a while for status
         for lease, cause, error in monitor.due_leases(list(self.reg.leases.values()), now):
-            self._end_logged(lease, cause, error)
+            self.desk.end_logged(lease, cause, error)
 
     # ---- status
 
@@ -628,34 +416,10 @@ class Controller:
         now = time.time()
         return {"address": self.address, "pid": os.getpid(), "state_dir": str(self.state_dir),
                 "provider": self.config.provider, "uptime_s": round(now - self.started, 1),
-                **monitor.status_report(self.reg, queued=self.queues.count(),
-                                        queued_by_client=self.queues.by_client(), now=now,
+                **monitor.status_report(self.reg, queued=self.desk.queues.count(),
+                                        queued_by_client=self.desk.queues.by_client(), now=now,
                                         mono=time.monotonic())}
 
-
-def _follow(shared: asyncio.Future) -> asyncio.Future:
-    """A future with ``shared``'s outcome that its holder may cancel alone (``shield``
-    without a task)."""
-    answer = shared.get_loop().create_future()
-
-    def copy(_: asyncio.Future) -> None:
-        if answer.done():
-            return
-        if shared.cancelled():
-            answer.cancel()
-        elif (error := shared.exception()) is not None:
-            answer.set_exception(error)
-        else:
-            answer.set_result(shared.result())
-
-    shared.add_done_callback(copy)
-    return answer
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    """Mark a future's exception seen (it went to whoever asked, if anyone still did)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def advertised_host(config: FleetConfig) -> str:

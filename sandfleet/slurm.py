@@ -14,10 +14,11 @@ sbatch, squeue, scontrol, sacct, scancel as argv lists with a timeout.
   stdin closed, in its own session, under a timeout; its stderr goes to this module's
   debug log, never the terminal. A failure raises ``SlurmError`` carrying the argv, the
   exit status and the stderr.
-- **Polling** (``Poller``): every watched job in one ``states`` call, at most once per
-  interval; the interval starts at ``min_s``, doubles while no state changes, up to
-  ``max_s``, and starts over at ``min_s`` when one does (or on ``reset``, after a submit
-  or a cancel).
+- **Polling** (``Poller``): every watched job still running in one ``states`` call, at
+  most once per interval; the interval starts at ``min_s``, doubles while no state
+  changes, up to ``max_s``, and starts over at ``min_s`` when one does (or on ``reset``,
+  after a submit or a cancel). tmax's launcher polls with ``min_s = max_s =
+  slurm.poll_s`` (as before: a failed job is seen within one ``poll_s``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import shlex
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -276,7 +278,9 @@ class SlurmClient:
 class Poller:
     """The states of every watched job, from one ``SlurmClient.states`` call per poll,
     polled at most once per interval (backing off from ``min_s`` to ``max_s`` while no
-    state changes; see the module doc). ``clock`` is for tests."""
+    state changes; see the module doc). A job in a final state (ended: not ``ACTIVE``, not
+    ``UNKNOWN``) is not asked about again unless ``fresh``. Thread-safe; ``clock`` is for
+    tests."""
 
     def __init__(self, client: SlurmClient, min_s: float, max_s: float | None = None, *,
                  clock: Callable[[], float] = time.monotonic):
@@ -287,7 +291,7 @@ class Poller:
         self.watched: dict[str, None] = {}
         self.last: dict[str, str] = {}
         self._next = 0.0
-        self.polls = 0
+        self._lock = threading.Lock()
 
     def watch(self, job_ids: Iterable[str]) -> None:
         for j in job_ids:
@@ -295,30 +299,29 @@ class Poller:
                 self.watched[check_job_id(j)] = None
                 self._next = 0.0  # a new job: the next call asks Slurm
 
-    def forget(self, job_ids: Iterable[str]) -> None:
-        for j in job_ids:
-            self.watched.pop(j, None)
-            self.last.pop(j, None)
-
     def reset(self) -> None:
         """Poll at the next call, then from ``min_s`` again (after a submit or cancel)."""
         self.interval, self._next = self.min_s, 0.0
 
     def states(self, job_ids: Sequence[str] = (), *, fresh: bool = False) -> dict[str, str]:
         """The states of ``job_ids`` (watched from now on; all watched jobs when empty):
-        cached within the interval, else one poll of every watched job."""
-        self.watch(job_ids)
-        wanted = [j for j in job_ids if j] or list(self.watched)
-        if fresh or self.clock() >= self._next or any(j not in self.last for j in wanted):
-            self.poll()
-        return {j: self.last.get(j, UNKNOWN) for j in wanted}
+        cached within the interval, else one poll of every watched job still running;
+        ``fresh``: now, ``job_ids`` included whatever their last state."""
+        with self._lock:
+            self.watch(job_ids)
+            wanted = [j for j in job_ids if j] or list(self.watched)
+            if fresh or self.clock() >= self._next or any(j not in self.last for j in wanted):
+                self._poll(wanted if fresh else [])
+            return {j: self.last.get(j, UNKNOWN) for j in wanted}
 
-    def poll(self) -> dict[str, str]:
-        """Ask Slurm now, for every watched job; set the next interval."""
-        now = self.client.states(list(self.watched)) if self.watched else {}
-        self.polls += 1
+    def _poll(self, also: Sequence[str]) -> None:
+        ids = [j for j in self.watched if j in also or not _final(self.last.get(j))]
+        now = self.client.states(ids) if ids else {}
         changed = any(self.last.get(j) != s for j, s in now.items())
         self.interval = self.min_s if changed else min(self.interval * 2, self.max_s)
         self.last.update(now)
         self._next = self.clock() + self.interval
-        return now
+
+
+def _final(state: str | None) -> bool:
+    return state is not None and state != UNKNOWN and state not in ACTIVE

@@ -173,3 +173,17 @@ def test_the_poller_batches_every_watched_job_and_backs_off_while_nothing_change
     calls = len(fake.calls("squeue"))
     assert poller.states(["2"], fresh=True) == {"2": "RUNNING"}
     assert len(fake.calls("squeue")) == calls + 1
+
+
+def test_the_poller_stops_asking_about_an_ended_job_unless_fresh(fake):
+    now = [0.0]
+    poller = Poller(SlurmClient(10, fake.env), 1.0, clock=lambda: now[0])
+    fake.answer("squeue", "1|RUNNING|me|n1|a\n")
+    fake.answer("scontrol", "JobId=2 JobState=FAILED\n")
+    assert poller.states(["1", "2"]) == {"1": "RUNNING", "2": "FAILED"}
+    now[0] += 5
+    assert poller.states() == {"1": "RUNNING", "2": "FAILED"}
+    assert [c.split()[3] for c in fake.calls("squeue")] == ["1,2", "1"]
+    assert fake.calls("scontrol") == ["scontrol -o show job 2"]  # not asked again
+    assert poller.states(["2"], fresh=True) == {"2": "FAILED"}
+    assert fake.calls("squeue")[-1].split()[3] == "1,2"

@@ -242,7 +242,8 @@ def bench_episodes(root: Path, leases: int, commands: int) -> None:
 async def capacity(state: Path, nodes: int, slots: int, seconds: float, clients: int) -> dict:
     from sandfleet.discovery import read_controller_info
     from sandfleet.wire.messages import Acquire, Heartbeat, Register, Release, new_id
-    from sandfleet.wire.transport import Connection, Server
+    from sandfleet.wire.server import Server
+    from sandfleet.wire.transport import Connection
 
     info = read_controller_info(state)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandfleet.netproxy import parse_upstream
 from sandfleet.runtime.base import default_owner
-from sandfleet.wire.transport import IDLE_TIMEOUT_S, WireLimits
+from sandfleet.wire.server import IDLE_TIMEOUT_S, WireLimits
 
 
 class Strict(BaseModel):

@@ -29,7 +29,7 @@ from sandfleet.controller.state import Lease
 from sandfleet.discovery import CONTROLLER_FILE, ControllerInfo, read_controller_info
 from sandfleet.errors import NodeLost
 from sandfleet.runtime.base import SandboxSpec
-from sandfleet.wire import transport
+from sandfleet.wire import server as wire_server
 from sandfleet.wire.frames import PREFIX, decode_header, encode_frame, recv_frame
 from sandfleet.wire.messages import (
     REQUEST,
@@ -59,7 +59,7 @@ from sandfleet.wire.messages import (
 )
 from sandfleet.wire.messages import Exec as ExecRequest
 from sandfleet.wire.messages import Register as RegisterRequest
-from sandfleet.wire.transport import Server
+from sandfleet.wire.server import Server
 
 TOKEN = "tok"
 
@@ -308,13 +308,13 @@ FUTURE = {"placement_score": 0.5, "trace": {"span": "s1"}}
 def newer_fleet(tmp_path, monkeypatch):
     """A controller and a worker (Servers on loopback) that answer like a newer fleet: an
     unknown field in every result and one in every reply envelope."""
-    original = transport.reply_header
+    original = wire_server.reply_header
 
     def newer_reply_header(rid, *, result=None, error=None):
         header = original(rid, result=result, error=error)
         return {**header, "server_version": "9.9"}
 
-    monkeypatch.setattr(transport, "reply_header", newer_reply_header)
+    monkeypatch.setattr(wire_server, "reply_header", newer_reply_header)
     state = tmp_path / "state"
     state.mkdir()
     ports: dict[str, int] = {}

@@ -26,7 +26,8 @@ import pytest
 from sandfleet.client import FleetClient
 from sandfleet.wire.frames import MAX_PAYLOAD_BYTES, PREAUTH_HEADER_BYTES, PREFIX, read_frame
 from sandfleet.wire.messages import Exec, Ping, Put, new_id
-from sandfleet.wire.transport import Connection, Server, WireLimits
+from sandfleet.wire.server import Server, WireLimits
+from sandfleet.wire.transport import Connection
 from tests.fleet_harness import Fleet
 
 TOKEN = "the-fleets-token"
@@ -116,16 +117,16 @@ async def _probe(port: int, server: Server, *, token: str = "wrong-token",
 @pytest.fixture
 def counted(monkeypatch):
     """Bytes the servers' transports handed to their connections, in all."""
-    from sandfleet.wire import transport
+    from sandfleet.wire import server
 
     total = [0]
-    original = transport._Served.data_received
+    original = server._Served.data_received
 
     def data_received(self, data: bytes) -> None:
         total[0] += len(data)
         original(self, data)
 
-    monkeypatch.setattr(transport._Served, "data_received", data_received)
+    monkeypatch.setattr(server._Served, "data_received", data_received)
     return total
 
 

@@ -61,7 +61,8 @@ from sandfleet.wire.messages import (
     Status,
     new_id,
 )
-from sandfleet.wire.transport import Peer, Server, run_event_loop
+from sandfleet.wire.server import Peer, Server
+from sandfleet.wire.transport import run_event_loop
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from sandfleet.errors import (
     SandboxLost,
 )
 from sandfleet.wire.messages import Acquire, SandboxSpecModel, StartSandbox, new_id
-from sandfleet.wire.transport import Peer
+from sandfleet.wire.server import Peer
 
 log = logging.getLogger(__name__)
 

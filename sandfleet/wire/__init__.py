@@ -4,8 +4,10 @@
   the sandbox spec as it crosses, request ids; why the two directions differ.
 - ``frames``: the one framing implementation (length-prefixed JSON header plus a raw
   payload), its limits, and the readers servers and both clients share.
-- ``transport``: ``Server`` and ``Connection`` over asyncio, ``WireLimits``, the event
-  loop (uvloop where installed).
+- ``server``: ``Server`` over asyncio (the token before the payload, limits per peer),
+  ``WireLimits``, ``Peer``.
+- ``transport``: ``Connection``, the client end, and the event loop (uvloop where
+  installed).
 
 The exceptions are ``sandfleet.errors`` (one family under ``SandfleetError``), controller
 discovery is ``sandfleet.discovery``. Nothing is imported here: import the module you need.

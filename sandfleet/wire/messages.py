@@ -50,6 +50,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     TypeAdapter,
+    ValidationError,
     model_serializer,
     model_validator,
 )
@@ -498,6 +499,12 @@ def reply_header(rid: str, *, result: dict[str, Any] | BaseModel | None = None,
     """A ``Reply`` as the frame header servers send (a dict: no model per reply)."""
     return {"type": "reply", "v": PROTOCOL_VERSION, "id": rid, "ok": error is None,
             "result": {} if result is None else result, "error": error}
+
+
+def validation_summary(e: ValidationError) -> str:
+    """The first few problems of a message that failed validation, on one line."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'message'}: {err['msg']}"
+                     for err in e.errors()[:5])
 
 
 def parse_result(model: type[R], result: dict[str, Any]) -> R:

@@ -51,6 +51,7 @@ from sandfleet.errors import BadRequest, InfraError, RemoteError, SandboxLost, U
 from sandfleet.netproxy import ProxyPool
 from sandfleet.runtime import get_runtime
 from sandfleet.runtime.base import ExecResult, SandboxSpec, cap_output, proc_start_time
+from sandfleet.runtime.prepared import ready_default
 from sandfleet.shell import AsyncShellSession
 from sandfleet.slurm import SlurmClient
 from sandfleet.transfer import tar_bounded, unpack_checked
@@ -131,8 +132,9 @@ class Worker:
         self.work = config.path("work_dir") / fleet_key(self.state_dir) / name
         self.work.mkdir(parents=True, exist_ok=True, mode=0o700)
         if runtime is None:
-            kwargs: dict[str, Any] = {"state_dir": self.work / "runtime",
-                                      "max_sandboxes": config.cpus_per_node}  # lease slots
+            kwargs: dict[str, Any] = {  # within its lease slots, sandboxes started ahead
+                "state_dir": self.work / "runtime", "max_sandboxes": config.cpus_per_node,
+                "ready": ready_default(1)}
             if config.runtime == "local":
                 kwargs["cache_dir"] = config.path("cache_dir")
             elif config.apptainer_allow_root:

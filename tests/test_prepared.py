@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from sandfleet.runtime.prepared import ENV_VAR, PreparedPool, per_size_default, remove_stale
+from sandfleet.runtime.prepared import (
+    ENV_VAR,
+    READY_ENV_VAR,
+    PreparedPool,
+    per_size_default,
+    ready_default,
+    remove_stale,
+)
 from tests.seal_helpers import HOST_PATH, REPO, host_read
 
 SIZE = 64
@@ -105,6 +112,7 @@ def test_a_failing_maker_leaves_nothing_and_takes_find_none(tmp_path):
 
 
 def test_the_environment_turns_pools_off_and_a_bad_value_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(READY_ENV_VAR, raising=False)
     monkeypatch.setenv(ENV_VAR, "0")
     pool = PreparedPool(tmp_path / "prepared", counting_maker([]))
     pool.want(SIZE)
@@ -115,6 +123,11 @@ def test_the_environment_turns_pools_off_and_a_bad_value_is_named(tmp_path, monk
         per_size_default()
     monkeypatch.setenv(ENV_VAR, "3")
     assert per_size_default() == 3
+    assert (ready_default(), ready_default(1)) == (0, 1)  # a runtime alone, a worker
+    monkeypatch.setenv(READY_ENV_VAR, "2")
+    assert ready_default(1) == 2
+    monkeypatch.setenv(ENV_VAR, "0")  # off: sandboxes ahead too
+    assert ready_default(1) == 0
 
 
 def test_a_killed_owners_files_are_removed_and_a_live_ones_kept(tmp_path):

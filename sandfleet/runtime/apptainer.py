@@ -253,7 +253,7 @@ class ApptainerRuntime(CommandRuntime):
                                      per_size=prepared, what="overlay",
                                      room=lambda: max_sandboxes - len(self._own_dirs()))
         """Overlays made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
-        self.ready = ReadyInstances(self, per_shape=prepared if ready is None else ready)
+        self.ready = ReadyInstances(self, per_shape=ready)
         """Instances started ahead for the shapes leases used last (``apptainer_ready``)."""
 
     def _make_overlay(self, path: Path, storage_mb: int) -> None:

@@ -238,7 +238,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                                   per_size=prepared, what="disk",
                                   room=lambda: quota - len(self._records))
         """Disks made ahead, per ``storage_mb`` (``prepared`` per size; 0: none)."""
-        self.ready = ReadySandboxes(self, per_shape=prepared if ready is None else ready)
+        self.ready = ReadySandboxes(self, per_shape=ready)
         """Sandboxes started ahead for the shapes leases used last (``local_ready``)."""
 
     def _make_disk(self, path: Path, storage_mb: int) -> None:

@@ -18,6 +18,11 @@ that could use them.
 
 ``SANDFLEET_PREPARED=0`` in the environment turns every pool off (``per_size`` 0): each
 start makes its own file, as before pools (what the benchmarks compare against).
+
+``ReadyPool`` goes further: whole sandboxes started ahead, for the shapes leases used last
+(``local_ready``, ``apptainer_ready``). A runtime on its own starts none
+(``SANDFLEET_READY`` or its ``ready`` argument says how many per shape); a worker keeps one
+per shape unless those say otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from sandfleet.runtime.base import proc_start_time
 log = logging.getLogger(__name__)
 
 ENV_VAR = "SANDFLEET_PREPARED"
+READY_ENV_VAR = "SANDFLEET_READY"
 DEFAULT_PER_SIZE = 2
 
 
@@ -55,6 +61,21 @@ def per_size_default() -> int:
     if value < 0:
         raise ValueError(f"${ENV_VAR}={text!r}: must be 0 or more")
     return value
+
+
+def ready_default(default: int = 0) -> int:
+    """Sandboxes kept started ahead per shape (``ReadyPool``): 0 with
+    ``SANDFLEET_PREPARED=0``, else ``$SANDFLEET_READY`` (a count), else ``default`` (0 for a
+    runtime on its own; a worker asks for 1)."""
+    if per_size_default() == 0:
+        return 0
+    text = os.environ.get(READY_ENV_VAR, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"${READY_ENV_VAR}={text!r}: give how many sandboxes to keep "
+                         "started ahead per shape (0: none)")
+    return int(text)
 
 
 def _owner_alive(name: str) -> bool:
@@ -224,11 +245,11 @@ class ReadyPool:
     hooks ``shape``, ``_start``, ``_adopt`` and ``_end`` (``local_ready``,
     ``apptainer_ready``). ``per_shape`` per shape for the ``shapes`` shapes used last,
     never more than ``room()``; a sandbox older than ``max_age_s`` is ended, never handed
-    out; ``SANDFLEET_PREPARED=0`` turns it off. Its folder is ``root/<pid>-<start>``."""
+    out; ``per_shape`` None: ``ready_default()``. Its folder is ``root/<pid>-<start>``."""
 
     def __init__(self, root: Path, room: Callable[[], int], *, per_shape: int | None = None,
                  shapes: int = 4, max_age_s: float = 120.0):
-        self.per_shape = per_size_default() if per_shape is None else per_shape
+        self.per_shape = ready_default() if per_shape is None else per_shape
         self.room, self.shapes, self.max_age_s = room, shapes, max_age_s
         self.tag = f"{os.getpid()}-{proc_start_time(os.getpid())}"
         self.root = Path(root)

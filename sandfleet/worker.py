@@ -79,7 +79,8 @@ from sandfleet.wire.messages import (
     new_id,
     parse_result,
 )
-from sandfleet.wire.transport import Connection, Peer, Server, parse_address, run_event_loop
+from sandfleet.wire.server import Peer, Server
+from sandfleet.wire.transport import Connection, parse_address, run_event_loop
 
 log = logging.getLogger(__name__)
 VERIFY_OUTPUT_BYTES = 65536

@@ -7,11 +7,10 @@ first request whose header is larger than ``PREAUTH_HEADER_BYTES`` goes after a 
 ``IDLE_TIMEOUT_S`` (``WireLimits.idle_timeout_s``); a ``Connection`` counts itself closed
 after half that, so its owner opens a new one instead of racing the server's close.
 
-The server end is ``sandfleet.wire.server`` (``Server``, ``Peer``, ``WireLimits``: also
-importable from here). Both ends are ``FramedProtocol``s (``sandfleet.wire.frames``), not
-streams: frames are parsed as bytes arrive, and the frames a connection sends in one turn
-of the event loop leave in one write. A busy controller pays no task, timer or system call
-per frame it need not.
+The server end is ``sandfleet.wire.server`` (``Server``, ``Peer``, ``WireLimits``). Both
+ends are ``FramedProtocol``s (``sandfleet.wire.frames``), not streams: frames are parsed as
+bytes arrive, and the frames a connection sends in one turn of the event loop leave in one
+write. A busy controller pays no task, timer or system call per frame it need not.
 
 ``run_event_loop`` (``new_event_loop``: uvloop where installed) runs servers and TMax's
 rollout loops.
@@ -33,9 +32,6 @@ from sandfleet.errors import ProtocolError, error_from_dict
 from sandfleet.wire.frames import PREAUTH_HEADER_BYTES, FramedProtocol, Header
 from sandfleet.wire.messages import Ping, Reply, Request, new_id, validation_summary
 from sandfleet.wire.server import IDLE_TIMEOUT_S
-from sandfleet.wire.server import Peer as Peer  # the server end, importable from here too
-from sandfleet.wire.server import Server as Server
-from sandfleet.wire.server import WireLimits as WireLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -66,12 +66,7 @@ def settle(runtime, timeout: float = 60.0) -> None:
     """Wait until the runtime's pools are full again (nothing made in the background)."""
     pool = getattr(runtime, "disks", None) or runtime.overlays
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = all(n >= pool.per_size for n in pool.ready().values())
-        ready = runtime.ready
-        if files and (ready.per_shape == 0 or ready.ready() >= min(len(ready._wanted),
-                                                                     ready.shapes)):
-            return
+    while time.monotonic() < deadline and not (runtime.ready.idle() and pool.idle()):
         time.sleep(0.02)
 
 

@@ -139,13 +139,15 @@ IMAGE_ENV_FILES = ("/.singularity.d/env/10-docker2singularity.sh",
 # NUL-separated entries and one more NUL) to fd $3, drops the host's log file and bwrap's
 # fds, turns deaf to signals, reaps orphans (bash does), ends at the deadline: $1 seconds
 # from now, or (a sandbox started ahead, ``local_ready``) as many seconds as the line
-# read from fd $4 says from when it comes; the pipe closed without one: at once.
+# read from fd $4 says from when it comes; the pipe closed without one: at once. (SECONDS
+# ticks at the wall clock's whole seconds, not from the shell's start: one second more, so
+# pid 1 never ends before the record's deadline.)
 INIT_SH = ('(for f in ' + " ".join(IMAGE_ENV_FILES) + '; do if [ -r "$f" ]; then . "$f"; '
            'fi; done; unset PWD OLDPWD SHLVL _; env -0; printf "\\0") >&"$3" 2>/dev/null; '
            'exec </dev/null >/dev/null 2>&1; eval "exec $2<&- $3>&-"; '
            'trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; end=$1; '
            'if [ "$4" != - ]; then read -r end <&"$4" || exit 0; eval "exec $4<&-"; '
-           'end=$((SECONDS + end)); fi; '
+           'end=$((SECONDS + end)); fi; end=$((end + 1)); '
            'while ((SECONDS < end)); do sleep $((end - SECONDS)) & wait $!; done')
 
 

@@ -111,6 +111,7 @@ class PreparedPool:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._busy = False
         self._count = 0
         self.made = self.taken = self.missed = 0
         """Files made, handed out, and takes that found none (the caller made its own)."""
@@ -166,6 +167,11 @@ class PreparedPool:
         with self._cond:
             return {size: len(queue) for size, queue in self._ready.items()}
 
+    def idle(self) -> bool:
+        """Whether the maker has nothing to do now."""
+        with self._cond:
+            return not self._busy and (self._closed or self._next() is None)
+
     def close(self) -> None:
         """Stop making files and remove every file not handed out (the folder with them)."""
         with self._cond:
@@ -207,6 +213,7 @@ class PreparedPool:
                     return
                 self._count += 1
                 path = self.folder / f"{size}m-{self._count}"
+                self._busy = True
             tmp = path.with_name(f".{path.name}.tmp")
             try:
                 self.make(tmp, size)
@@ -215,9 +222,11 @@ class PreparedPool:
                 log.warning("prepared %s of %d MB not made: %s", self.what, size, e)
                 tmp.unlink(missing_ok=True)
                 with self._cond:
+                    self._busy = False
                     self._cond.wait(timeout=5.0)  # not in a tight loop on a full disk
                 continue
             with self._cond:
+                self._busy = False
                 if self._closed:
                     path.unlink(missing_ok=True)
                     return
@@ -260,6 +269,7 @@ class ReadyPool:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._count = 0
+        self._busy = False
         self.taken = self.missed = 0
         """Hand-outs, and takes that found none (the caller started its own)."""
 
@@ -334,6 +344,11 @@ class ReadyPool:
         with self._cond:
             return sum(len(q) for q in self._ready.values())
 
+    def idle(self) -> bool:
+        """Whether the maker has nothing to do now (every shape kept has its sandboxes)."""
+        with self._cond:
+            return not self._busy and (self._closed or self._next() is None)
+
     def items(self) -> list[Ready]:
         with self._cond:
             return [item for queue in self._ready.values() for item in queue]
@@ -381,15 +396,20 @@ class ReadyPool:
                     return
                 self._count += 1
                 number = self._count
+                self._busy = True
             key, spec, extra = job
             try:
                 item = self._start(number, spec, extra)
             except Exception as e:  # noqa: BLE001 - a failed start must not end the maker
                 log.warning("sandbox ahead for %s not started: %s", spec, e)
                 with self._cond:
+                    self._busy = False
+                    if not Path(getattr(spec, "image", "")).is_file():
+                        self._wanted.pop(key, None)  # its image is gone: not again
                     self._cond.wait(timeout=5.0)
                 continue
             with self._cond:
+                self._busy = False
                 if self._closed or key not in self._wanted:
                     self._end_later(item)
                     continue

@@ -110,6 +110,8 @@ def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
                 rt.start(f"s{i}", spec)
                 seen[mode].append(time.perf_counter() - t0)
                 if i == 0:
+                    for other in runtimes.values():
+                        settle(other)  # commands timed with nothing made in the background
                     for _ in range(20):
                         t1 = time.perf_counter()
                         rt.exec("s0", ["true"], timeout=60)
@@ -127,6 +129,8 @@ def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
         (tests / "test.sh").write_text(TEST_SH)
         for mode in modes:
             runtimes[mode].start("v", spec)
+        for rt in runtimes.values():
+            settle(rt)
         for _ in range(6):
             for mode in modes:
                 logs = tmp / f"logs-{name}-{mode}"

@@ -1,11 +1,14 @@
 """Start and stop local sandboxes from a SIF; print start and first-exec latencies as JSON.
 
-    python benchmarks/sandbox_start.py IMAGE.sif [-n 20]
+    python benchmarks/sandbox_start.py IMAGE.sif [-n 20] [--old]
 
-The first start runs on an empty rootfs cache and is reported apart (``cold_start_s``:
-it includes unpacking the image); the next ``n`` starts reuse the cache. ``start`` returns
-once the sandbox can run commands (image environment read); ``first_exec`` is the first
-``true`` after that.
+The first start runs on a fresh runtime, with nothing made or started ahead
+(``cold_start_ms``); the next ``n`` starts are of the image seen before, each once the
+runtime's pools are full again (disks made ahead, a sandbox started ahead for the shape:
+``prepared=2, ready=1``, what a worker runs), or with ``--old`` with nothing ahead
+(``prepared=0, ready=0``, as ``SANDFLEET_PREPARED=0``). ``start`` returns once the sandbox
+can run commands (image environment read); ``first_exec`` is the first ``true`` after that.
+benchmarks/runtime_compare.py compares both modes on both runtimes in one run.
 """
 
 from __future__ import annotations
@@ -31,16 +34,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("image", type=Path)
     parser.add_argument("-n", type=int, default=20, help="warm starts to time")
+    parser.add_argument("--old", action="store_true",
+                        help="nothing made or started ahead (prepared=0, ready=0)")
     args = parser.parse_args()
     spec = SandboxSpec(image=args.image.resolve())
+    ahead = {"prepared": 0, "ready": 0} if args.old else {"prepared": 2, "ready": 1}
     with tempfile.TemporaryDirectory(prefix="sandfleet-bench-") as tmp:
-        runtime = LocalRuntime(Path(tmp) / "state", Path(tmp) / "cache", owner="bench")
+        runtime = LocalRuntime(Path(tmp) / "state", Path(tmp) / "cache", owner="bench",
+                               **ahead)
         t0 = time.perf_counter()
         runtime.start("cold", spec)
         cold = time.perf_counter() - t0
         runtime.stop("cold")
         starts, execs, stops = [], [], []
         for i in range(args.n):
+            settle = time.monotonic() + 60
+            while not (runtime.ready.idle() and runtime.disks.idle()) \
+                    and time.monotonic() < settle:
+                time.sleep(0.02)
             t0 = time.perf_counter()
             runtime.start(f"b{i}", spec)
             t1 = time.perf_counter()
@@ -50,11 +61,14 @@ def main() -> None:
             starts.append(t1 - t0)
             execs.append(t2 - t1)
             stops.append(time.perf_counter() - t2)
+        taken, missed = runtime.ready.taken, runtime.ready.missed
+        runtime.close()
     def ms(seconds: float) -> float:
         return round(seconds * 1000, 1)
 
     print(json.dumps({
-        "image": str(args.image), "n": args.n, "cpus": os.cpu_count(),
+        "image": str(args.image), "n": args.n, "cpus": os.cpu_count(), **ahead,
+        "started_ahead_taken": taken, "started_ahead_missed": missed,
         "cold_start_ms": ms(cold),
         "start_p50_ms": ms(percentile(starts, 50)), "start_p90_ms": ms(percentile(starts, 90)),
         "first_exec_p50_ms": ms(percentile(execs, 50)),

@@ -373,3 +373,38 @@ def test_a_sandbox_started_ahead_gets_the_leases_lifetime_cpus_and_environment(
         assert not ready_cgroups(runtime)
     else:
         assert not runtime._instances()  # the waiting one stopped by close
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_a_crashed_runtimes_waiting_instances_are_stopped_by_their_watchdogs(
+        tmp_path, base_sif):
+    """Apptainer: an instance started ahead whose runtime is SIGKILLed is stopped at once
+    by its own watchdog (its lifetime pipe closed), and the next reap removes its folder."""
+    needs_root()
+    script = textwrap.dedent(f"""
+        import json, time
+        from pathlib import Path
+        from sandfleet.runtime.base import SandboxSpec
+        from tests.test_prepared import apptainer_runtime
+        rt = apptainer_runtime(Path({str(tmp_path)!r}), ready=1)
+        rt.start("s", SandboxSpec(image=Path({str(base_sif)!r}), storage_mb=64))
+        rt.stop("s")
+        while rt.ready.ready() < 1:
+            time.sleep(0.05)
+        item = rt.ready.items()[0]
+        print(json.dumps([str(rt.ready.folder), item.record.instance]), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        folder, instance = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert alive(tuple(instance))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert until(lambda: not alive(tuple(instance)), 60)  # its watchdog read no lifetime
+    runtime = apptainer_runtime(tmp_path)
+    runtime.reap(())
+    assert not Path(folder).exists() and runtime.list_running() == []

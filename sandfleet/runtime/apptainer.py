@@ -103,6 +103,11 @@ NO_TMPFS = ("--no-mount", "tmp")
 # Stops the instance at the deadline, unless it is no longer the one started (pid gone).
 WATCHDOG_SH = ('sleep "$1" && kill -0 "$4" 2>/dev/null && '
                'exec "$2" instance stop --force "$3"')
+# An instance started ahead (``apptainer_ready``): waits up to $1 s for the lease's lifetime
+# on fd $5, then sleeps it; no line (too old, the pipe closed: the worker ended) stops it.
+READY_WATCHDOG_SH = ('if read -r -t "$1" life <&"$5"; then eval "exec $5<&-"; '
+                     'sleep "$life"; fi; kill -0 "$4" 2>/dev/null && '
+                     'exec "$2" instance stop --force "$3"')
 
 
 def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
@@ -148,7 +153,13 @@ def list_argv(apptainer: str) -> list[str]:
     return [apptainer, "instance", "list", "--json"]
 
 
-def watchdog_argv(apptainer: str, name: str, seconds: float, pid: int) -> list[str]:
+def watchdog_argv(apptainer: str, name: str, seconds: float, pid: int,
+                  go_fd: int = -1) -> list[str]:
+    """The watchdog of instance ``name``; with ``go_fd``, one waiting ``seconds`` at most
+    for its lifetime on that pipe (``READY_WATCHDOG_SH``)."""
+    if go_fd >= 0:
+        return ["bash", "-c", READY_WATCHDOG_SH, "sandfleet-watchdog", str(int(seconds) + 1),
+                apptainer, name, str(pid), str(go_fd)]
     return ["sh", "-c", WATCHDOG_SH, "sandfleet-watchdog", f"{seconds:g}", apptainer, name,
             str(pid)]
 
@@ -425,10 +436,11 @@ class ApptainerRuntime(CommandRuntime):
 
     def _launch(self, sandbox_id: str, spec: SandboxSpec, info: ApptainerInfo,
                 cpus: tuple[int, ...], deadline: float, *, home: Path | None = None,
-                watch: bool = True) -> None:
+                watch: bool = True, go_fd: int = -1) -> None:
         """Start the instance over the sandbox's overlay (made already; in ``home``, the
         sandbox's folder unless given), its watchdog set for ``deadline``, and record
-        both; its memory watched (``watch``) where no cgroup limits it."""
+        both; its memory watched (``watch``) where no cgroup limits it. With ``go_fd``,
+        the watchdog waits for the lifetime on that pipe until ``deadline``."""
         name, home = self._name(sandbox_id), home or self._dir(sandbox_id)
         pid_file, logfile = home / "instance.pid", home / "start.log"
         pid_file.unlink(missing_ok=True)
@@ -442,19 +454,23 @@ class ApptainerRuntime(CommandRuntime):
             tail = logfile.read_text(errors="replace")[-1500:].strip()
             raise SandboxStartError(sandbox_id, f"instance start failed ({code}): {tail}")
         InstanceRecord(sandbox_id, self.owner, os.getuid(), name, spec.to_dict(), time.time(),
-                       deadline, (pid, start), self._watchdog(name, deadline, pid, home), cpus
+                       deadline, (pid, start),
+                       self._watchdog(name, deadline, pid, home, go_fd), cpus
                        ).save(home / "sandbox.json")
         if watch and not self.cgroup_limits:
             self._memory.watch(sandbox_id, pid, spec.memory_mb)
 
-    def _watchdog(self, name: str, deadline: float, pid: int, home: Path) -> tuple[int, int]:
+    def _watchdog(self, name: str, deadline: float, pid: int, home: Path,
+                  go_fd: int = -1) -> tuple[int, int]:
         """A detached watchdog stopping instance ``name`` (its init ``pid``) at
-        ``deadline``; its (pid, start time)."""
+        ``deadline`` (see ``watchdog_argv`` for ``go_fd``); its (pid, start time)."""
         with open(home / "watchdog.log", "ab") as out:
             dog = subprocess.Popen(
-                watchdog_argv(self.apptainer, name, max(deadline - time.time(), 0.1), pid),
+                watchdog_argv(self.apptainer, name, max(deadline - time.time(), 0.1), pid,
+                              go_fd),
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=self._env, start_new_session=True)
+                env=self._env, start_new_session=True,
+                pass_fds=(go_fd,) if go_fd >= 0 else ())
         return dog.pid, proc_start_time(dog.pid) or 0
 
     def _end_instance(self, sandbox_id: str, record: InstanceRecord | None) -> None:

@@ -6,18 +6,21 @@ An instance is started ahead for a *shape* (the spec less what is applied at han
 image, its file's identity, storage, memory, network, hostname, lifetime, and the CPUs
 where Apptainer's cgroups apply them), named ``<prefix>ready.<pid>-<start>.<n>`` (the
 runtime's prefix, then the owning process), in ``state_dir/ready/<pid>-<start>``. At
-hand-out, under the runtime's lock: its folder is renamed to the lease's, its waiting
-watchdog ended and one started for the lease's lifetime, its CPUs picked (pinned by
+hand-out, under the runtime's lock: its folder is renamed to the lease's, its watchdog
+given the lease's lifetime, its CPUs picked (pinned by
 ``taskset`` on every command, as for any instance without cgroup limits; its own idle
 init keeps the worker's), its memory watched, its record written with the lease's spec.
 The instance keeps its name (Apptainer cannot rename one): the record says it, and
 ``list_running`` maps it back to the lease. Nothing in it was ever a lease's: an instance
 started ahead is handed out once, or stopped.
 
-Owners and deadlines: while waiting, an instance's watchdog stops it ``max_age_s`` + 30 s
-after its start, whoever is left (a crashed worker included); ``close`` stops every
-waiting one; a runtime's ``reap`` stops a dead owner's (they are in ``list_running``
-under their own names) and removes its folders. Kept: ``prepared.ReadyPool``'s rules.
+Owners and deadlines: while waiting, an instance's watchdog (detached, in its own session)
+waits on a pipe the runtime holds for the lease's lifetime: given one at hand-out, it
+sleeps it and then stops the instance, as any sandbox's watchdog; given none, ``max_age_s``
++ 30 s after its start or at once when the pipe closes (``close``, the worker's end, a
+crash included), it stops the instance. A runtime's ``reap`` also stops a dead owner's
+(they are in ``list_running`` under their own names) and removes its folders. Kept:
+``prepared.ReadyPool``'s rules.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from sandfleet.runtime.base import SandboxSpec, kill_group, proc_start_time
+from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.prepared import Ready, ReadyPool
 
 WAIT_GRACE_S = 30.0
@@ -58,18 +61,21 @@ class ReadyInstances(ReadyPool):
         name = f"{self.prefix}{number}"
         home = self.folder / name
         home.mkdir(parents=True)
+        go_r, go_w = os.pipe()
         try:
             if not rt.overlays.take(spec.storage_mb, home / "overlay.img"):
                 rt._make_overlay(home / "overlay.img", spec.storage_mb)
             rt._launch(name, spec, info, (), time.time() + self.max_age_s + WAIT_GRACE_S,
-                       home=home, watch=False)
+                       home=home, watch=False, go_fd=go_r)
             record = rt._record_at(home)
             if record is None:
                 raise OSError(f"{home}: no record after the instance started")
-            return Ready(name, home, record, time.monotonic())
+            return Ready(name, home, record, time.monotonic(), go_w)
         except BaseException:
-            self._end(Ready(name, home, rt._record_at(home), 0))
+            self._end(Ready(name, home, rt._record_at(home), 0, go_w))
             raise
+        finally:
+            os.close(go_r)
 
     def _adopt(self, item: Ready, sandbox_id: str, spec: SandboxSpec) -> None:
         """Called with the runtime's lock held and the lease's folder free."""
@@ -78,15 +84,14 @@ class ReadyInstances(ReadyPool):
         home.parent.mkdir(parents=True, exist_ok=True)
         os.rename(item.home, home)
         item.home = home
-        if old.watchdog[0] and proc_start_time(old.watchdog[0], zombie_ok=True) == \
-                old.watchdog[1]:
-            kill_group(old.watchdog[0])
         cpus = () if rt.cgroup_limits else rt._pick_cpus(spec.cpus)
         now = time.time()
         deadline = now + spec.max_lifetime_s
+        os.write(item.go, f"{int(spec.max_lifetime_s + 0.999)}\n".encode())  # the watchdog
+        os.close(item.go)                                           # sleeps it from now on
+        item.go = -1
         record = type(old)(sandbox_id, rt.owner, os.getuid(), old.name, spec.to_dict(), now,
-                           deadline, old.instance,
-                           rt._watchdog(old.name, deadline, old.instance[0], home), cpus)
+                           deadline, old.instance, old.watchdog, cpus)
         record.save(home / "sandbox.json")
         item.record = record
         if not rt.cgroup_limits:
@@ -94,6 +99,9 @@ class ReadyInstances(ReadyPool):
 
     def _end(self, item: Ready, also: str = "") -> None:
         rt = self.rt
+        if item.go >= 0:  # its watchdog stops it too, reading no lifetime
+            os.close(item.go)
+            item.go = -1
         rt._end_instance(item.name, item.record)  # by the record's name: stop, watchdog
         if also:
             rt._memory.forget(also)

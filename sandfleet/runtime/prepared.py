@@ -401,7 +401,8 @@ class ReadyPool:
             try:
                 item = self._start(number, spec, extra)
             except Exception as e:  # noqa: BLE001 - a failed start must not end the maker
-                log.warning("sandbox ahead for %s not started: %s", spec, e)
+                log.warning("sandbox ahead for %s not started: %s",
+                            getattr(spec, "image", spec), e)
                 with self._cond:
                     self._busy = False
                     if not Path(getattr(spec, "image", "")).is_file():

@@ -296,7 +296,10 @@ class ReadyPool:
         """Keep sandboxes of ``spec``'s shape ready (``extra``: what ``_start`` needs)."""
         if self.per_shape <= 0:
             return
-        key = self.shape(spec)
+        try:
+            key = self.shape(spec)
+        except OSError:  # its image is gone already
+            return
         with self._cond:
             if self._closed:
                 return
@@ -318,7 +321,10 @@ class ReadyPool:
         there is none or the hand-out failed (that one is ended; start one as without)."""
         if self.per_shape <= 0:
             return False
-        key = self.shape(spec)
+        try:
+            key = self.shape(spec)
+        except OSError:  # its image is gone: the caller's start says so
+            return False
         with self._cond:
             queue, item = self._ready.get(key), None
             while queue:

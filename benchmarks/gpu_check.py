@@ -152,7 +152,7 @@ async def sample(engine, group: int) -> tuple[list, float, int]:
 async def run(args) -> dict:
     from tmax.inference.http import HttpEngine
     from tmax.inference.process import ServerProcess, free_port
-    from tmax.train.backends import make_trainer
+    from tmax.train.backends.choose import make_trainer
     from tmax.train.model_load import load_trainer_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="tmax-gpu-check-"))

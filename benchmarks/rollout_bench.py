@@ -64,7 +64,7 @@ def episode_list(tasks: list[Any], n: int) -> list[tuple[Any, int]]:
 def make_bench_policy(name: str, tasks_paths: list[str], seed: int = 0) -> tuple[Any, Any]:
     """``(policy, agent_config)`` for ``oracle`` or ``hf-tiny``."""
     from tmax.agent.config import load_agent_config
-    from tmax.agent.policies import make_policy
+    from tmax.agent.policies.choose import make_policy
 
     if name == "oracle":
         return make_policy("oracle"), load_agent_config()

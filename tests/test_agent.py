@@ -11,7 +11,7 @@ from sandfleet.client import AsyncFleetClient
 from tests.conftest import EXAMPLES
 from tmax.agent.config import AgentConfig, AgentConfigError, load_agent_config
 from tmax.agent.harness import FormatError, parse_text_command, truncate
-from tmax.agent.policies import PolicySpecError, make_policy
+from tmax.agent.policies.choose import PolicySpecError, make_policy
 from tmax.agent.policies.simple import ScriptedPolicy
 from tmax.agent.policy import PolicyUnavailable
 from tmax.rollout.run import TaskImages, rollout

@@ -45,10 +45,22 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def imported_names(path: Path, package: str, modules: dict[str, Path]) -> list[str]:
-    """Every module name an import statement anywhere in the file names (absolute)."""
+    """Every module name an import statement anywhere in the file names (absolute), but
+    those under ``if TYPE_CHECKING:`` (annotations only: they never run)."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and _is_type_checking(block.test) for stmt in block.body
+                   for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # `if TYPE_CHECKING:` never runs
+            continue
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

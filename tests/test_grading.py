@@ -322,7 +322,7 @@ def test_check_and_eval_agree_on_the_boilerplate_offline(harbor, example_fleet, 
 
     from sandfleet.client import AsyncFleetClient
     from tmax.agent.config import load_agent_config
-    from tmax.agent.policies import make_policy
+    from tmax.agent.policies.choose import make_policy
     from tmax.eval.runner import run_eval
     from tmax.eval.summary import summarize
     from tmax.rollout.run import TaskImages

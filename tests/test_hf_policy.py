@@ -14,7 +14,7 @@ import torch
 
 from tmax.agent.config import AgentConfig, load_agent_config
 from tmax.agent.harness import Agent, parse_text_command
-from tmax.agent.policies import make_policy
+from tmax.agent.policies.choose import make_policy
 from tmax.agent.policies.hf import HFPolicy, render_messages
 from tmax.agent.policy import ContextLimit, PolicyError, PolicyUnavailable
 from tmax.models.tiny import (

@@ -497,7 +497,7 @@ def test_a_tied_head_is_served_untied_and_written_under_its_own_name(tiny, tmp_p
 
 def test_the_vllm_policy_names_its_server_and_refuses_a_folder_without_a_model(tiny, tmp_path,
                                                                               monkeypatch):
-    from tmax.agent.policies import make_policy
+    from tmax.agent.policies.choose import make_policy
     from tmax.models.tiny import save_pretrained_dir
 
     monkeypatch.setenv("TMAX_VLLM_PYTHON", "/venv/bin/python")

@@ -218,7 +218,7 @@ def test_the_oracle_runs_each_steps_solution_as_the_checks_do(steps_store, examp
     """No task-level solution/ (only one per step): the oracle's episode scores what the
     checks' oracle scored, in evaluation too, and nop what their nop scored."""
     from tmax.agent.config import load_agent_config
-    from tmax.agent.policies import make_policy
+    from tmax.agent.policies.choose import make_policy
     from tmax.eval.runner import run_eval
     from tmax.eval.summary import summarize
     from tmax.rollout.run import TaskImages

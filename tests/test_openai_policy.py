@@ -19,7 +19,7 @@ import pytest
 
 from tmax.agent.config import SUBMIT_MARKER, load_agent_config
 from tmax.agent.harness import BASH_TOOL, Agent
-from tmax.agent.policies import make_policy
+from tmax.agent.policies.choose import make_policy
 from tmax.agent.policies.openai import OpenAIPolicy
 from tmax.agent.policy import ContextLimit, PolicyError, PolicyUnavailable
 from tmax.agent.scripted_server import ScriptedServer

@@ -25,7 +25,8 @@ import torch
 
 from tests.conftest import REPO
 from tmax.inference.base import MARKER as WEIGHTS_MARKER
-from tmax.train.backends import TrainerBackend, make_trainer, weights_dir
+from tmax.train.backends import TrainerBackend, weights_dir
+from tmax.train.backends.choose import make_trainer
 from tmax.train.backends.config import TrainerSection, build_deepspeed_config
 from tmax.train.config import AlgoSection, OptimSection, TrainConfigError, load_train_config
 from tmax.train.trainer import Sample, Trainer, samples_of

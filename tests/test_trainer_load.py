@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from tmax.train.backends import make_trainer
+    from tmax.train.backends.choose import make_trainer
     from tmax.train.trainer import Sample
 
     config = load_train_config(None, [

@@ -50,7 +50,7 @@ def resolve_tasks(specs: tuple[str, ...]):
 
 
 def _policy(spec: str, submit_marker: str):
-    from tmax.agent.policies import PolicySpecError, make_policy
+    from tmax.agent.policies.choose import PolicySpecError, make_policy
 
     options = {"submit_marker": submit_marker} if spec in ("oracle", "nop") else {}
     try:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from tmax.package_data import config_file, shipped, shipped_path
-from tmax.train.backends.config import TrainerSection
+from tmax.train.backends.config import AlgoSection, OptimSection, TrainerSection
 from tmax.train.tracking import TrackingSection
 
 
@@ -137,26 +137,6 @@ class RolloutSection(_Strict):
     max_new_tokens: int = Field(256, ge=1, description="Per assistant turn.")
     async_steps: int = Field(4, ge=0, description="How many policy versions a rollout may "
                              "lag behind the trainer (0: synchronous; older ones dropped).")
-
-
-class AlgoSection(_Strict):
-    loss: Literal["dppo", "grpo_clip"] = Field("dppo")
-    delta: float = Field(0.1, gt=0, description="DPPO divergence threshold.")
-    divergence: Literal["tv", "kl"] = Field("tv", description="binary TV or binary KL.")
-    ratio_cap: float = Field(10.0, gt=1, description="Cap on pi/mu.")
-    clip_eps: float = Field(0.2, gt=0, description="grpo_clip only.")
-    normalize_std: bool = Field(False, description="Divide advantages by the group std.")
-
-
-class OptimSection(_Strict):
-    lr: float = Field(1e-6, gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward; "
-                                  "gradients accumulate over the step's batch.")
 
 
 class DistributedSection(_Strict):

@@ -191,7 +191,7 @@ async def _rl(config: TrainConfig, run_dir: Path, tasks, model, whole, tokenizer
 
     from tmax.images.store import default_store
     from tmax.rollout.run import TaskImages
-    from tmax.train.backends import make_trainer
+    from tmax.train.backends.choose import make_trainer
     from tmax.train.rollouts import GroupSampler
     from tmax.train.tracking import open_trackers
     from tmax.train.trainer import samples_of

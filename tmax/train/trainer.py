@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tmax.rl import dppo_loss, entropy_from_logits, grpo_clip_loss, logprob_gap, token_logprobs
 from tmax.train.backends.base import write_weights_folder
-from tmax.train.config import AlgoSection, OptimSection
+from tmax.train.backends.config import AlgoSection, OptimSection
 from tmax.train.head import (
     DEFAULT_CHUNK,
     enable_activation_checkpointing,

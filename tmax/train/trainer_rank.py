@@ -36,7 +36,7 @@ def trainer_role(rank: int) -> str:
 
 def trainer_main(run_dir: Path) -> None:
     """One trainer rank, until ``config.steps`` are done (or the orchestrator is gone)."""
-    from tmax.train.backends import make_trainer
+    from tmax.train.backends.choose import make_trainer
     from tmax.train.loop import (
         keep_metrics_until,
         latest_checkpoint,

@@ -1,4 +1,5 @@
-"""The ``trainer:`` section of a training config, and the DeepSpeed JSON config built from it.
+"""The sections of a training config a trainer backend reads (``trainer:``, ``algo:``,
+``optim:``), and the DeepSpeed JSON config built from them.
 
 ``build_deepspeed_config`` is a pure function: the exact dict handed to
 ``deepspeed.initialize`` (and printed by a dry run), from this section and ``optim:``.
@@ -7,15 +8,36 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:
-    from tmax.train.config import OptimSection
-
 ADAM_EPS = 1e-8
 """AdamW epsilon of both backends (torch.optim.AdamW's default)."""
+
+
+class AlgoSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    loss: Literal["dppo", "grpo_clip"] = Field("dppo")
+    delta: float = Field(0.1, gt=0, description="DPPO divergence threshold.")
+    divergence: Literal["tv", "kl"] = Field("tv", description="binary TV or binary KL.")
+    ratio_cap: float = Field(10.0, gt=1, description="Cap on pi/mu.")
+    clip_eps: float = Field(0.2, gt=0, description="grpo_clip only.")
+    normalize_std: bool = Field(False, description="Divide advantages by the group std.")
+
+
+class OptimSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-6, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward; "
+                                  "gradients accumulate over the step's batch.")
 
 
 class TrainerSection(BaseModel):

@@ -42,8 +42,13 @@ import torch
 import torch.distributed as dist
 
 from tmax.train.backends.base import weights_dir, write_weights_folder
-from tmax.train.backends.config import TrainerSection, build_deepspeed_config, uses_bf16
-from tmax.train.config import AlgoSection, OptimSection
+from tmax.train.backends.config import (
+    AlgoSection,
+    OptimSection,
+    TrainerSection,
+    build_deepspeed_config,
+    uses_bf16,
+)
 from tmax.train.head import (
     DEFAULT_CHUNK,
     enable_activation_checkpointing,

@@ -77,7 +77,7 @@ def doctor_cmd(output: str) -> None:
     app = report["apptainer"]
     if app["usable"]:
         how = "rootless: --userns --fakeroot" if app["rootless"] else "as root"
-        how += ", from bin/tmax-apptainer" if app["wrapper"] else ""
+        how += ", through the shipped tmax-apptainer wrapper" if app["wrapper"] else ""
         click.echo(f"apptainer {app['version']} ({how})")
         for line in app["not_enforced"]:
             click.echo(f"  apptainer does not enforce {line}")

@@ -548,3 +548,11 @@ def test_the_shipped_scripted_teacher_parses_and_covers_its_four_seeds():
     good = [TaskReply.model_validate_json(r["content"]) for r in server.responses
             if r["content"].startswith("{\"instruction\": \"Add")]
     assert len(good) == 7
+
+
+def test_gen_refuses_zero_tasks_before_touching_the_run_folder(tmp_path):
+    out = tmp_path / "new" / "run"
+    result = CliRunner().invoke(main, ["gen", "-n", "0", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "--num-tasks" in result.output and "0 is not in the range" in result.output
+    assert not out.parent.exists()

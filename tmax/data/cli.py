@@ -21,7 +21,8 @@ DEFAULT_CONFIG = CONFIGS / "gen.yaml"
               default=str(DEFAULT_CONFIG), show_default=True, help="Generation config.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="Run folder: tasks/, records.jsonl, summary.json, teacher-cache/.")
-@click.option("-n", "--num-tasks", default=10, show_default=True, help="Task seeds to run.")
+@click.option("-n", "--num-tasks", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Task seeds to run.")
 @click.option("--seed", "first_seed", default=0, show_default=True,
               help="First task seed (seeds SEED .. SEED+N-1; each fixes a task's axes).")
 @click.option("--jobs", default=2, show_default=True, help="Tasks in progress at once.")

@@ -454,7 +454,7 @@ def _check_dockerfile(path: Path, task_id: str) -> list[Problem]:
         parsed = parse_dockerfile(path.read_text(errors="replace"))
     except DockerfileError as e:
         return [Problem(task_id, file, e.message, "see the Dockerfile reference; TMax builds "
-                        "what Docker builds (README: Task images)",
+                        "what Docker builds (docs/images.md)",
                         f"line {e.line}" if e.line else "")]
     problems: list[Problem] = []
     for line, word, src in parsed.copy_sources():

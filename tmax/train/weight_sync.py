@@ -226,7 +226,7 @@ class NcclSender:
         self.files = SyncFolder(run_dir)
         self.rank, self.timeout_s, self.alive = rank, timeout_s, orchestrator_alive
         # rank 0 runs on the trainer's first node, whose address the job gives as
-        # MASTER_ADDR (slurm/tmax-trainer.sbatch; 127.0.0.1 for local processes)
+        # MASTER_ADDR (tmax/train/templates/tmax-trainer.sbatch; 127.0.0.1 for local processes)
         self.host = host or os.environ.get("TMAX_NCCL_HOST") \
             or os.environ.get("MASTER_ADDR") or socket.getfqdn()
         self.generation = 0

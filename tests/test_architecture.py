@@ -170,6 +170,9 @@ def test_graph_sees_imports_inside_functions_and_package_inits(tmp_path):
     assert imported_names(modules["p.a"], "p", modules) == ["p.b", "torch"]
     (tmp_path / "p/b.py").write_text("from .a import f as g\nfrom p.a import something\n")
     assert imported_names(modules["p.b"], "p", modules) == ["p.a", "p.a"]
+    (tmp_path / "p/b.py").write_text("import typing\nif typing.TYPE_CHECKING:\n"
+                                     "    from p import a\nelse:\n    from q import c\n")
+    assert imported_names(modules["p.b"], "p", modules) == ["typing", "q.c"]  # never runs
 
 
 def test_cycle_finder_finds_a_hidden_cycle_and_names_its_path():

@@ -408,3 +408,19 @@ def test_a_crashed_runtimes_waiting_instances_are_stopped_by_their_watchdogs(
     runtime = apptainer_runtime(tmp_path)
     runtime.reap(())
     assert not Path(folder).exists() and runtime.list_running() == []
+
+
+@pytest.mark.sandbox
+def test_close_right_after_a_start_leaves_no_sandbox_started_ahead(tmp_path, base_sif):
+    """Closed while its maker starts a sandbox ahead (right after the shape's first lease),
+    the pool ends that one too before close returns."""
+    needs_root()
+    from sandfleet.runtime.base import SandboxSpec
+
+    runtime = local_runtime(tmp_path, ready=1)
+    runtime.start("s", SandboxSpec(image=base_sif, storage_mb=SIZE))
+    busy = runtime.ready._busy or until(lambda: runtime.ready._busy, 0.5)
+    runtime.close()
+    assert not ready_cgroups(runtime) and not runtime.ready.folder.exists(), busy
+    runtime.stop("s")
+    assert until(lambda: not lingering(tmp_path), 10), lingering(tmp_path)

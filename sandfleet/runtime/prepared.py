@@ -270,6 +270,7 @@ class ReadyPool:
         self._closed = False
         self._count = 0
         self._busy = False
+        self._enders: list[threading.Thread] = []
         self.taken = self.missed = 0
         """Hand-outs, and takes that found none (the caller started its own)."""
 
@@ -371,10 +372,15 @@ class ReadyPool:
             thread.join(timeout=120)
         for item in items:
             self._end(item)
+        for ender in list(self._enders):
+            ender.join(timeout=30)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _end_later(self, item: Ready) -> None:
-        threading.Thread(target=self._end, args=(item,), daemon=True).start()
+        """End ``item`` in a thread of its own (``close`` waits for it)."""
+        thread = threading.Thread(target=self._end, args=(item,), daemon=True)
+        self._enders = [t for t in self._enders if t.is_alive()] + [thread]
+        thread.start()
 
     # ---- the maker
 
@@ -417,7 +423,8 @@ class ReadyPool:
                 continue
             with self._cond:
                 self._busy = False
-                if self._closed or key not in self._wanted:
-                    self._end_later(item)
-                    continue
-                self._ready.setdefault(key, deque()).append(item)
+                keep = not self._closed and key in self._wanted
+                if keep:
+                    self._ready.setdefault(key, deque()).append(item)
+            if not keep:  # here, in the thread close() waits for
+                self._end(item)

@@ -24,6 +24,7 @@ from tmax.audit.static import (
     is_program,
     leak_matches,
     mentions,
+    mutation_candidates,
     mutations,
     named_paths,
     parse_listing,
@@ -113,6 +114,23 @@ def test_named_paths_and_what_counts_as_naming_an_output():
     assert not mentions(named_paths("Work in /app."), "/app/x.txt", "/app")  # the workdir
     assert instruction_names_other(named, "/app/out/report.txt") == "/app/report.txt"
     assert instruction_names_other(named, "/app/report.txt") is None
+
+
+def test_mutation_targets_leave_out_version_control_bookkeeping_the_verifier_never_names():
+    # TB 2.0's git-leak-recovery: the verifier checks /app/repo through git; the oracle's
+    # commands also rewrote git's reflog and refs cache, which emptied still score 1
+    # (a false verifier_too_weak before)
+    verifier = named_paths("repo = Path('/app/repo'); check /app/repo and /app/flag.txt")
+    outputs = ["/app/repo/.git/info/refs", "/app/repo/.git/logs/HEAD", "/app/notes.md",
+               "/app/flag.txt"]
+    assert mutation_candidates(outputs, verifier, "/app") == ["/app/flag.txt"]
+    # nothing named: every output but git's bookkeeping
+    assert mutation_candidates(outputs, named_paths("run the tests"), "/app") == [
+        "/app/notes.md", "/app/flag.txt"]
+    # a verifier that names a file inside .git itself gets it mutated
+    hooks = named_paths("assert Path('/app/repo/.git/hooks/pre-commit').exists()")
+    assert mutation_candidates(["/app/repo/.git/hooks/pre-commit", "/app/repo/.git/index"],
+                               hooks, "/app") == ["/app/repo/.git/hooks/pre-commit"]
     # relative paths with a folder, the home folder, build files without an extension
     assert mentions(named_paths("Write it to output/report.txt."), "/app/output/report.txt",
                     "/app", exact=True)

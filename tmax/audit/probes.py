@@ -56,6 +56,7 @@ from tmax.audit.static import (
     leak_matches,
     listing_command,
     mentions,
+    mutation_candidates,
     mutations,
     named_paths,
     parse_listing,
@@ -497,7 +498,8 @@ class _Probes:
                               programs: list[Output], runs_program: bool) -> None:
         verifier = named_paths(verifier_text(self.task.tests_dir))
         targets = data or programs
-        read = [o for o in targets if mentions(verifier, o.path, self.workdir)] or targets
+        chosen = mutation_candidates([o.path for o in targets], verifier, self.workdir)
+        read = sorted((o for o in targets if o.path in chosen), key=lambda o: chosen.index(o.path))
         runs = []
         for o in read[:2]:
             for kind, content in mutations(o.data):

@@ -167,6 +167,25 @@ def mentions(text_paths: tuple[set[str], set[str]], path: str, workdir: str, *,
     return p.name in names or any(a.endswith("/" + p.name) for a in absolute)
 
 
+TOOL_STATE = (".git", ".hg", ".svn")
+"""Folders of a tool's own bookkeeping (version control): what the oracle's commands leave
+there as a side effect (reflogs, refs caches) proves nothing about the verifier."""
+
+
+def mutation_candidates(paths: list[str], verifier: tuple[set[str], set[str]],
+                        workdir: str) -> list[str]:
+    """The outputs the mutation probe may empty or alter, those the verifier names first.
+    A file inside a tool's bookkeeping folder counts only where the verifier names that
+    file itself (a verifier that checks a repository's history through git names the
+    repository, not ``.git/logs/HEAD``)."""
+    def tool_state(path: str) -> bool:
+        return any(part in TOOL_STATE for part in PurePosixPath(path).parts) and \
+            not mentions(verifier, path, workdir, exact=True)
+
+    kept = [p for p in paths if not tool_state(p)]
+    return [p for p in kept if mentions(verifier, p, workdir)] or kept
+
+
 def instruction_names_other(instruction: tuple[set[str], set[str]], path: str) -> str | None:
     """An absolute path the instruction names with ``path``'s file name but another
     folder (the instruction says /app/report.txt, the verifier reads /app/out/report.txt)."""
@@ -189,4 +208,4 @@ def mutations(data: bytes) -> list[tuple[str, bytes]]:
 
 __all__ = ["PROBE_DIR", "PRUNED", "Stat", "added", "changed", "instruction_names_other",
            "is_program", "is_scratch", "leak_matches", "listing_command", "mentions",
-           "mutations", "named_paths", "normalized", "parse_listing", "verifier_text"]
+           "mutation_candidates", "mutations", "named_paths", "normalized", "parse_listing", "verifier_text"]

@@ -57,10 +57,12 @@ class NcclCoordinator:
 
     async def build(self, engines: list[Any]) -> None:
         """A new transfer group of the trainer's rank 0 and every worker of ``engines``."""
-        hello = await self._wait("hello.json")
-        self.trainer_id = str(hello["id"])
+        # from here on an offer made for an older group is refused (its members changed:
+        # a broadcast over it would wait for a server that is gone), before any await
         self.generation += 1
         g = self.generation
+        hello = await self._wait("hello.json")
+        self.trainer_id = str(hello["id"])
         world = 1 + self.gpus * len(engines)
         self.members = list(engines)
         self.files.write("group.json", {

@@ -257,18 +257,21 @@ class NcclSender:
         self.wire = {k: request[k] for k in ("packed_buffer_size_bytes",
                                               "packed_num_buffers")}
 
-    def _my_group(self) -> dict[str, Any]:
+    def _my_group(self, at_least: int = 0) -> dict[str, Any]:
         """The newest group the orchestrator made for this trainer process (one made for
-        a trainer that has since restarted waits for none of its ranks)."""
+        a trainer that has since restarted waits for none of its ranks), of generation
+        ``at_least`` or newer (the one the orchestrator said is current)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             request = self.files.wait("group.json", timeout_s=self.timeout_s,
                                       alive=self.alive)
-            if request.get("trainer") == self.hello:
+            if request.get("trainer") == self.hello and \
+                    int(request["generation"]) >= at_least:
                 return request
             if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"{self.files.path}/group.json: no group for this "
-                                        f"trainer ({self.hello}) after {self.timeout_s:.0f} s")
+                raise WeightSyncTimeout(f"{self.files.path}/group.json: no group "
+                                        f"{at_least or ''} for this trainer ({self.hello}) "
+                                        f"after {self.timeout_s:.0f} s")
             time.sleep(0.1)
 
     def publish(self, backend: Any, version: int) -> None:
@@ -285,8 +288,9 @@ class NcclSender:
                 pass
             return
         info, go = update_info_of(model), f"go-{version:08d}.json"
+        current = 0
         while True:  # until the orchestrator says go for the group rank 0 is in
-            request = self._my_group()
+            request = self._my_group(current)
             if int(request["generation"]) != self.generation:
                 self._join(request)
             self.files.write(offer_name(version), {"version": version,
@@ -295,7 +299,8 @@ class NcclSender:
             answer = self.files.wait(go, timeout_s=self.timeout_s, alive=self.alive)
             if int(answer["generation"]) == self.generation:
                 break
-            (self.files.path / go).unlink(missing_ok=True)  # a newer group: join it first
+            current = int(answer["generation"])  # a newer group: wait for it, join it first
+            (self.files.path / go).unlink(missing_ok=True)
         _, producer = _vllm_nccl()
         t0 = time.monotonic()
         producer(iterator=checkpoint_tensors(model, rank=0, gathered=gathered),

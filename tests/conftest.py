@@ -113,12 +113,7 @@ def example_store(base_store):
 
     cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
     store = ImageStore(cache / "test-examples")
-    entry = base_store.read().bases["debian-slim"]
-    if store.read().bases.get("debian-slim") != entry:
-        target = store.path(entry.sif)
-        target.unlink(missing_ok=True)
-        os.link(base_store.path(entry.sif), target)
-        store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+    link_base(store, base_store)
     builds = ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
     tasks = [load_task(p) for p in find_tasks(EXAMPLES)]
     results = builds.build_all(tasks, jobs=2, progress=False)
@@ -177,10 +172,15 @@ def store_with_base(root: Path, base_store, base: str = "debian-slim"):
     return store
 
 
-def link_base(store, base_store, base: str) -> None:
-    """``base_store``'s entry of ``base`` into ``store``, its SIF hard-linked."""
+def link_base(store, base_store, base: str = "debian-slim") -> None:
+    """``base_store``'s entry of ``base`` into ``store``, its SIF hard-linked (nothing to
+    do where ``store`` holds that entry already)."""
     entry = base_store.read().bases[base]
-    os.link(base_store.path(entry.sif), store.path(entry.sif))
+    if store.read().bases.get(base) == entry:
+        return
+    target = store.path(entry.sif)
+    target.unlink(missing_ok=True)
+    os.link(base_store.path(entry.sif), target)
     store.update(lambda m: m.bases.__setitem__(base, entry))
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import link_base
+
 PLANTED = Path(__file__).parent / "data" / "audit-tasks"
 EXPECTED = yaml.safe_load((PLANTED / "expected.yaml").read_text())
 
@@ -34,12 +36,7 @@ def audit_store(base_store):
 
     cache = Path(os.environ.get("TMAX_TEST_CACHE", Path.home() / ".cache" / "tmax"))
     store = ImageStore(cache / "test-audit")
-    entry = base_store.read().bases["debian-slim"]
-    if store.read().bases.get("debian-slim") != entry:
-        target = store.path(entry.sif)
-        target.unlink(missing_ok=True)
-        os.link(base_store.path(entry.sif), target)
-        store.update(lambda m: m.bases.__setitem__("debian-slim", entry))
+    link_base(store, base_store)
     builds = ImageBuilds(store, LocalBuilder(cache), checker=image_checker(cache, "local"))
     results = builds.build_all([load_task(PLANTED / t) for t in SUBSET], jobs=2,
                                progress=False)

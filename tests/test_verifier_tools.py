@@ -13,7 +13,7 @@ import pytest
 from tests.test_tasks import make_task
 from tmax.images.types import Definition
 from tmax.images.verifier_scripts import commands, plan
-from tmax.images.verifier_tools import DEFAULT_UV, Step, with_tools
+from tmax.images.verifier_tools import DEFAULT_UV, Step, combine, with_tools
 
 # Harbor's boilerplate, as Terminal-Bench 2 and harbor-cookbook ship it (tests/test.sh).
 HARBOR = """\
@@ -207,7 +207,7 @@ def test_uv_pip_install_into_the_system_python_is_prepared_as_a_pip_line(tmp_pat
 def test_what_is_left_unprepared(tmp_path):
     tools = plan(make_tests(tmp_path, **{"test.sh": (
         "apt-get update && apt-get install -y curl\n"
-        "apt-get install -y jq=1.6-2.1\n"
+        "apk add jq\n"
         "npm install\n"
         "git clone https://example.org/repo.git\n"
         "uv pip install -e .\n"
@@ -216,7 +216,7 @@ def test_what_is_left_unprepared(tmp_path):
         "uv python install 3.13\n"
         "~/.local/bin/uvx pytest\n")}))
     assert tools.unprepared == (
-        "tests/test.sh:2: apt-get install -y jq=1.6-2.1",
+        "tests/test.sh:2: apk add jq",
         "tests/test.sh:3: npm install",
         "tests/test.sh:4: git clone https://example.org/repo.git",
         "tests/test.sh:5: uv pip install -e . (local paths)",
@@ -225,6 +225,31 @@ def test_what_is_left_unprepared(tmp_path):
         "tests/test.sh:8: uv python install 3.13",
         "tests/test.sh:9: ~/.local/bin/uvx pytest (uv by its path: the prepared one is on PATH)")
     assert not tools and tools.uv is None and tools.script() == "" and tools.digest_text() == ""
+
+
+def test_apt_lines_are_installed_into_the_image_at_build_time(tmp_path):
+    """Harbor's test.sh installs what its tests run with apt at grade time (TB 2.0's
+    headless-terminal: vim; git-multibranch: expect; feal-differential-cryptanalysis: gcc):
+    offline those lines fail and the tests score 0. The boilerplate's curl alone stays
+    unneeded; a line whose packages cannot be read stays unprepared."""
+    tools = plan(make_tests(tmp_path, **{"test.sh": (
+        "apt-get update\n"
+        "apt-get install -y curl\n"
+        "apt-get install -y curl primer3\n"
+        "apt-get install -y --no-install-recommends -o Dpkg::Use-Pty=0 jq=1.6-2.1 vim\n"
+        "apt install -y $EXTRA\n"
+        "python3 /tests/check.py\n")}))
+    assert tools.apt == ("curl primer3", "--no-install-recommends jq=1.6-2.1 vim")
+    assert tools.apt_where == ("tests/test.sh:3", "tests/test.sh:4")
+    assert tools.unprepared == ("tests/test.sh:5: apt install -y $EXTRA (packages not read)",)
+    assert tools and tools.steps == () and tools.pip == ()
+    script = tools.script()
+    assert ("apt-get install -y -qq curl primer3 &&\n"
+            "        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+            "--no-install-recommends jq=1.6-2.1 vim &&\n") in script
+    assert "tests/test.sh:3, tests/test.sh:4: apt-get install" in script  # (unmet, named)
+    assert "rm -rf $V/cache $V/bin/uv $V/bin/uvx" in script  # no uv line: uv not kept
+    assert combine([tools, tools]).apt == tools.apt
 
 
 def test_a_plain_verifier_needs_nothing(tmp_path):

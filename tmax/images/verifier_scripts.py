@@ -33,6 +33,10 @@ NETWORK_COMMANDS = {  # argv[0] -> subcommands that fetch (empty: any use fetche
     "pipx": ("install", "run"), "gem": ("install",), "apt-get": ("install",),
     "apt": ("install",), "apk": ("add",), "dnf": ("install",), "yum": ("install",),
 }
+APT_VALUE_OPTIONS = frozenset({"-o", "-t", "-c", "--option", "--target-release", "--config-file"})
+APT_KEPT_FLAGS = ("--no-install-recommends", "--no-install-suggests", "--install-recommends")
+APT_PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.:-]*(?:=[A-Za-z0-9.+:~-]+)?")
+"""A Debian package name (an :arch suffix, a =version pin): anything else is not read."""
 KEYWORDS = frozenset(["if", "then", "else", "elif", "fi", "do", "done", "while", "until", "!", "{", "}", "time", "exec", "command", "nohup", "sudo", "builtin"])
 
 
@@ -179,6 +183,8 @@ class _Reader:
     steps: list[Step] = field(default_factory=list)
     pip: list[str] = field(default_factory=list)
     pip_where: list[str] = field(default_factory=list)
+    apt: list[str] = field(default_factory=list)
+    apt_where: list[str] = field(default_factory=list)
     pythons: list[str] = field(default_factory=list)
     unprepared: list[str] = field(default_factory=list)
     uv: str | None = None
@@ -233,10 +239,22 @@ class _Reader:
         if subs is not None and (not subs or (len(argv) > 1 and argv[1] in subs)):
             if name in ("curl", "wget") and UV_INSTALLER.search(" ".join(argv)):
                 return
-            if name in ("apt-get", "apt") and \
-                    set(positionals(tuple(argv[2:]), frozenset({"-o", "-t"}))) <= {"curl"}:
-                return  # the boilerplate's curl, for uv's installer: not needed
+            if name in ("apt-get", "apt"):
+                return self.apt_command(shown, words[2:])
             self.unprepared.append(shown)
+
+    def apt_command(self, shown: str, words: list[Word]) -> None:
+        """``apt-get install``: its packages installed in the image at build time (the
+        boilerplate's curl alone, for uv's installer, is not needed)."""
+        args = tuple(w.text for w in words)
+        names = positionals(args, APT_VALUE_OPTIONS)
+        if set(names) <= {"curl"}:
+            return
+        if any(w.dynamic for w in words) or not all(APT_PACKAGE.fullmatch(n) for n in names):
+            return self.unprepared.append(f"{shown} (packages not read)")
+        flags = [a for a in args if a in APT_KEPT_FLAGS]
+        self.apt.append(" ".join(dict.fromkeys(flags + names)))
+        self.apt_where.append(shown.partition(": ")[0])
 
     def follow(self, where: str, args: list[Word]) -> None:
         """``source F`` / ``bash F``: read F here when it is in tests/."""
@@ -495,5 +513,6 @@ def plan(tests_dir: Path) -> VerifierTools:
         uv_pinned=needs_uv and reader.uv is not None,
         steps=tuple(reader.steps) if steps else (),
         pip=tuple(reader.pip), pip_where=tuple(reader.pip_where),
+        apt=tuple(dict.fromkeys(reader.apt)), apt_where=tuple(dict.fromkeys(reader.apt_where)),
         pythons=tuple(reader.pythons) if steps else (),
         unprepared=tuple(reader.unprepared), sources=tuple(reader.seen))

@@ -41,8 +41,12 @@ there (uv, uvx and env over the agent's: ``sandfleet.verifier.plan``), uvx is fo
 and runs from the cache. ``UV_OFFLINE=1`` makes grading the same with or without a
 network: a uv line nobody prepared fails even where a network is there.
 
-Not prepared (``unprepared`` lists them; they still need the network at grade time): apt
-packages other than the boilerplate's curl, other downloads (curl, wget, git clone), npm /
+- for ``apt-get install`` lines (other than the boilerplate's curl alone), their packages
+  installed into the image itself, as the line would at grade time (the agent, whose
+  sandbox may reach the package registries, could have installed them as well);
+
+Not prepared (``unprepared`` lists them; they still need the network at grade time): apk,
+dnf and yum packages, other downloads (curl, wget, git clone), npm /
 go / cargo / gradle fetches, ``uv python install``, installs into the system Python (read
 only for the verifier), local paths, and command lines whose arguments use shell variables
 other than ``TEST_DIR`` (read as /tests, Terminal-Bench 1's convention).
@@ -143,6 +147,10 @@ class VerifierTools:
     pip: tuple[str, ...] = ()
     """Requirements of ``pip install`` lines, installed for the image's Python."""
     pip_where: tuple[str, ...] = ()
+    apt: tuple[str, ...] = ()
+    """``apt-get install`` lines (their packages, with --no-install-recommends where the
+    line has it), installed into the image itself at build time."""
+    apt_where: tuple[str, ...] = ()
     path: str = ""
     """The image's PATH, where ``pip`` lines look for its Python as test.sh will ("": the
     build step's own PATH)."""
@@ -157,7 +165,7 @@ class VerifierTools:
     """The scripts read, relative to tests/."""
 
     def __bool__(self) -> bool:
-        return bool(self.steps or self.pip)
+        return bool(self.steps or self.pip or self.apt)
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -196,6 +204,7 @@ class VerifierTools:
             '    echo "verifier tools ($1): failed: $2" >&2',
             "}",
         ]
+        lines += _apt_lines(self.apt, self.apt_where)
         if self.steps:
             lines += ["tmax_steps() {", '    w=$(mktemp -d) && cd "$w"']
             lines += [f"    {line}" for step in self.steps for line in _warm_lines(step)]
@@ -264,6 +273,25 @@ class VerifierTools:
             env += ["PIP_NO_INDEX=1", "PIP_DISABLE_PIP_VERSION_CHECK=1",
                     "PIP_BREAK_SYSTEM_PACKAGES=1"]
         return env
+
+
+def _apt_lines(apt: tuple[str, ...], where: tuple[str, ...]) -> list[str]:
+    """The build step's part for a verifier's ``apt-get install`` lines: the packages go into
+    the image as the line would put them there at grade time (the agent, on the registries
+    allowlist, could install them too); apt's package lists are removed again where the image
+    had none."""
+    if not apt:
+        return []
+    what = shlex.quote(f"{', '.join(where)}: apt-get install {' '.join(apt)}")
+    lines = ["if command -v apt-get >/dev/null 2>&1; then",
+             "    tmax_lists=$(ls /var/lib/apt/lists/ 2>/dev/null | grep -c _Packages || true)",
+             "    if DEBIAN_FRONTEND=noninteractive apt-get update -qq && {"]
+    lines += [f"        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {line} &&"
+              for line in apt]
+    lines += ["        :; }; then :; else tmax_failed offline " + what + "; fi",
+              '    if [ "$tmax_lists" = 0 ]; then rm -rf /var/lib/apt/lists/*; fi',
+              f"else tmax_failed offline {what}' (no apt-get in the image)'; fi"]
+    return lines
 
 
 def _requirements_of(step: Step) -> list[str]:
@@ -354,6 +382,8 @@ def combine(plans: list[VerifierTools]) -> VerifierTools:
         steps=once(s for p in plans for s in p.steps),
         pip=once(r for p in plans for r in p.pip),
         pip_where=once(w for p in plans for w in p.pip_where),
+        apt=once(a for p in plans for a in p.apt),
+        apt_where=once(w for p in plans for w in p.apt_where),
         pythons=once(v for p in plans for v in p.pythons),
         unprepared=once(u for p in plans for u in p.unprepared),
         sources=once(f for p in plans for f in p.sources))

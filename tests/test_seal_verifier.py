@@ -135,12 +135,22 @@ def test_the_verifier_gets_the_images_system_tools_and_the_agents_files(runtime,
 
 @on_both_runtimes()
 def test_agent_system_opt_in_shows_the_agents_system_tools(runtime, make, tmp_path):
+    """An agent's program with the name of one of the image's (``basename``, before the
+    image's /usr/bin/basename on PATH) runs for the verifier only with ``agent_system``; a
+    program the image has not (``agent-tool``) the local verifier sees as it sees the
+    agent's other additions (``sandfleet.verifier.additions``), the Apptainer one does not
+    (its ``NOT_GUARANTEED``)."""
     sid = make()
-    run(runtime, sid, write_file("/usr/local/bin/agent-tool", "#!/bin/sh\necho 1\n", "755"))
+    run(runtime, sid, write_file("/usr/local/bin/basename", "#!/bin/sh\necho 1\n", "755")
+        + " && " + write_file("/usr/local/bin/agent-tool", "#!/bin/sh\necho 1\n", "755"))
     test_sh = ("echo 0 > /logs/verifier/reward.txt\n"
-               "agent-tool > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
+               "basename /x/0 > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
     assert verify(runtime, sid, tmp_path, test_sh)[1] == "0"
     assert verify(runtime, sid, tmp_path, test_sh, agent_system=True)[1] == "1"
+    new_sh = ("echo 0 > /logs/verifier/reward.txt\n"
+              "agent-tool > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
+    seen = verify(runtime, sid, tmp_path, new_sh)[1]
+    assert seen == ("0" if kind(runtime) == "apptainer" else "1")
 
 
 @on_both_runtimes()

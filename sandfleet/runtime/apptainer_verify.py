@@ -70,6 +70,11 @@ NOT_GUARANTEED = [
      "PATH folder's place it made a link to a path not inside, leaves the bind of the "
      "image's copy no destination: the verifier's container does not start (exit 255, no "
      "reward); /tests is a bind mount (a test.sh cannot move it away and back)"),
+    ("verifier: what the agent installed into the system folders (apt-get install, pip "
+     "install into the system Python) is not seen: the image's /usr, /bin, /lib are bound "
+     "whole (the local runtime stacks the agent's additions below them: "
+     "sandfleet.verifier.additions); a task graded on such work needs [verifier] "
+     "agent_system there"),
 ]
 
 # Lists the image's entries the verifier takes from it: "<kind> <path> [<link target>]".

@@ -41,6 +41,7 @@ from sandfleet.runtime.local_host import (
     helper_argv,
     sandbox_bwrap,
 )
+from sandfleet.runtime.verify_additions import MERGED, stage_additions
 from sandfleet.verifier.plan import PRISTINE, VERIFIER_ENV, Fix, VerifierPlan, plan_view
 from sandfleet.verifier.tree import DirTree
 
@@ -70,7 +71,16 @@ if [ "$7" != - ]; then
     done
     unset IFS; set +f
 fi
-shift 8
+if [ "$9" != - ]; then
+    set -f; i=0; IFS=:
+    for pair in $9; do
+        mkdir "$v/s$i" && mount -t overlay overlay -o "lowerdir=${pair%%,*}:${pair#*,}" \
+            "$v/s$i" || exit 125
+        i=$((i + 1))
+    done
+    unset IFS; set +f
+fi
+shift 9
 "$@"; code=$?
 cp -a -- "$v/logs/." "$l/" || exit 125
 exit $code
@@ -84,7 +94,9 @@ and folders ($4/files, $4/dirs), an empty logs folder writable by all (as Harbor
 and each of the image's PATH folders (the colon-separated $7, or -) at r0, r1... under
 writable overlays whose upper layers are on that tmpfs (the image is never written); with
 $8 (not "-"), the tools' overlay copies metadata only and its files are owned by host ids
-$8 (the verifier's user: its tools, as its own cache would be; links not followed). Then
+$8 (the verifier's user: its tools, as its own cache would be; links not followed); each
+"IMAGE,ADDED" pair of $9 (colon-separated, or -) at s0, s1...: the image's folder over the
+agent's additions to it (``verify_additions``), read-only. Then
 the rest (bwrap as the sandbox's uid, holding the verifier's namespaces: ``VERIFIER_HOLD``),
 then what the verifier left in logs copied (links as links) to host folder $5."""
 VERIFIER_START = ["/bin/sh", "-c", ('cd "$0" 2>/dev/null || { echo "sandfleet verify: cannot '
@@ -229,6 +241,7 @@ class LocalVerifier:
                 f"{self.mnt / 'root'}{path}" for path in plan.guarded)
             uid = ids[0] if ids else 0
             env = plan.env(base_env)  # the tools' settings, the image's folders first
+            merged = self._additions(record, plan, spec, env.get("PATH", ""), tests.parent)
             bwrap = sandbox_bwrap(root=spec.root, network=True,
                                   hostname=record.spec["hostname"], info_fd=info_w,
                                   block_fd=block_r, command=VERIFIER_HOLD, binds=spec,
@@ -247,7 +260,7 @@ class LocalVerifier:
                      f"{base}:{base}", str(tests), str(logs), tools,
                      ":".join(overlays) or "-",
                      f"{base + uid}:{base + ids[1]}" if ids and uid else "-",
-                     "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
+                     ":".join(merged) or "-", "setpriv", f"--reuid={base}", f"--regid={base}", "--clear-groups", "--"]
                     + bwrap)
             with open(setup_log, "wb") as out:
                 host = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
@@ -306,6 +319,34 @@ class LocalVerifier:
                 close(fd)
         self._check_alive(record.sandbox_id)
         return ExecResult(output, code, timed_out, False, seconds)
+
+    def _additions(self, record: SandboxRecord, plan: VerifierPlan, spec: BwrapSpec,
+                   path: str, stage: Path) -> list[str]:
+        """What the agent added to the image's system folders (``MERGED``) copied into
+        ``stage``/added, and the bwrap sources of those folders changed to the overlays
+        ``VERIFIER_SH`` makes of them ("IMAGE,ADDED" pairs, in order). None with
+        ``agent_system`` (the agent's own folders are the verifier's) or
+        ``SANDFLEET_VERIFIER_ADDITIONS=0`` (the image's folders only)."""
+        if plan.agent_system or os.environ.get("SANDFLEET_VERIFIER_ADDITIONS") == "0":
+            return []
+        ns = f"/proc/{record.monitor_pid()}/root"
+        image = str(self.mnt / "image")
+        bound = [dest for source, dest in spec.ro_binds
+                 if dest in MERGED and source == f"{image}{dest}"]
+        try:
+            got = stage_additions(f"{ns}{image}",
+                                  f"{ns}{self._dir(record.sandbox_id)}/disk/upper",
+                                  stage / "added", bound, path)
+        except OSError as e:  # graded on the image's folders alone, as before
+            log.warning("sandbox %s: the agent's additions to %s not copied for the "
+                        "verifier: %s", record.sandbox_id, ", ".join(bound), e)
+            return []
+        pairs = []
+        for k, (source, dest) in enumerate(spec.ro_binds):
+            if dest in got:
+                spec.ro_binds[k] = (str(self.mnt / "verifier" / f"s{len(pairs)}"), dest)
+                pairs.append(f"{image}{dest},{stage / 'added'}{dest}")
+        return pairs
 
     def _allow_setuid(self, pid: int, paths: list[str]) -> None:
         """Clear nosuid on mount points ``paths`` (the image's own folders) of the

@@ -1,0 +1,150 @@
+"""What the agent installed in the system folders, for the verifier: the image's files win,
+the agent's new ones are seen, except those that would change what an image program runs.
+
+Harbor runs a task's tests in the agent's own container, so a task whose work is installing
+software (``apt-get install nginx``, ``pip install grpcio`` into the system Python, R's
+packages under /usr/lib/R) is graded on what the agent installed. TMax's verifier gets the
+image's own system folders (``sandfleet.verifier.plan.PRISTINE``) so that an agent cannot
+swap the interpreter, the test runner or a library under it; this module lets it see the
+agent's *additions* too: paths the image has not, copied once, with the agent frozen, and
+stacked below the image's folder (the image's entry wins wherever both have one). Hidden
+from the verifier (``Additions.hidden``, with why), because each would run the agent's code
+where the image's ran before:
+
+- a program on the verifier's PATH with the name of one the image (or its verifier tools)
+  has on that PATH (/usr/local/bin/python3 before the image's /usr/bin/python3);
+- a link where a PATH folder or a Python site folder (or a folder above one) is, which would
+  put the agent's own folder there;
+- Python's start-up hooks: ``sitecustomize``/``usercustomize`` modules, ``.pth`` files with
+  an ``import`` line (run at every start-up), pytest plugins declared in an
+  ``entry_points.txt`` (``[pytest11]``, loaded by every pytest);
+- a module, package or distribution in a site folder with the name of one the image has in
+  any of its site folders (an earlier site folder's copy shadows it).
+
+What stays possible, as on Harbor: tests that run a program the agent installed (nginx,
+``git``) run the agent's program; a task graded that way can be passed by that program
+(as by agent code its tests import: ``tmax audit``'s exploit probes).
+
+``plan_additions(image, upper, folders, path)`` is pure: it reads two trees (the image as
+built, the agent's own layer: only what it changed) and returns ``Additions``; the runtime
+copies ``Additions.copy`` (``sandfleet.runtime.verify_local``).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+
+from sandfleet.verifier.tree import Tree
+
+MERGED_ETC = ("/etc/alternatives",)
+"""Entries of /etc the image's copy of which the verifier gets, with the agent's additions."""
+HOOK_MODULES = ("sitecustomize", "usercustomize")
+SITE_FOLDER = re.compile(r"/(?:usr|usr/local|opt/[^/]+)/lib(?:32|64)?/python[0-9.]*/"
+                         r"(?:site|dist)-packages")
+"""Python site folders (Debian's dist-packages, the image's site-packages)."""
+PYTHON_LIBS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64")
+DIST_INFO = re.compile(r"(.+?)-[0-9][^/]*\.(?:dist-info|egg-info)$")
+
+
+@dataclass
+class Additions:
+    copy: list[tuple[str, str]] = field(default_factory=list)
+    """(path, kind: "dir" | "file" | "link"), parents before children: what the verifier
+    gets of the agent's layer."""
+    hidden: list[tuple[str, str]] = field(default_factory=list)
+    """(path, why) of what it does not."""
+
+
+def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str) -> Additions:
+    """The agent's additions below ``folders`` (absolute, the image's real folders: /usr,
+    /etc/alternatives...) in ``upper`` (its layer), against ``image``; ``path``: the
+    verifier's PATH."""
+    rules = _Rules(image, path)
+    out = Additions()
+    for folder in folders:
+        if image.kind(folder) == "dir" and upper.kind(folder) == "dir":
+            _walk(image, upper, folder, rules, out, added=False)
+    return out
+
+
+class _Rules:
+    def __init__(self, image: Tree, path: str):
+        self.path_dirs = [p for p in dict.fromkeys(path.split(":")) if p.startswith("/")]
+        self.resolved = {d: _resolve(image, d) for d in self.path_dirs}
+        self.programs = {n for d in self.resolved.values() for n in image.names(d)}
+        self.sites = [d for lib in PYTHON_LIBS for py in image.names(lib)
+                      if py.startswith("python")
+                      for d in (f"{lib}/{py}/site-packages", f"{lib}/{py}/dist-packages")
+                      if image.kind(d) == "dir"]
+        self.modules = {_module(n) for d in self.sites for n in image.names(d)} - {""}
+        self.guarded = set(self.path_dirs) | set(self.resolved.values()) | set(self.sites)
+
+    def hidden(self, upper: Tree, path: str, kind: str) -> str:
+        folder, name = posixpath.split(path)
+        if kind == "link" and any(g == path or g.startswith(path + "/") for g in self.guarded):
+            return "a link where the verifier looks for programs or modules"
+        if name in self.programs and (folder in self.path_dirs or
+                                      folder in self.resolved.values()):
+            return f"shadows the image's program {name}"
+        if name.split(".")[0] in HOOK_MODULES:
+            return "a Python start-up hook"
+        if kind == "file" and name.endswith(".pth") and any(
+                line.startswith(("import ", "import\t"))
+                for line in upper.read(path).splitlines()):
+            return "a .pth file that runs code at every Python start-up"
+        if kind == "file" and name == "entry_points.txt" and \
+                "[pytest11]" in upper.read(path).replace(" ", ""):
+            return "declares a pytest plugin"
+        if SITE_FOLDER.fullmatch(folder) and _module(name) in self.modules:
+            return f"shadows the image's Python module {_module(name)}"
+        return ""
+
+
+def _walk(image: Tree, upper: Tree, folder: str, rules: _Rules, out: Additions,
+          added: bool) -> None:
+    for name in upper.names(folder):
+        path = f"{folder.rstrip('/')}/{name}"
+        kind = upper.kind(path)
+        if kind not in ("dir", "file", "link"):
+            continue  # overlay whiteouts (the image's entry stays), devices, pipes
+        mine = kind == "dir" and image.kind(path) == "dir" and not added
+        if not mine and not added and image.kind(path):
+            continue  # the image's entry wins (a file over the agent's folder too)
+        why = "" if mine else rules.hidden(upper, path, kind)
+        if why:
+            out.hidden.append((path, why))
+            continue
+        if not mine:
+            out.copy.append((path, kind))
+        if kind == "dir":
+            _walk(image, upper, path, rules, out, added=not mine)
+
+
+def _module(name: str) -> str:
+    """The import (or distribution) name an entry of a site folder provides ("" none)."""
+    m = DIST_INFO.fullmatch(name)
+    if m:
+        return "dist:" + re.sub(r"[-_.]+", "-", m.group(1)).lower()
+    if name in ("__pycache__",) or name.endswith((".pth", ".txt")) or name.startswith("."):
+        return ""
+    return name.split(".")[0]
+
+
+def _resolve(image: Tree, folder: str, depth: int = 8) -> str:
+    """``folder`` with the image's links along it followed (merged-/usr's /bin: /usr/bin)."""
+    parts = folder.strip("/").split("/")
+    done = ""
+    while parts and depth:
+        step = f"{done}/{parts.pop(0)}"
+        if image.kind(step) == "link":
+            depth -= 1
+            target = image.link(step)
+            step = posixpath.normpath(target if target.startswith("/")
+                                      else f"{done or '/'}/{target}")
+            parts = step.strip("/").split("/") + parts
+            done = ""
+            continue
+        done = step
+    return posixpath.normpath(done or "/")

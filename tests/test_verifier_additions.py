@@ -3,14 +3,16 @@ additions``, issue 36: TB 2.0 tasks whose reference solution installs with apt o
 /usr scored 0 because the sealed verifier saw only the image's /usr): new paths are seen,
 the image's entries win, and what would change what an image program runs is hidden."""
 
+# ruff: noqa: F811  (the fixtures imported from tests.seal_helpers are parameters here)
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from sandfleet.verifier.additions import plan_additions
 from sandfleet.verifier.tree import MemoryTree
 from tests.seal_helpers import (  # noqa: F401  (fixtures)
-    HOST_PATH,
     dirs,
     make,
     run,
@@ -144,7 +146,6 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     assert "mytool" in listed and "python3" not in listed, result.output
     tail = run(runtime, sid, "tail -c 8 /usr/bin/tail").output  # the agent's own: as it was
     assert "# agent" in tail, tail
-    import os
     os.environ["SANDFLEET_VERIFIER_ADDITIONS"] = "0"
     try:
         result, reward = verify(runtime, sid, tmp_path, ADDED_SH)

@@ -342,7 +342,7 @@ class LocalVerifier:
                         "verifier: %s", record.sandbox_id, ", ".join(bound), e)
             return []
         pairs = []
-        for k, (source, dest) in enumerate(spec.ro_binds):
+        for k, (_source, dest) in enumerate(spec.ro_binds):
             if dest in got:
                 spec.ro_binds[k] = (str(self.mnt / "verifier" / f"s{len(pairs)}"), dest)
                 pairs.append(f"{image}{dest},{stage / 'added'}{dest}")

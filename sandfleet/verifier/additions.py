@@ -127,7 +127,7 @@ def _module(name: str) -> str:
     m = DIST_INFO.fullmatch(name)
     if m:
         return "dist:" + re.sub(r"[-_.]+", "-", m.group(1)).lower()
-    if name in ("__pycache__",) or name.endswith((".pth", ".txt")) or name.startswith("."):
+    if name == "__pycache__" or name.endswith((".pth", ".txt")) or name.startswith("."):
         return ""
     return name.split(".")[0]
 

@@ -90,8 +90,8 @@ def test_a_link_where_programs_or_modules_are_looked_for_is_hidden():
     upper = MemoryTree({"/usr/local": "link:/tmp/evil",  # holds PATH's /usr/local/bin
                         "/usr/games": "link:/tmp/games"})  # on no path the verifier reads
     got = plan_additions(image, upper, ["/usr"], "/usr/local/bin:/usr/bin")
-    assert got.hidden == [("/usr/local", "a link where the verifier looks for programs or "
-                                         "modules")]
+    why = "a link where the verifier looks for programs or modules"
+    assert got.hidden == [("/usr/local", why)]
     assert got.copy == [("/usr/games", "link")]
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from sandfleet.verifier.additions import plan_additions
+from sandfleet.verifier.additions import plan_additions, script_words
 from sandfleet.verifier.tree import MemoryTree
 from tests.seal_helpers import (  # noqa: F401  (fixtures)
     dirs,
@@ -85,6 +85,17 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/plug.py", "/usr/lib/python3.11", "/usr/local/sbin"}
 
 
+def test_a_program_the_verifiers_script_names_is_hidden():
+    """Harbor's ``curl -LsSf .../install.sh | sh`` on an image without curl: the agent's
+    curl would run as the verifier before the tests (and could rewrite them)."""
+    upper = MemoryTree({"/usr/local/bin/curl": "file", "/usr/sbin/nginx": "file"})
+    words = script_words(["apt-get install -y curl\ncurl -LsSf https://x/install.sh | sh\n"])
+    got = plan_additions(IMAGE, upper, ["/usr"], PATH, words)
+    why = "a program the verifier's script names (curl)"
+    assert got.hidden == [("/usr/local/bin/curl", why)]
+    assert got.copy == [("/usr/sbin/nginx", "file")]
+
+
 def test_a_link_where_programs_or_modules_are_looked_for_is_hidden():
     image = MemoryTree({"/usr/bin/python3": "file", "/usr/lib/python3/dist-packages": "dir"})
     upper = MemoryTree({"/usr/local": "link:/tmp/evil",  # holds PATH's /usr/local/bin
@@ -106,13 +117,16 @@ def test_a_file_of_the_image_hides_the_agents_folder_and_no_folder_outside_is_re
 # --------------------------------------------------------------------------- local runtime
 
 ADDED_SH = """\
-mytool
-python3 -c 'import newmod; print("newmod", newmod.X)'
-python3 -c 'import sys; print("python", sys.executable)'
-cat /usr/share/mine/data.txt
-ls /usr/local/bin
-test -u /usr/local/bin/mytool && echo setuid-kept
 echo 0 > /logs/verifier/reward.txt
+curl --version || echo no-curl
+python3 /tests/check.py
+"""
+CHECK_PY = """\
+import subprocess, sys
+import newmod
+print("newmod", newmod.X, "python", sys.executable, flush=True)
+subprocess.run(["sh", "-c", "mytool; cat /usr/share/mine/data.txt; ls /usr/local/bin; "
+                "test -u /usr/local/bin/mytool && echo setuid-kept"])
 """
 FAKE_PYTHON = "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\nkill -9 $PPID\n"
 EVIL_PTH = "import os; os.system('echo 1 > /logs/verifier/reward.txt; kill -9 $PPID')\n"
@@ -124,7 +138,8 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     """As ``apt-get install nginx`` or ``pip install grpcio`` into the system Python leave
     them: a new program, a new module in a site folder and a data file are seen; a python3
     before the image's on PATH, a ``.pth`` that runs code and a ``sitecustomize`` are not,
-    nor the agent's copy of an image file. With SANDFLEET_VERIFIER_ADDITIONS=0, none."""
+    nor a program the verifier's own script names (its curl), nor the agent's copy of an
+    image file. With SANDFLEET_VERIFIER_ADDITIONS=0, none."""
     sid = make()
     site = run(runtime, sid, "python3 -c 'import site; print(site.getsitepackages()[0])'"
                ).output.strip()
@@ -136,19 +151,21 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
         write_file(f"{site}/evil.pth", EVIL_PTH),
         write_file(f"{site}/sitecustomize.py", "import os\nos._exit(0)\n"),
         write_file("/usr/share/mine/data.txt", "agent-data\n"),
+        write_file("/usr/local/bin/curl", FAKE_PYTHON, "755"),
         "echo '# agent' >> /usr/bin/tail"]))
-    result, reward = verify(runtime, sid, tmp_path, ADDED_SH)
+    result, reward = verify(runtime, sid, tmp_path, ADDED_SH, files={"check.py": CHECK_PY})
     assert reward == "0", result.output
+    assert "no-curl" in result.output, result.output  # (named by test.sh, not the image's)
     assert "mytool-ran" in result.output and "newmod 42" in result.output, result.output
     assert "python /usr/bin/python3" in result.output and "agent-data" in result.output
     assert "setuid-kept" not in result.output  # set-user-ID dropped on the copy
     listed = result.output.split("agent-data", 1)[1]
-    assert "mytool" in listed and "python3" not in listed, result.output
+    assert "mytool" in listed and "python3" not in listed and "curl" not in listed
     tail = run(runtime, sid, "tail -c 8 /usr/bin/tail").output  # the agent's own: as it was
     assert "# agent" in tail, tail
     os.environ["SANDFLEET_VERIFIER_ADDITIONS"] = "0"
     try:
-        result, reward = verify(runtime, sid, tmp_path, ADDED_SH)
+        result, reward = verify(runtime, sid, tmp_path, ADDED_SH, files={"check.py": CHECK_PY})
     finally:
         del os.environ["SANDFLEET_VERIFIER_ADDITIONS"]
     assert reward == "0" and "mytool-ran" not in result.output, result.output

@@ -12,7 +12,7 @@ import shutil
 import stat as _stat
 from pathlib import Path
 
-from sandfleet.verifier.additions import MERGED_ETC, plan_additions
+from sandfleet.verifier.additions import MERGED_ETC, plan_additions, script_words
 from sandfleet.verifier.plan import PRISTINE
 from sandfleet.verifier.tree import DirTree
 
@@ -20,14 +20,20 @@ log = logging.getLogger(__name__)
 
 MERGED = tuple(f"/{name}" for name in PRISTINE) + MERGED_ETC
 """The image's folders the verifier gets with the agent's additions below them."""
+SCRIPT_BYTES = 1 << 20
 
 
 def stage_additions(image_root: str, upper_root: str, dest: Path, folders: list[str],
-                    path: str) -> list[str]:
+                    path: str, tests: Path) -> list[str]:
     """Copy the agent's additions below ``folders`` from its layer ``upper_root`` (a host
     path) into ``dest``/<folder>; returns the folders that got any. Never follows a link
-    of the agent's; set-user-ID and set-group-ID bits are dropped."""
-    plan = plan_additions(DirTree(image_root), DirTree(upper_root), folders, path)
+    of the agent's; set-user-ID and set-group-ID bits are dropped. ``tests``: the task's
+    tests (its shell scripts' words: ``script_words``)."""
+    texts = [_head(p, SCRIPT_BYTES) for p in sorted(tests.rglob("*"))
+             if p.is_file() and not p.is_symlink() and
+             (p.suffix == ".sh" or _head(p, 2) == "#!")]
+    plan = plan_additions(DirTree(image_root), DirTree(upper_root), folders, path,
+                          script_words(texts))
     for where, why in plan.hidden:
         log.info("verifier: hidden from the verifier: %s (%s)", where, why)
     got: list[str] = []
@@ -48,6 +54,11 @@ def stage_additions(image_root: str, upper_root: str, dest: Path, folders: list[
         if kind != "link":
             os.chmod(target, _stat.S_IMODE(st.st_mode) & ~(_stat.S_ISUID | _stat.S_ISGID))
     return got
+
+
+def _head(path: Path, size: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(size).decode(errors="replace")
 
 
 def _folders(dest: Path, folder: str) -> None:

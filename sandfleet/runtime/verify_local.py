@@ -241,7 +241,7 @@ class LocalVerifier:
                 f"{self.mnt / 'root'}{path}" for path in plan.guarded)
             uid = ids[0] if ids else 0
             env = plan.env(base_env)  # the tools' settings, the image's folders first
-            merged = self._additions(record, plan, spec, env.get("PATH", ""), tests.parent)
+            merged = self._additions(record, plan, spec, env.get("PATH", ""), tests)
             bwrap = sandbox_bwrap(root=spec.root, network=True,
                                   hostname=record.spec["hostname"], info_fd=info_w,
                                   block_fd=block_r, command=VERIFIER_HOLD, binds=spec,
@@ -321,22 +321,22 @@ class LocalVerifier:
         return ExecResult(output, code, timed_out, False, seconds)
 
     def _additions(self, record: SandboxRecord, plan: VerifierPlan, spec: BwrapSpec,
-                   path: str, stage: Path) -> list[str]:
+                   path: str, staged: Path) -> list[str]:
         """What the agent added to the image's system folders (``MERGED``) copied into
-        ``stage``/added, and the bwrap sources of those folders changed to the overlays
-        ``VERIFIER_SH`` makes of them ("IMAGE,ADDED" pairs, in order). None with
+        "added" beside ``staged`` (the verifier's staged tests and files), and the bwrap
+        sources of those folders changed to the overlays ``VERIFIER_SH`` makes of them ("IMAGE,ADDED" pairs, in order). None with
         ``agent_system`` (the agent's own folders are the verifier's) or
         ``SANDFLEET_VERIFIER_ADDITIONS=0`` (the image's folders only)."""
         if plan.agent_system or os.environ.get("SANDFLEET_VERIFIER_ADDITIONS") == "0":
             return []
         ns = f"/proc/{record.monitor_pid()}/root"
-        image = str(self.mnt / "image")
+        image, added = str(self.mnt / "image"), staged.parent / "added"
         bound = [dest for source, dest in spec.ro_binds
                  if dest in MERGED and source == f"{image}{dest}"]
         try:
             got = stage_additions(f"{ns}{image}",
                                   f"{ns}{self._dir(record.sandbox_id)}/disk/upper",
-                                  stage / "added", bound, path)
+                                  added, bound, path, staged / "tests")
         except OSError as e:  # graded on the image's folders alone, as before
             log.warning("sandbox %s: the agent's additions to %s not copied for the "
                         "verifier: %s", record.sandbox_id, ", ".join(bound), e)
@@ -345,7 +345,7 @@ class LocalVerifier:
         for k, (_source, dest) in enumerate(spec.ro_binds):
             if dest in got:
                 spec.ro_binds[k] = (str(self.mnt / "verifier" / f"s{len(pairs)}"), dest)
-                pairs.append(f"{image}{dest},{stage / 'added'}{dest}")
+                pairs.append(f"{image}{dest},{added}{dest}")
         return pairs
 
     def _allow_setuid(self, pid: int, paths: list[str]) -> None:

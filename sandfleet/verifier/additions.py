@@ -12,7 +12,10 @@ from the verifier (``Additions.hidden``, with why), because each would run the a
 where the image's ran before:
 
 - a program on the verifier's PATH with the name of one the image (or its verifier tools)
-  has on that PATH (/usr/local/bin/python3 before the image's /usr/bin/python3);
+  has on that PATH (/usr/local/bin/python3 before the image's /usr/bin/python3), or of a
+  word of the verifier's own shell scripts (Harbor's ``curl ... | sh`` on an image without
+  curl: the agent's curl would run as the verifier, before its tests, and could rewrite
+  them; the programs a task's tests run from Python, its nginx, stay seen);
 - a link where a PATH folder or a Python site folder (or a folder above one) is, which would
   put the agent's own folder there;
 - Python's start-up hooks: ``sitecustomize``/``usercustomize`` modules, ``.pth`` files with
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sandfleet.verifier.tree import Tree
@@ -45,6 +49,7 @@ SITE_FOLDER = re.compile(r"/(?:usr|usr/local|opt/[^/]+)/lib(?:32|64)?/python[0-9
                          r"(?:site|dist)-packages")
 """Python site folders (Debian's dist-packages, the image's site-packages)."""
 PYTHON_LIBS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64")
+WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 DIST_INFO = re.compile(r"(.+?)-[0-9][^/]*\.(?:dist-info|egg-info)$")
 
 
@@ -57,11 +62,13 @@ class Additions:
     """(path, why) of what it does not."""
 
 
-def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str) -> Additions:
+def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str,
+                   script_words: Iterable[str] = ()) -> Additions:
     """The agent's additions below ``folders`` (absolute, the image's real folders: /usr,
     /etc/alternatives...) in ``upper`` (its layer), against ``image``; ``path``: the
-    verifier's PATH."""
-    rules = _Rules(image, path)
+    verifier's PATH; ``script_words``: the words of the verifier's shell scripts
+    (``script_words``)."""
+    rules = _Rules(image, path, set(script_words))
     out = Additions()
     for folder in folders:
         if image.kind(folder) == "dir" and upper.kind(folder) == "dir":
@@ -69,8 +76,15 @@ def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str) -> A
     return out
 
 
+def script_words(texts: Iterable[str]) -> set[str]:
+    """Every word of the verifier's shell scripts that could name a program (more than the
+    programs they run: an ``echo``'s words too, which only hides more)."""
+    return {w for text in texts for w in WORD.findall(text)}
+
+
 class _Rules:
-    def __init__(self, image: Tree, path: str):
+    def __init__(self, image: Tree, path: str, words: set[str] = frozenset()):
+        self.words = words
         self.path_dirs = [p for p in dict.fromkeys(path.split(":")) if p.startswith("/")]
         self.resolved = {d: _resolve(image, d) for d in self.path_dirs}
         self.programs = {n for d in self.resolved.values() for n in image.names(d)}
@@ -85,9 +99,11 @@ class _Rules:
         folder, name = posixpath.split(path)
         if kind == "link" and any(g == path or g.startswith(path + "/") for g in self.guarded):
             return "a link where the verifier looks for programs or modules"
-        if name in self.programs and (folder in self.path_dirs or
-                                      folder in self.resolved.values()):
+        on_path = folder in self.path_dirs or folder in self.resolved.values()
+        if on_path and name in self.programs:
             return f"shadows the image's program {name}"
+        if on_path and name in self.words:
+            return f"a program the verifier's script names ({name})"
         if name.split(".")[0] in HOOK_MODULES:
             return "a Python start-up hook"
         if kind == "file" and name.endswith(".pth") and any(

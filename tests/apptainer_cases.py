@@ -292,7 +292,7 @@ def case_verifier_seal(runtime: ApptainerRuntime, image: Path) -> dict:
     return got
 
 
-# issue 33's forgeries (tests/test_verifier_forge_attacks.py has the local runtime's), on
+# the boilerplates' forgeries (tests/test_verifier_forge_attacks.py has the local runtime's), on
 # the image of its ``forge_sif``: a top-level /venv whose runner writes 0.25, verifier tools
 # whose uvx exits 1 (the tests ran and failed). attack -> (agent's commands, test.sh,
 # verifier env, expected reward)

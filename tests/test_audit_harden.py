@@ -1,5 +1,5 @@
 """`tmax repair`'s mechanical hardening of verifiers the exploit probes forged
-(``tmax.audit.harden``, issue 33): the plan for each hack, the gate test.sh becomes (run
+(``tmax.audit.harden``): the plan for each hack, the gate test.sh becomes (run
 here by bash with this venv's pytest), and (slow) audit, repair and re-audit of planted
 tasks in real sandboxes on the local runtime."""
 

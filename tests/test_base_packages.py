@@ -95,7 +95,7 @@ SLIM = Expectation(image="python:3.13-slim-bookworm", base="b", source="s",
 
 @pytest.mark.parametrize("installed, expected", [
     ({"ca-certificates", "tzdata", "git"}, []),
-    # the stand-in issue 36 found: gcc without its headers
+    # a stand-in once had gcc without its headers
     ({"ca-certificates", "tzdata", "git", "gcc", "cpp"},
      ["holds ['cpp', 'gcc'], which python:3.13-slim-bookworm lacks",
       ("holds gcc without libc6-dev: `apt-get install gcc` is then a no-op and compiling "
@@ -167,7 +167,7 @@ def test_the_fixed_bases_hold_what_their_images_hold(base_store, fixed_bases):
 @pytest.mark.slow
 @pytest.mark.sandbox
 @pytest.mark.parametrize("name, dockerfile", [
-    # issue 36: gcc was there without libc6-dev, so apt's no-op left no stdio.h
+    # gcc was once there without libc6-dev, so apt's no-op left no stdio.h
     ("gcc-over-slim", ("FROM python:3.13-slim-bookworm\nRUN apt-get update && "
      "apt-get install -y gcc && printf '#include <stdio.h>\\nint main(){puts(\"ok\");}' "
      "> /t.c && gcc /t.c -o /t && /t\nWORKDIR /app\n")),

@@ -48,7 +48,7 @@ IMAGES = REPO / "tmax" / "images" / "data"  # shipped in the package (images/ li
     # a tag that names Debian 12 gets bookworm (its Dockerfile pins bookworm's packages)
     ("index.docker.io/library/python:3.13-bookworm", "python-3.13-bookworm"),
     ("public.ecr.aws/docker/library/python:3.13-slim-bookworm@sha256:" + "f5" * 32,
-     "python-3.13-slim-bookworm"),  # issue 36: no compiler, as the slim image
+     "python-3.13-slim-bookworm"),  # no compiler, as the slim image
     ("python:3.14.1-slim-bookworm", "python-3.13-slim-bookworm"),
     ("python:bookworm", "python-3.13-bookworm"),
     ("python:3-slim-bookworm", "python-3.13-slim-bookworm"),
@@ -59,7 +59,7 @@ IMAGES = REPO / "tmax" / "images" / "data"  # shipped in the package (images/ li
     ("library/python:3.10", "buildpack-deps-bookworm"),
     ("mirror.gcr.io/library/python:3.11", "buildpack-deps-bookworm"),
     ("mirror.gcr.io/library/python:3.11-slim", "debian-slim"),
-    # ruby (issue 36): digest-pinned, through a registry's mirror of Docker Hub
+    # ruby: digest-pinned, through a registry's mirror of Docker Hub
     ("ruby:3.3-slim", "ruby-3.3-slim"),
     ("ruby:3.3.5-slim", "ruby-3.3-slim"),
     ("ruby:3.3.5-slim-bookworm", "ruby-3.3-slim"),

@@ -154,7 +154,7 @@ def test_what_shows_a_runner_ran():
                           "x collected 3 items")
 
 
-# ---- a reward of 1 the verifier's own report contradicts (issue 33, item 2)
+# ---- a reward of 1 the verifier's own report contradicts
 
 
 BOILERPLATE = """#!/bin/bash
@@ -370,7 +370,7 @@ def test_a_uvx_line_nobody_prepared_is_a_verifier_error_in_the_sandbox(harbor, e
 @pytest.mark.sandbox
 def test_an_exit_status_the_report_contradicts_scores_0_in_the_sandbox(harbor, example_fleet,
                                                                         tmp_path):
-    """The effect of a forged uvx (issue 33: a shell function that returns 0): the
+    """The effect of a forged uvx (a shell function that returns 0): the
     boilerplate writes 1, pytest never wrote its report."""
     store, tasks = harbor
     task = next(t for t in tasks if t.task_id == "prune-backups")

@@ -1,4 +1,4 @@
-"""Writable layers made ahead (sandfleet/runtime/prepared.py, issue 35 item 2): the pool's
+"""Writable layers made ahead (sandfleet/runtime/prepared.py): the pool's
 own rules with a plain file maker, then on the real runtimes: a disk handed to a second
 lease holds nothing of the first and is another file system, and nothing made ahead
 outlives the runtime's close or its process."""

@@ -222,7 +222,7 @@ def test_filling_dev_shm_or_tmp_does_not_kill_the_sandbox(runtime, make):
     """/dev/shm (and, on Apptainer before ``--no-mount tmp``, /tmp) is a tmpfs outside the
     ``storage_mb`` quota; only the memory limit bounds it, and its pages cannot be reclaimed. Filling it once
     killed pid 1 of a local sandbox (the OOM killer went on after dd) and the episode
-    ended as an infrastructure failure (issue 11). Expected: the writes fail (ENOSPC) or
+    ended as an infrastructure failure. Expected: the writes fail (ENOSPC) or
     are killed, and the sandbox goes on."""
     sid = make(memory_mb=200, storage_mb=256)
     for folder in ("/dev/shm", "/tmp"):

@@ -1,4 +1,4 @@
-"""The local runtime's own mechanics under the seal (issue 11): its loop devices, mounts,
+"""The local runtime's own mechanics under the seal: its loop devices, mounts,
 cgroups and uid slots gone after a stop or an owner's SIGKILL, its refusal to start without
 root, cgroups or bubblewrap, and the host-side helpers that shape a sandbox's /etc and the
 verifier's PATH. The attacks from inside, on both runtimes, are in tests/test_seal_*.py.

@@ -1,5 +1,5 @@
 """The agent's additions to the system folders, for the verifier (``sandfleet.verifier.
-additions``, issue 36: TB 2.0 tasks whose reference solution installs with apt or pip into
+additions``: TB 2.0 tasks whose reference solution installs with apt or pip into
 /usr scored 0 because the sealed verifier saw only the image's /usr): new paths are seen,
 the image's entries win, and what would change what an image program runs is hidden."""
 

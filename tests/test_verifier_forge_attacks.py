@@ -1,4 +1,4 @@
-"""The three reward forgeries of issue 33, against the sealed local runtime's verifier.
+"""Three reward forgeries of the standard verifier boilerplates, against the sealed local runtime's verifier.
 
 Each forged every reward it tried before ``sandfleet.verifier.plan`` (commit 09e816e):
 

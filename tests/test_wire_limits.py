@@ -1,4 +1,4 @@
-"""Wire limits before authentication (issue 11, item 5): a frame's token is checked as soon
+"""Wire limits before authentication: a frame's token is checked as soon
 as its header is complete, before any payload byte is kept; payloads are bounded by request
 type; silent and idle connections are closed; each peer IP holds only so many connections;
 rejections are logged once per peer per interval; clients reopen pooled connections a

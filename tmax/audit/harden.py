@@ -1,4 +1,4 @@
-"""Mechanical hardening of a verifier the exploit probes forged (issue 33), no teacher.
+"""Mechanical hardening of a verifier the exploit probes forged, no teacher.
 
 ``tmax repair`` tries this first for a task labelled ``verifier_too_weak`` by exploit
 probes alone (``tmax.audit.exploits``); what the hack that passed allows:
@@ -161,7 +161,7 @@ def gate_script(tests: int = 0, passed: int = 0) -> str:
     """The wrapper test.sh: ``tests`` / ``passed``: the reference run's counts (0 before
     they are known)."""
     return f"""#!/bin/bash
-# Hardened by tmax repair (issue 33): the tests imported the agent's code and the reward
+# Hardened by tmax repair: the tests imported the agent's code and the reward
 # trusted the runner's exit status (os._exit(0) on import passed). The original verifier
 # is tests/{GRADED}, run unchanged; pytest writes a JUnit XML report for it, and its reward
 # stands only where the report agrees (reference run: {tests} tests, {passed} passed).

@@ -85,15 +85,23 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/plug.py", "/usr/lib/python3.11", "/usr/local/sbin"}
 
 
-def test_a_program_the_verifiers_script_names_is_hidden():
-    """Harbor's ``curl -LsSf .../install.sh | sh`` on an image without curl: the agent's
-    curl would run as the verifier before the tests (and could rewrite them)."""
-    upper = MemoryTree({"/usr/local/bin/curl": "file", "/usr/sbin/nginx": "file"})
-    words = script_words(["apt-get install -y curl\ncurl -LsSf https://x/install.sh | sh\n"])
+def test_what_the_verifiers_script_installs_is_not_the_agents():
+    """Harbor's ``apt-get install -y curl`` then ``curl -LsSf .../install.sh | sh`` on an
+    image without curl: the agent's curl would run as the verifier before the tests (and
+    could rewrite them). The programs the scripts exercise (TB 2.0's configure-git-webserver
+    reaches the agent's git server with the agent's ssh) stay the agent's."""
+    upper = MemoryTree({"/usr/local/bin/curl": "file", "/usr/sbin/nginx": "file",
+                        "/usr/local/bin/ssh": "file", "/usr/local/bin/jq": "file"})
+    scripts = ["apt-get update\napt-get install -y curl\ncurl -LsSf https://x/install.sh | sh\n",
+               ("DEBIAN_FRONTEND=noninteractive apt-get -q install -y --no-install-recommends "
+                "jq=1.6-2.1 expect && ssh git@localhost true\n")]
+    words = script_words(scripts)
+    assert words == {"curl", "jq", "expect"}
     got = plan_additions(IMAGE, upper, ["/usr"], PATH, words)
-    why = "a program the verifier's script names (curl)"
-    assert got.hidden == [("/usr/local/bin/curl", why)]
-    assert got.copy == [("/usr/sbin/nginx", "file")]
+    why = "a package the verifier's script installs"
+    assert got.hidden == [("/usr/local/bin/curl", f"{why} (curl)"),
+                          ("/usr/local/bin/jq", f"{why} (jq)")]
+    assert got.copy == [("/usr/local/bin/ssh", "file"), ("/usr/sbin/nginx", "file")]
 
 
 def test_a_link_where_programs_or_modules_are_looked_for_is_hidden():
@@ -118,6 +126,7 @@ def test_a_file_of_the_image_hides_the_agents_folder_and_no_folder_outside_is_re
 
 ADDED_SH = """\
 echo 0 > /logs/verifier/reward.txt
+apt-get install -y curl >/dev/null 2>&1
 curl --version || echo no-curl
 python3 /tests/check.py
 """
@@ -138,7 +147,7 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     """As ``apt-get install nginx`` or ``pip install grpcio`` into the system Python leave
     them: a new program, a new module in a site folder and a data file are seen; a python3
     before the image's on PATH, a ``.pth`` that runs code and a ``sitecustomize`` are not,
-    nor a program the verifier's own script names (its curl), nor the agent's copy of an
+    nor a package the verifier's own script installs (its curl), nor the agent's copy of an
     image file. With SANDFLEET_VERIFIER_ADDITIONS=0, none."""
     sid = make()
     site = run(runtime, sid, "python3 -c 'import site; print(site.getsitepackages()[0])'"

@@ -13,9 +13,10 @@ where the image's ran before:
 
 - a program on the verifier's PATH with the name of one the image (or its verifier tools)
   has on that PATH (/usr/local/bin/python3 before the image's /usr/bin/python3), or of a
-  word of the verifier's own shell scripts (Harbor's ``curl ... | sh`` on an image without
-  curl: the agent's curl would run as the verifier, before its tests, and could rewrite
-  them; the programs a task's tests run from Python, its nginx, stay seen);
+  package the verifier's own shell scripts install with apt (Harbor's ``apt-get install
+  curl`` then ``curl ... | sh`` on an image without curl: the agent's curl would run as the
+  verifier, before its tests, and could rewrite them; the programs the tests exercise, the
+  agent's nginx or git, stay seen);
 - a link where a PATH folder or a Python site folder (or a folder above one) is, which would
   put the agent's own folder there;
 - Python's start-up hooks: ``sitecustomize``/``usercustomize`` modules, ``.pth`` files with
@@ -49,7 +50,8 @@ SITE_FOLDER = re.compile(r"/(?:usr|usr/local|opt/[^/]+)/lib(?:32|64)?/python[0-9
                          r"(?:site|dist)-packages")
 """Python site folders (Debian's dist-packages, the image's site-packages)."""
 PYTHON_LIBS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64")
-WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+WORD = re.compile(r"[a-z0-9][a-z0-9+.:=~-]*")
+APT_INSTALL = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\b([^;&|\n]*)")
 DIST_INFO = re.compile(r"(.+?)-[0-9][^/]*\.(?:dist-info|egg-info)$")
 
 
@@ -77,9 +79,11 @@ def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str,
 
 
 def script_words(texts: Iterable[str]) -> set[str]:
-    """Every word of the verifier's shell scripts that could name a program (more than the
-    programs they run: an ``echo``'s words too, which only hides more)."""
-    return {w for text in texts for w in WORD.findall(text)}
+    """The packages the verifier's shell scripts install with apt (``apt-get install -y
+    curl``), read as program names: what the verifier fetches for itself is never the
+    agent's (the image's, where the build prepared it)."""
+    return {re.split(r"[=:]", w)[0] for text in texts for m in APT_INSTALL.finditer(text)
+            for w in m.group(1).split() if not w.startswith("-") and WORD.fullmatch(w)}
 
 
 class _Rules:
@@ -103,7 +107,7 @@ class _Rules:
         if on_path and name in self.programs:
             return f"shadows the image's program {name}"
         if on_path and name in self.words:
-            return f"a program the verifier's script names ({name})"
+            return f"a package the verifier's script installs ({name})"
         if name.split(".")[0] in HOOK_MODULES:
             return "a Python start-up hook"
         if kind == "file" and name.endswith(".pth") and any(

@@ -106,10 +106,13 @@ state_dir_option = click.option(
 def resolve_config(config_path: Path | None, provider: str | None, state_dir: Path):
     """--config, else the config a previous controller saved in the state dir, else the
     defaults; --provider overrides."""
-    from sandfleet.config import FleetConfig, load_config
+    from sandfleet.config import FleetConfig, config_file, load_config
 
     if config_path is not None:
-        config = load_config(config_path)
+        try:
+            config = load_config(config_file(config_path))
+        except FileNotFoundError as e:
+            raise click.BadParameter(str(e), param_hint="--config") from None
     elif (state_dir / "fleet.json").exists():
         config = FleetConfig.model_validate_json((state_dir / "fleet.json").read_text())
     else:
@@ -139,9 +142,9 @@ def _ask(state_dir: Path, message, timeout: float = 30.0) -> dict:
 
 
 @main.command("up")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False,
-                                                         path_type=Path),
-              help="Fleet config (YAML); default: the state dir's saved one, or defaults.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Fleet config (YAML path, or a shipped one's name: fleet, fleet-slurm); "
+                   "default: the state dir's saved one, or defaults.")
 @click.option("--provider", type=click.Choice(["slurm", "local"]), default=None,
               help="Override the config's provider.")
 @state_dir_option
@@ -188,7 +191,9 @@ def up_cmd(ctx: click.Context, config_path: Path | None, provider: str | None,
     argv = [sys.executable, "-m", "sandfleet.cli", *verbosity, "up", "--foreground",
             "--state-dir", str(state_dir)]
     if config_path is not None:
-        argv += ["--config", str(config_path.absolute())]
+        from sandfleet.config import config_file
+
+        argv += ["--config", str(config_file(config_path).absolute())]
     if provider:
         argv += ["--provider", provider]
     log_path = state_dir / "logs" / "controller.log"
@@ -234,6 +239,22 @@ def _offline_cleanup(state_dir: Path) -> list[str]:
     if (state_dir / JOURNAL).exists():
         rewrite(state_dir / JOURNAL, [FleetDown()])
     return done
+
+
+@main.command("config")
+@click.argument("name", required=False)
+def config_cmd(name: str | None) -> None:
+    """Print a shipped fleet config (to copy and edit), or list them."""
+    from sandfleet.config import config_file, shipped_configs
+
+    if name is None:
+        for shipped, path in sorted(shipped_configs().items()):
+            click.echo(f"{shipped}\t{path}")
+        return
+    try:
+        click.echo(config_file(name).read_text(), nl=False)
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="NAME") from None
 
 
 @main.command("down")

@@ -1,4 +1,4 @@
-"""The fleet's configuration: one strict model, loaded from YAML (``configs/fleet.yaml``).
+"""The fleet's configuration: one strict model, loaded from YAML (``sandfleet/configs/fleet.yaml``).
 
 Unknown keys are an error at load time. ``{user}`` in path fields is replaced by this
 user's name. The controller saves the resolved config as ``fleet.json`` in its state dir;
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Literal
 
@@ -169,6 +170,30 @@ class FleetConfig(Strict):
         data = self.model_dump()
         data.update({k: v for k, v in changes.items() if v is not None})
         return FleetConfig.model_validate(data)
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The fleet configs shipped in the package (``fleet``, ``fleet-slurm``), by name."""
+    folder = resources.files("sandfleet").joinpath("configs")
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir()
+            if p.name.endswith(".yaml")}
+
+
+def config_file(name: str | os.PathLike) -> Path:
+    """A fleet config given as a path (as is, when it is a file) or as a shipped config's
+    name: ``fleet-slurm``, ``fleet-slurm.yaml`` or ``configs/fleet-slurm.yaml`` (the
+    checkout's path, which then works from any folder and from an installed wheel)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    if len(parts) == 1 and Path(parts[0]).stem in shipped and parts[0] in (
+            Path(parts[0]).stem, f"{Path(parts[0]).stem}.yaml"):
+        return shipped[Path(parts[0]).stem]
+    raise FileNotFoundError(f"{path}: no such file, and no shipped fleet config of that name "
+                            f"(shipped: {', '.join(sorted(shipped))}; `sandfleet config NAME` "
+                            "prints one to copy)")
 
 
 def load_config(path: str | os.PathLike | None = None) -> FleetConfig:

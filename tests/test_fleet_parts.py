@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from sandfleet.config import FleetConfig, load_config
+from sandfleet.config import FleetConfig, config_file, load_config
 from sandfleet.errors import (
     BadRequest,
     NodeLost,
@@ -73,8 +73,16 @@ def test_every_fleet_config_parses_and_unknown_keys_fail(tmp_path):
     assert cluster.slurm.partition and cluster.slurm.setup
     for name, field in FleetConfig.model_fields.items():
         assert field.description, f"field {name} has no docstring"
+    # shipped configs by name (an installed wheel has no configs/ folder), paths as given
+    assert config_file("fleet-slurm") == config_file("fleet-slurm.yaml") == \
+        (REPO / "configs" / "fleet-slurm.yaml").resolve()
+    assert config_file("fleet-slurm").read_text() == (REPO / "configs" / "fleet-slurm.yaml"
+                                                      ).read_text()
+    with pytest.raises(FileNotFoundError, match="shipped: fleet, fleet-slurm"):
+        config_file("fleet-slurmm")
     bad = tmp_path / "bad.yaml"
     bad.write_text("provider: local\nmax_nodez: 3\n")
+    assert config_file(bad) == bad
     with pytest.raises(ValueError, match="max_nodez"):
         load_config(bad)
 

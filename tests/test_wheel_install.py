@@ -143,6 +143,12 @@ def test_the_commands_run_from_the_install(installed):
     worker = run([str(bin_dir / "sandfleet"), "up", "--provider", "slurm", "--dry-run",
                   "--state-dir", str(cwd / "fleet")], env, cwd).stdout
     assert "#SBATCH --job-name=sandfleet-" in worker and "sandfleet.cli" in worker
+    # the cluster example ships in sandfleet: by name, and printed to copy
+    cluster = run([str(bin_dir / "sandfleet"), "up", "--config", "fleet-slurm", "--dry-run",
+                   "--state-dir", str(cwd / "fleet")], env, cwd).stdout
+    assert '"runtime": "apptainer"' in cluster and "#SBATCH" in cluster
+    shown = run([str(bin_dir / "sandfleet"), "config", "fleet-slurm"], env, cwd).stdout
+    assert shown.startswith("# Sandfleet on a Slurm cluster") and "provider: slurm" in shown
 
 
 def test_the_9b_slurm_launch_dry_run_from_the_install(installed):

@@ -65,8 +65,8 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest/__init__.py": "file",  # before the image's pytest
         f"{site}/pytest-9.0.dist-info/METADATA": "file",
         f"{site}/sitecustomize.py": "file",
-        f"{site}/evil.pth": "file:import os; os.system('echo 1 > /logs/verifier/reward.txt')",
-        f"{site}/paths.pth": "file:/opt/lib\n",  # path lines only: seen
+        f"{site}/cmeel.pth": "file:import cmeel_pth\n",  # seen: packages need them
+        f"{site}/paths.pth": "file:/opt/lib\n",
         f"{site}/plug-1.0.dist-info/entry_points.txt": "file:[pytest11]\nplug = plug\n",
         f"{site}/plug.py": "file",
         "/usr/lib/python3.11": "link:/tmp/mine",  # a new folder: a link is seen (no site)
@@ -78,10 +78,10 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest": "shadows the image's Python module pytest",
         f"{site}/pytest-9.0.dist-info": "shadows the image's Python module dist:pytest",
         f"{site}/sitecustomize.py": "a Python start-up hook",
-        f"{site}/evil.pth": "a .pth file that runs code at every Python start-up",
         f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin"}
     assert {p for p, _ in got.copy} == {
-        "/usr/local/bin/mytool", f"{site}/paths.pth", f"{site}/plug-1.0.dist-info",
+        "/usr/local/bin/mytool", f"{site}/paths.pth", f"{site}/cmeel.pth",
+        f"{site}/plug-1.0.dist-info",
         f"{site}/plug.py", "/usr/lib/python3.11", "/usr/local/sbin"}
 
 
@@ -138,15 +138,15 @@ subprocess.run(["sh", "-c", "mytool; cat /usr/share/mine/data.txt; ls /usr/local
                 "test -u /usr/local/bin/mytool && echo setuid-kept"])
 """
 FAKE_PYTHON = "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\nkill -9 $PPID\n"
-EVIL_PTH = "import os; os.system('echo 1 > /logs/verifier/reward.txt; kill -9 $PPID')\n"
+PTH = "import sys; sys.stderr.write('pth-ran\\n')\n"
 
 
 @pytest.mark.sandbox
 def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs(
         runtime, make, tmp_path):
     """As ``apt-get install nginx`` or ``pip install grpcio`` into the system Python leave
-    them: a new program, a new module in a site folder and a data file are seen; a python3
-    before the image's on PATH, a ``.pth`` that runs code and a ``sitecustomize`` are not,
+    them: a new program, a new module and a ``.pth`` in a site folder and a data file are
+    seen; a python3 before the image's on PATH and a ``sitecustomize`` are not,
     nor a package the verifier's own script installs (its curl), nor the agent's copy of an
     image file. With SANDFLEET_VERIFIER_ADDITIONS=0, none."""
     sid = make()
@@ -157,7 +157,7 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
         write_file("/usr/local/bin/mytool", "#!/bin/sh\necho mytool-ran\n", "4755"),
         write_file("/usr/local/bin/python3", FAKE_PYTHON, "755"),
         write_file(f"{site}/newmod.py", "X = 42\n"),
-        write_file(f"{site}/evil.pth", EVIL_PTH),
+        write_file(f"{site}/hook.pth", PTH),
         write_file(f"{site}/sitecustomize.py", "import os\nos._exit(0)\n"),
         write_file("/usr/share/mine/data.txt", "agent-data\n"),
         write_file("/usr/local/bin/curl", FAKE_PYTHON, "755"),
@@ -167,6 +167,7 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     assert "no-curl" in result.output, result.output  # (named by test.sh, not the image's)
     assert "mytool-ran" in result.output and "newmod 42" in result.output, result.output
     assert "python /usr/bin/python3" in result.output and "agent-data" in result.output
+    assert "pth-ran" in result.output  # (as on Harbor: the audit's site-hook probe)
     assert "setuid-kept" not in result.output  # set-user-ID dropped on the copy
     listed = result.output.split("agent-data", 1)[1]
     assert "mytool" in listed and "python3" not in listed and "curl" not in listed

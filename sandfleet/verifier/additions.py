@@ -19,15 +19,17 @@ where the image's ran before:
   agent's nginx or git, stay seen);
 - a link where a PATH folder or a Python site folder (or a folder above one) is, which would
   put the agent's own folder there;
-- Python's start-up hooks: ``sitecustomize``/``usercustomize`` modules, ``.pth`` files with
-  an ``import`` line (run at every start-up), pytest plugins declared in an
+- Python's ``sitecustomize``/``usercustomize`` modules, and pytest plugins declared in an
   ``entry_points.txt`` (``[pytest11]``, loaded by every pytest);
 - a module, package or distribution in a site folder with the name of one the image has in
   any of its site folders (an earlier site folder's copy shadows it).
 
 What stays possible, as on Harbor: tests that run a program the agent installed (nginx,
-``git``) run the agent's program; a task graded that way can be passed by that program
-(as by agent code its tests import: ``tmax audit``'s exploit probes).
+``git``) run the agent's program, and a verifier that runs the image's Python over a site
+folder the agent installed into runs the ``.pth`` files there (``import`` lines included:
+packages need them, cmeel's ``import cmeel_pth`` puts eigenpy on sys.path); a task graded
+that way can be passed by that code, as by agent code its tests import (``tmax audit``'s
+exploit probes plant both).
 
 ``plan_additions(image, upper, folders, path)`` is pure: it reads two trees (the image as
 built, the agent's own layer: only what it changed) and returns ``Additions``; the runtime
@@ -110,10 +112,6 @@ class _Rules:
             return f"a package the verifier's script installs ({name})"
         if name.split(".")[0] in HOOK_MODULES:
             return "a Python start-up hook"
-        if kind == "file" and name.endswith(".pth") and any(
-                line.startswith(("import ", "import\t"))
-                for line in upper.read(path).splitlines()):
-            return "a .pth file that runs code at every Python start-up"
         if kind == "file" and name == "entry_points.txt" and \
                 "[pytest11]" in upper.read(path).replace(" ", ""):
             return "declares a pytest plugin"

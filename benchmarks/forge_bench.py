@@ -4,7 +4,7 @@ after the verifier plan (``sandfleet.verifier.plan``).
     .venv/bin/python benchmarks/forge_bench.py [--store ~/.cache/tmax/test-harbor-examples]
         [--old-rev 63d0e48] [--new-tree .] [--out FILE.json]
 
-Run as root, after tests/test_harbor_examples.py has built the examples' images into the
+Run as root, after tests/integration/test_harbor_examples.py has built the examples' images into the
 store (content-addressed: the same images both implementations grade). Each implementation
 runs in an agent process of its own from its tree (``--old-rev``: a git worktree made under
 /tmp and removed at the end; ``--new-tree``: a checkout), so imports never mix. For every

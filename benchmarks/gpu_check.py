@@ -14,7 +14,7 @@ the trainer's log-probs of the same tokens through its chunked head (the gap), t
 step, the weights the engine loads and the version it reports afterwards, and the NCCL
 sender's ZeRO-3 gather (``tmax.train.weight_sync.checkpoint_tensors``: every tensor it
 would broadcast equals the exported weights). vLLM's NCCL broadcast itself needs vLLM on
-both ends and is checked against vLLM's classes in tests/test_nccl_sync.py.
+both ends and is checked against vLLM's classes in tests/integration/test_nccl_sync.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Checks of the apptainer runtime against a real Apptainer, shared by root and an ordinary
-user: tests/test_apptainer_real.py calls each ``case_*`` in-process as root, and runs
+user: tests/integration/test_apptainer_real.py calls each ``case_*`` in-process as root, and runs
 ``python -m tests.apptainer_cases CASE IMAGE STATE_DIR`` as an ordinary user it creates
 (the cluster case: no setuid starter, user namespaces, ``--fakeroot``). A case returns a
 small JSON-able dict of what it saw; its asserts are the test.
@@ -292,13 +292,13 @@ def case_verifier_seal(runtime: ApptainerRuntime, image: Path) -> dict:
     return got
 
 
-# the boilerplates' forgeries (tests/test_verifier_forge_attacks.py has the local runtime's), on
+# the boilerplates' forgeries (tests/integration/test_verifier_forge_attacks.py has the local runtime's), on
 # the image of its ``forge_sif``: a top-level /venv whose runner writes 0.25, verifier tools
 # whose uvx exits 1 (the tests ran and failed). attack -> (agent's commands, test.sh,
 # verifier env, expected reward)
 def forge_attacks() -> dict:
+    from tests.integration.test_verifier_forge_attacks import HARBOR_SH, RUNNER_SH, UNITTEST_SH
     from tests.seal_helpers import HOST_PATH, write_file
-    from tests.test_verifier_forge_attacks import HARBOR_SH, RUNNER_SH, UNITTEST_SH
 
     wrong = write_file("/app/solution.py", "def answer():\n    return 41\n")
     pytest_sh = ("cd /app\npython3 -m pytest /tests -q\nif [ $? -eq 0 ]; then echo 1 > "
@@ -331,8 +331,8 @@ def case_verifier_forges(runtime: ApptainerRuntime, image: Path) -> dict:
     """Each of ``forge_attacks`` in a sandbox of the forge image, then its verifier: the
     reward it wrote, per attack; the legitimate path (the agent's module right, imported
     from the workdir) still scores 1."""
+    from tests.integration.test_verifier_forge_attacks import TEST_SOLUTION
     from tests.seal_helpers import write_file
-    from tests.test_verifier_forge_attacks import TEST_SOLUTION
 
     got = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -475,7 +475,7 @@ HOST_REACH = {
     "root_cgroup": "echo $$ > /sys/fs/cgroup/memory/cgroup.procs",
     "unified_cgroup": "echo $$ > /sys/fs/cgroup/cgroup.procs",
 }
-"""Writes to the host's kernel settings and cgroups from inside (tests/test_seal_inside.py
+"""Writes to the host's kernel settings and cgroups from inside (tests/integration/test_seal_inside.py
 runs them as root, where Apptainer does not stop them)."""
 
 

@@ -50,7 +50,7 @@ def local_slurm():
         )
     # Not under pytest's tmp root (0700, and made so again by every pytest that starts):
     # like a real cluster's, its munge socket and slurm.conf serve other users' jobs too
-    # (tests/test_apptainer_slurm.py submits as an ordinary user).
+    # (tests/integration/test_apptainer_slurm.py submits as an ordinary user).
     root = Path(tempfile.mkdtemp(prefix="tmax-local-slurm-", dir="/tmp"))
     root.chmod(0o755)
     up = local_slurm_cmd("up", "--dir", str(root), "--nodes", "3", "--cpus", "2")
@@ -248,7 +248,7 @@ def pytest_collection_modifyitems(config, items):
             "slurm must be marked slow: add @pytest.mark.slow to\n  " + "\n  ".join(unmarked))
 
 
-MYPY_TEST = "tests/test_lint.py::test_mypy_finds_nothing"
+MYPY_TEST = "tests/unit/test_lint.py::test_mypy_finds_nothing"
 early_mypy: dict[str, Any] = {}
 """The type check, started in the background when the session holds its test (it takes
 about two minutes of one core on a fresh clone, much of it while other tests wait on

@@ -4,10 +4,10 @@ scripts, the runtime-level helpers, and the runtimes they attack.
 Two sets of runtime fixtures, each named ``runtime`` and ``make`` where a module imports it:
 
 - ``runtime``, ``make`` (and ``dirs``): one local runtime per module, for the modules that
-  attack only the local runtime's mechanics (tests/test_verifier_root_attacks.py, ...).
+  attack only the local runtime's mechanics (tests/integration/test_verifier_root_attacks.py, ...).
 - ``sealed_runtime``, ``sealed_make`` (fixture names ``runtime`` and ``make``): one runtime
   per module per parameter, ``local`` or ``apptainer`` (the real Apptainer as root, as
-  tests/test_apptainer_real.py runs it; the ordinary user's case is there). A test chooses
+  tests/integration/test_apptainer_real.py runs it; the ordinary user's case is there). A test chooses
   its runtimes with ``on_both_runtimes``: an attack the apptainer runtime cannot stop is a
   strict expected failure there, its reason the missing guarantee as docs/sandbox.md's
   table names it.
@@ -152,7 +152,7 @@ def on_both_runtimes(apptainer_lacks: str | None = None):
     ``runtime``, or the example fleet's ``fleet``, whichever the test takes); with
     ``apptainer_lacks``, the apptainer case is a strict expected failure for that reason.
     The apptainer case is slow (left out of the quick tier)."""
-    marks = [pytest.mark.slow]  # (as all of tests/test_apptainer_real.py)
+    marks = [pytest.mark.slow]  # (as all of tests/integration/test_apptainer_real.py)
     if apptainer_lacks is not None:
         marks.append(pytest.mark.xfail(strict=True, reason=f"apptainer: {apptainer_lacks}"))
     apptainer = pytest.param("apptainer", marks=marks)

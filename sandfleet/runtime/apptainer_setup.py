@@ -173,7 +173,7 @@ NOT_GUARANTEED = [*VERIFIER_NOT_GUARANTEED,
 AS_ROOT = ("root: root inside is host uid 0 (a user namespace mapping 0 to 0): it writes the "
            "host's kernel settings in /proc/sys and the cgroup files in /sys/fs/cgroup (its "
            "own memory limit, other instances' cgroups), mounts and makes namespaces inside; "
-           "a full /dev/shm gets the instance OOM-killed (tests/test_seal_inside.py)")
+           "a full /dev/shm gets the instance OOM-killed (tests/integration/test_seal_inside.py)")
 """What it cannot give when run as root (an ordinary user's root inside is that user)."""
 ROOT_REFUSAL = ("Apptainer run as root gives the sandbox host root: " + AS_ROOT.split(": ", 1)[1]
                 + ". Run the worker as an ordinary user (the cluster case: root inside is then that "

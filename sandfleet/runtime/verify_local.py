@@ -341,7 +341,7 @@ class LocalVerifier:
             log.warning("sandbox %s: the agent's additions to %s not copied for the "
                         "verifier: %s", record.sandbox_id, ", ".join(bound), e)
             return []
-        pairs = []
+        pairs: list[str] = []
         for k, (_source, dest) in enumerate(spec.ro_binds):
             if dest in got:
                 spec.ro_binds[k] = (str(self.mnt / "verifier" / f"s{len(pairs)}"), dest)

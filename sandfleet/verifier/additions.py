@@ -89,7 +89,7 @@ def script_words(texts: Iterable[str]) -> set[str]:
 
 
 class _Rules:
-    def __init__(self, image: Tree, path: str, words: set[str] = frozenset()):
+    def __init__(self, image: Tree, path: str, words: frozenset[str] | set[str] = frozenset()):
         self.words = words
         self.path_dirs = [p for p in dict.fromkeys(path.split(":")) if p.startswith("/")]
         self.resolved = {d: _resolve(image, d) for d in self.path_dirs}

@@ -8,7 +8,7 @@ an infrastructure failure as ``InfraError.to_dict()``, anything else as
 the model of its result (``Request.Result``: ``Grant``, ``ExecReply``, ``HeartbeatReply``...);
 ``parse_result`` reads a reply's result with it. Servers send either that model or a dict
 of exactly its fields (the controller's grant is built as a dict: it runs for every acquire
-and renew); tests/test_wire_compat.py holds the bytes of each, so a change of the format
+and renew); tests/unit/test_wire_compat.py holds the bytes of each, so a change of the format
 fails there.
 
 Unknown fields, and why the two directions differ (a rolling restart upgrades the
@@ -379,7 +379,7 @@ class Heartbeat(Request):
 
 class SandboxSpecModel(Message):
     """``sandfleet.runtime.base.SandboxSpec`` as it crosses the wire (the same fields, in
-    the same order, with the same bounds; tests/test_wire_compat.py checks they match)."""
+    the same order, with the same bounds; tests/unit/test_wire_compat.py checks they match)."""
 
     image: str = Field(min_length=1, max_length=4096)
     """Path of the SIF file on the worker's node."""

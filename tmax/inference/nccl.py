@@ -13,7 +13,7 @@
   ``packed*`` fields belong to the init info). Names are the checkpoint's (the model's
   ``load_weights`` maps them), dtype names are ``torch`` attribute names.
 
-Nothing here imports vLLM. ``tests/test_nccl_sync.py`` validates these payloads with the
+Nothing here imports vLLM. ``tests/integration/test_nccl_sync.py`` validates these payloads with the
 installed vLLM's classes.
 """
 

@@ -22,7 +22,10 @@ where the image's ran before:
 - Python's ``sitecustomize``/``usercustomize`` modules, and pytest plugins declared in an
   ``entry_points.txt`` (``[pytest11]``, loaded by every pytest);
 - a module, package or distribution in a site folder with the name of one the image has in
-  any of its site folders (an earlier site folder's copy shadows it).
+  any of its site folders (an earlier site folder's copy shadows it), and anything new in
+  the standard library's folders or a ``pythonXY.zip`` (both come before every site
+  folder on ``sys.path``, a venv's too: a ``pytest.py`` there would be the pytest of
+  ``uvx ... pytest``) but the parts Debian packages apart (``STDLIB_PARTS``).
 
 What stays possible, as on Harbor: tests that run a program the agent installed (nginx,
 ``git``) run the agent's program, and a verifier that runs the image's Python over a site
@@ -52,6 +55,14 @@ SITE_FOLDER = re.compile(r"/(?:usr|usr/local|opt/[^/]+)/lib(?:32|64)?/python[0-9
                          r"(?:site|dist)-packages")
 """Python site folders (Debian's dist-packages, the image's site-packages)."""
 PYTHON_LIBS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64")
+STDLIB_FOLDER = re.compile(r"/usr(?:/local)?/lib(?:32|64)?/python[0-9.]+(?:/lib-dynload)?")
+STDLIB_ZIP = re.compile(r"python[0-9]+\.zip")
+STDLIB_PARTS = frozenset({"ensurepip", "tkinter", "_tkinter", "idlelib", "turtledemo",
+                          "turtle", "distutils", "lib2to3", "pydoc_data", "test"})
+"""The standard library's folders and zip come before every site folder on ``sys.path``
+(a venv's too): what the agent adds there is not the verifier's (pip never installs there),
+but the parts Debian ships in packages of their own (python3-venv's ``ensurepip``,
+python3-tk, python3-distutils, python3-lib2to3, idle, the test suite)."""
 WORD = re.compile(r"[a-z0-9][a-z0-9+.:=~-]*")
 APT_INSTALL = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\b([^;&|\n]*)")
 DIST_INFO = re.compile(r"(.+?)-[0-9][^/]*\.(?:dist-info|egg-info)$")
@@ -117,6 +128,9 @@ class _Rules:
             return "declares a pytest plugin"
         if SITE_FOLDER.fullmatch(folder) and _module(name) in self.modules:
             return f"shadows the image's Python module {_module(name)}"
+        if (STDLIB_FOLDER.fullmatch(folder) and _module(name) not in STDLIB_PARTS) or \
+                (STDLIB_ZIP.fullmatch(name) and folder in PYTHON_LIBS):
+            return "in the Python standard library's place (before every site folder)"
         return ""
 
 

@@ -70,6 +70,10 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/plug-1.0.dist-info/entry_points.txt": "file:[pytest11]\nplug = plug\n",
         f"{site}/plug.py": "file",
         "/usr/lib/python3.11": "link:/tmp/mine",  # a new folder: a link is seen (no site)
+        "/usr/local/lib/python3.11/pytest.py": "file",  # the stdlib's folder: before sites
+        "/usr/local/lib/python3.11/lib-dynload/_pytest.so": "file",
+        "/usr/local/lib/python311.zip": "file",
+        "/usr/local/lib/python3.11/ensurepip/__init__.py": "file",  # python3-venv's: seen
     })
     got = plan_additions(IMAGE, upper, ["/usr"], PATH)
     assert dict(got.hidden) == {
@@ -78,10 +82,12 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest": "shadows the image's Python module pytest",
         f"{site}/pytest-9.0.dist-info": "shadows the image's Python module dist:pytest",
         f"{site}/sitecustomize.py": "a Python start-up hook",
-        f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin"}
+        f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin",
+        **dict.fromkeys(("/usr/local/lib/python3.11/pytest.py", "/usr/local/lib/python311.zip", "/usr/local/lib/python3.11/lib-dynload"), "in the Python standard library's place (before every site folder)")}  # (a folder the image has not)
     assert {p for p, _ in got.copy} == {
         "/usr/local/bin/mytool", f"{site}/paths.pth", f"{site}/cmeel.pth",
-        f"{site}/plug-1.0.dist-info",
+        f"{site}/plug-1.0.dist-info", "/usr/local/lib/python3.11/ensurepip",
+        "/usr/local/lib/python3.11/ensurepip/__init__.py",
         f"{site}/plug.py", "/usr/lib/python3.11", "/usr/local/sbin"}
 
 
@@ -133,7 +139,9 @@ python3 /tests/check.py
 CHECK_PY = """\
 import subprocess, sys
 import newmod
+import importlib.util
 print("newmod", newmod.X, "python", sys.executable, flush=True)
+print("stdlib-planted", importlib.util.find_spec("agentstd") is not None, flush=True)
 subprocess.run(["sh", "-c", "mytool; cat /usr/share/mine/data.txt; ls /usr/local/bin; "
                 "test -u /usr/local/bin/mytool && echo setuid-kept"])
 """
@@ -153,10 +161,13 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     site = run(runtime, sid, "python3 -c 'import site; print(site.getsitepackages()[0])'"
                ).output.strip()
     assert site.startswith("/usr/"), site
+    stdlib = run(runtime, sid, "python3 -c 'import os; print(os.path.dirname(os.__file__))'"
+                 ).output.strip()
     run(runtime, sid, " && ".join([
         write_file("/usr/local/bin/mytool", "#!/bin/sh\necho mytool-ran\n", "4755"),
         write_file("/usr/local/bin/python3", FAKE_PYTHON, "755"),
         write_file(f"{site}/newmod.py", "X = 42\n"),
+        write_file(f"{stdlib}/agentstd.py", "X = 1\n"),  # before every site folder
         write_file(f"{site}/hook.pth", PTH),
         write_file(f"{site}/sitecustomize.py", "import os\nos._exit(0)\n"),
         write_file("/usr/share/mine/data.txt", "agent-data\n"),
@@ -168,6 +179,7 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     assert "mytool-ran" in result.output and "newmod 42" in result.output, result.output
     assert "python /usr/bin/python3" in result.output and "agent-data" in result.output
     assert "pth-ran" in result.output  # (as on Harbor: the audit's site-hook probe)
+    assert "stdlib-planted False" in result.output, result.output
     assert "setuid-kept" not in result.output  # set-user-ID dropped on the copy
     listed = result.output.split("agent-data", 1)[1]
     assert "mytool" in listed and "python3" not in listed and "curl" not in listed

@@ -308,13 +308,16 @@ class _Probes:
     @contextlib.asynccontextmanager
     async def sandbox(self) -> AsyncIterator[Box]:
         env = self.task.config.environment
+        # the agent's network, as the build-time checks and rollouts give it (a Harbor task
+        # that says nothing: the package registries, which its solution may install from)
+        network, hosts = self.task.config.agent_network("registries")
         t0 = time.monotonic()
         self.report.sandboxes += 1
         try:
             async with self.prober.fleet.lease(self.sif, cpus=env.cpus,
                                                memory_mb=env.memory_mb,
                                                storage_mb=env.storage_mb,
-                                               network=env.network,
+                                               network=network, allowed_hosts=hosts,
                                                workdir=self.workdir,
                                                user=self.prober.images.user(self.task)
                                                ) as lease:

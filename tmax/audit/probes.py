@@ -76,6 +76,27 @@ rarely there; /usr/share/doc is kept)."""
 INFRA_RETRIES = 2
 
 
+
+WRITE_COMMAND_BYTES = 256 << 10
+"""The longest command ``Box.write`` sends at once (the wire takes up to 1 MiB)."""
+
+
+def command_chunks(lines: list[str], limit: int) -> list[str]:
+    """``lines`` joined with `` && `` into commands of at most ``limit`` characters each
+    (one longer line is a command of its own), in order."""
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for line in lines:
+        if current and size + 4 + len(line) > limit:
+            chunks.append(" && ".join(current))
+            current, size = [], 0
+        size += (4 if current else 0) + len(line)
+        current.append(line)
+    if current:
+        chunks.append(" && ".join(current))
+    return chunks
+
 class ProbeError(Exception):
     """A probe's own command failed in the sandbox (not the task's doing)."""
 
@@ -197,7 +218,9 @@ class Box:
                          f"chmod {mode & 0o7777:o} {q}")
         folder = await self.folder()
         await self.shell.put_file(stage, f"{folder}/stage")
-        await self.run(" && ".join(lines) + f" && rm -rf {folder}/stage", "writing files")
+        for chunk in command_chunks(lines, WRITE_COMMAND_BYTES):  # (a solution's whole
+            await self.run(chunk, "writing files")                # site-packages: many)
+        await self.run(f"rm -rf {folder}/stage", "writing files")
 
     @property
     def _task(self) -> Task:

@@ -1,4 +1,4 @@
-"""The audit's probe sandboxes get the agent's network as the build-time checks and rollouts
+"""The audit's probe sandboxes: they get the agent's network as the build-time checks and rollouts
 do: a Harbor task that says nothing gets the package registries (TB 2.0's kv-store-grpc and
 largest-eigenval install with pip at agent time; offline the audit called their reference
 solutions broken)."""
@@ -68,3 +68,18 @@ def test_probe_sandboxes_get_the_agents_network_as_the_checks_do(tmp_path, toml,
         asyncio.run(go())
     assert (prober.fleet.kwargs["network"], tuple(prober.fleet.kwargs["allowed_hosts"])) == \
         (network, tuple(hosts))
+
+
+def test_files_are_written_in_commands_the_wire_takes():
+    """The replay and exit-on-import probes write a solution's outputs back; for a solution
+    that pip-installs a package (TB 2.0's largest-eigenval: thousands of files) one command
+    was over the wire's 1 MiB and the probe crashed."""
+    from tmax.audit.probes import WRITE_COMMAND_BYTES, command_chunks
+
+    lines = [f"cat /s/{i} > /app/site/f{i}.py" for i in range(40000)]
+    chunks = command_chunks(lines, WRITE_COMMAND_BYTES)
+    assert len(" && ".join(lines)) > 1 << 20 and len(chunks) > 4
+    assert all(len(c) <= WRITE_COMMAND_BYTES for c in chunks)
+    assert " && ".join(chunks) == " && ".join(lines)  # all of them, in order
+    assert command_chunks(["x" * 20, "y"], 10) == ["x" * 20, "y"]
+    assert command_chunks([], 10) == []

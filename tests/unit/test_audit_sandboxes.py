@@ -1,7 +1,7 @@
-"""The audit's probe sandboxes: they get the agent's network as the build-time checks and rollouts
-do: a Harbor task that says nothing gets the package registries (TB 2.0's kv-store-grpc and
-largest-eigenval install with pip at agent time; offline the audit called their reference
-solutions broken)."""
+"""The audit's probe sandboxes: the agent's network as the build-time checks and rollouts
+give it (a Harbor task that says nothing gets the package registries: TB 2.0's kv-store-grpc
+and largest-eigenval install with pip at agent time; offline the audit called their
+reference solutions broken), and files written in commands the wire takes."""
 
 from __future__ import annotations
 

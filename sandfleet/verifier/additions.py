@@ -19,8 +19,13 @@ where the image's ran before:
   agent's nginx or git, stay seen);
 - a link where a PATH folder or a Python site folder (or a folder above one) is, which would
   put the agent's own folder there;
-- Python's ``sitecustomize``/``usercustomize`` modules, and pytest plugins declared in an
-  ``entry_points.txt`` (``[pytest11]``, loaded by every pytest);
+- Python's start-up hooks: ``sitecustomize``/``usercustomize`` modules and ``.pth`` files
+  with an ``import`` line (run at every start of the image's Python: an ``atexit`` there
+  rewrites the reward of any verifier written in Python), and pytest plugins declared in an
+  ``entry_points.txt`` (``[pytest11]``, loaded by every pytest). The one common package
+  layout that needs such a line, cmeel's (eigenpy, pinocchio: ``import cmeel_pth`` puts
+  ``cmeel.prefix/lib/pythonX.Y/site-packages`` on ``sys.path``), the verifier's
+  ``sitecustomize`` (``pathguard``) adds as a path instead, at the end;
 - a module, package or distribution in a site folder with the name of one the image has in
   any of its site folders (an earlier site folder's copy shadows it), and anything new in
   the standard library's folders or a ``pythonXY.zip`` (both come before every site
@@ -28,11 +33,9 @@ where the image's ran before:
   ``uvx ... pytest``) but the parts Debian packages apart (``STDLIB_PARTS``).
 
 What stays possible, as on Harbor: tests that run a program the agent installed (nginx,
-``git``) run the agent's program, and a verifier that runs the image's Python over a site
-folder the agent installed into runs the ``.pth`` files there (``import`` lines included:
-packages need them, cmeel's ``import cmeel_pth`` puts eigenpy on sys.path); a task graded
-that way can be passed by that code, as by agent code its tests import (``tmax audit``'s
-exploit probes plant both).
+``git``) run the agent's program, and tests that import a package the agent installed run
+its code; a task graded that way can be passed by that code (``tmax audit``'s exploit
+probes plant such code where the tests import it).
 
 ``plan_additions(image, upper, folders, path)`` is pure: it reads two trees (the image as
 built, the agent's own layer: only what it changed) and returns ``Additions``; the runtime
@@ -123,6 +126,10 @@ class _Rules:
             return f"a package the verifier's script installs ({name})"
         if name.split(".")[0] in HOOK_MODULES:
             return "a Python start-up hook"
+        if kind == "file" and name.endswith(".pth") and any(
+                line.startswith(("import ", "import\t"))
+                for line in upper.read(path).splitlines()):
+            return "a .pth file that runs code at every Python start-up"
         if kind == "file" and name == "entry_points.txt" and \
                 "[pytest11]" in upper.read(path).replace(" ", ""):
             return "declares a pytest plugin"

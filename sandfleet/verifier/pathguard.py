@@ -11,7 +11,8 @@ import (tests that import the agent's code from the workdir work), but only unde
 nothing before it has; and ``importlib.metadata`` cannot read it (no entry-point plugins from
 the workdir). A script's folder stays where it is: /tests' scripts are the task's.
 
-Then the image's own ``sitecustomize``, if it has one, is imported as it would have been.
+Then the image's own ``sitecustomize``, if it has one, is imported as it would have been, and
+cmeel's package folder is put on ``sys.path`` (``_cmeel_paths``).
 Written for any Python the image may have (no annotations or f-strings; inert where there is
 no ``importlib.machinery``, as in Python 2).
 """
@@ -88,7 +89,22 @@ def _chain():
         sys.path[:] = [e for e in saved if os.path.abspath(e or ".") != here]
 
 
+def _cmeel_paths():
+    """cmeel's packages (eigenpy, pinocchio...) live under ``<site>/cmeel.prefix/lib/
+    pythonX.Y/site-packages``, which their ``.pth`` line (``import cmeel_pth``) adds; the
+    verifier does not run ``.pth`` code (``sandfleet.verifier.additions``), so the folder is
+    added here, as a path, after everything else (it adds modules, never replaces one)."""
+    version = str(sys.version_info[0]) + "." + str(sys.version_info[1])
+    tail = os.path.join("cmeel.prefix", "lib", "python" + version, "site-packages")
+    for entry in list(sys.path):
+        if isinstance(entry, str) and entry.endswith(("site-packages", "dist-packages")):
+            found = os.path.join(entry, tail)
+            if os.path.isdir(found) and found not in sys.path:
+                sys.path.append(found)
+
+
 if __name__ == "sitecustomize":
     sys.path_hooks.insert(0, _hook)
     sys.meta_path.insert(0, _Guard)
     _chain()
+    _cmeel_paths()

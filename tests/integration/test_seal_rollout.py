@@ -185,11 +185,14 @@ def test_a_symlinked_etc_does_not_forge_the_reward_through_the_rollout(example_s
                          ids=["agent_system", "image_system"])
 def test_a_task_opting_in_to_agent_system_sees_the_agents_usr(opt_in, reward, tmp_path,
                                                                example_store, fleet):
+    """The agent's program named as one of the image's (``basename``, before the image's
+    /usr/bin/basename on PATH) grades only a task that opts in (a program the image has
+    not, the local verifier sees without: tests/integration/test_verifier_additions.py)."""
     test_sh = ("#!/bin/bash\nmkdir -p /logs/verifier\necho 0 > /logs/verifier/reward.txt\n"
-               "agent-tool > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
+               "basename /x/0 > /tmp/r && mv /tmp/r /logs/verifier/reward.txt\n")
     task = copy_task(HELLO, tmp_path, test_sh=test_sh,
                      verifier="agent_system = true" if opt_in else "")
-    traj = roll(task, [write_file("/usr/local/bin/agent-tool", "#!/bin/sh\necho 1\n", "755")],
+    traj = roll(task, [write_file("/usr/local/bin/basename", "#!/bin/sh\necho 1\n", "755")],
                 example_store, fleet)
     assert scored(traj) == (reward, None, None, "submitted"), traj.verifier_output
 

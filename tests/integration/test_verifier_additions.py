@@ -65,8 +65,8 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest/__init__.py": "file",  # before the image's pytest
         f"{site}/pytest-9.0.dist-info/METADATA": "file",
         f"{site}/sitecustomize.py": "file",
-        f"{site}/cmeel.pth": "file:import cmeel_pth\n",  # seen: packages need them
-        f"{site}/paths.pth": "file:/opt/lib\n",
+        f"{site}/evil.pth": "file:import os; os.system('echo 1 > /logs/verifier/reward.txt')",
+        f"{site}/paths.pth": "file:/opt/lib\n",  # path lines only: seen
         f"{site}/plug-1.0.dist-info/entry_points.txt": "file:[pytest11]\nplug = plug\n",
         f"{site}/plug.py": "file",
         "/usr/lib/python3.11": "link:/tmp/mine",  # a new folder: a link is seen (no site)
@@ -82,10 +82,11 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest": "shadows the image's Python module pytest",
         f"{site}/pytest-9.0.dist-info": "shadows the image's Python module dist:pytest",
         f"{site}/sitecustomize.py": "a Python start-up hook",
+        f"{site}/evil.pth": "a .pth file that runs code at every Python start-up",
         f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin",
         **dict.fromkeys(("/usr/local/lib/python3.11/pytest.py", "/usr/local/lib/python311.zip", "/usr/local/lib/python3.11/lib-dynload"), "in the Python standard library's place (before every site folder)")}  # (a folder the image has not)
     assert {p for p, _ in got.copy} == {
-        "/usr/local/bin/mytool", f"{site}/paths.pth", f"{site}/cmeel.pth",
+        "/usr/local/bin/mytool", f"{site}/paths.pth",
         f"{site}/plug-1.0.dist-info", "/usr/local/lib/python3.11/ensurepip",
         "/usr/local/lib/python3.11/ensurepip/__init__.py",
         f"{site}/plug.py", "/usr/lib/python3.11", "/usr/local/sbin"}
@@ -142,19 +143,23 @@ import newmod
 import importlib.util
 print("newmod", newmod.X, "python", sys.executable, flush=True)
 print("stdlib-planted", importlib.util.find_spec("agentstd") is not None, flush=True)
+import eigenfake
+print("cmeel-path", eigenfake.X, flush=True)
 subprocess.run(["sh", "-c", "mytool; cat /usr/share/mine/data.txt; ls /usr/local/bin; "
                 "test -u /usr/local/bin/mytool && echo setuid-kept"])
 """
 FAKE_PYTHON = "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\nkill -9 $PPID\n"
 PTH = "import sys; sys.stderr.write('pth-ran\\n')\n"
+CMEEL = "cmeel.prefix/lib/python3.11/site-packages"
 
 
 @pytest.mark.sandbox
 def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs(
         runtime, make, tmp_path):
     """As ``apt-get install nginx`` or ``pip install grpcio`` into the system Python leave
-    them: a new program, a new module and a ``.pth`` in a site folder and a data file are
-    seen; a python3 before the image's on PATH and a ``sitecustomize`` are not,
+    them: a new program, a new module in a site folder (cmeel's layout too) and a data file
+    are seen; a python3 before the image's on PATH, a ``.pth`` that runs code and a
+    ``sitecustomize`` are not,
     nor a package the verifier's own script installs (its curl), nor the agent's copy of an
     image file. With SANDFLEET_VERIFIER_ADDITIONS=0, none."""
     sid = make()
@@ -169,6 +174,8 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
         write_file(f"{site}/newmod.py", "X = 42\n"),
         write_file(f"{stdlib}/agentstd.py", "X = 1\n"),  # before every site folder
         write_file(f"{site}/hook.pth", PTH),
+        write_file(f"{site}/cmeel.pth", "import cmeel_pth\n"),  # (as cmeel's wheels do)
+        write_file(f"{site}/{CMEEL}/eigenfake.py", "X = 7\n"),
         write_file(f"{site}/sitecustomize.py", "import os\nos._exit(0)\n"),
         write_file("/usr/share/mine/data.txt", "agent-data\n"),
         write_file("/usr/local/bin/curl", FAKE_PYTHON, "755"),
@@ -178,7 +185,7 @@ def test_the_verifier_sees_what_the_agent_installed_but_runs_the_images_programs
     assert "no-curl" in result.output, result.output  # (named by test.sh, not the image's)
     assert "mytool-ran" in result.output and "newmod 42" in result.output, result.output
     assert "python /usr/bin/python3" in result.output and "agent-data" in result.output
-    assert "pth-ran" in result.output  # (as on Harbor: the audit's site-hook probe)
+    assert "pth-ran" not in result.output and "cmeel-path 7" in result.output
     assert "stdlib-planted False" in result.output, result.output
     assert "setuid-kept" not in result.output  # set-user-ID dropped on the copy
     listed = result.output.split("agent-data", 1)[1]

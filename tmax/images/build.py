@@ -57,7 +57,7 @@ from tmax.tasks.steps import merged_tests
 
 log = logging.getLogger(__name__)
 BUILD_FORMAT = "tmax-images-v2"  # bump when builders change what they produce
-CHECKS_FORMAT = "checks-v11"  # bump when the checks change what they measure (v2: the
+CHECKS_FORMAT = "checks-v12"  # bump when the checks change what they measure (v2: the
 # verifier runs on the image's own PATH, as in rollouts; v3: the image's ENTRYPOINT starts
 # first, the verifier gets the image's environment, separate verifiers, oracle after a nop
 # verifier error; v4: the ENTRYPOINT is given time to settle; v5: a verifier timeout
@@ -67,7 +67,8 @@ CHECKS_FORMAT = "checks-v11"  # bump when the checks change what they measure (v
 # started is a verifier error, a reward of 1 its test report contradicts scores 0; v9: the
 # verifier sees what the agent added to the system folders, sandfleet.verifier.additions;
 # v10: what the verifier's scripts install stays hidden, the rest (.pth files too) is seen;
-# v11: additions in the standard library's folders are hidden)
+# v11: additions in the standard library's folders are hidden; v12: .pth files with import
+# lines hidden again, cmeel's folder put on sys.path by the verifier's sitecustomize)
 
 
 @dataclass

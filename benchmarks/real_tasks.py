@@ -288,6 +288,8 @@ def build(native: str, store: Path, builder: str, timeout: float, tmax: str) -> 
 
 # --------------------------------------------------------------------------- classify
 
+WGET_NET = re.compile(r"RUN .*\bwget\b.*(?:https?|ftp)://[^\s/]+.*\n.*failed with exit 4")
+"""A build step's wget that could not reach its host (exit status 4: network failure)."""
 NET = re.compile(r"Could not resolve host|Temporary failure in name resolution|"
                  r"UnknownHostException|"
                  r"Temporary failure resolving|"
@@ -333,6 +335,8 @@ def build_cause(b: dict, store: Path) -> tuple[str, str]:
             return "build step failed: apt sandbox (setgroups)", last_line(text, "setgroups")
         if NET.search(text):
             return "build step failed: needs a non-registry host", last_line(text, NET)
+        if WGET_NET.search(text):  # wget -q says nothing: its exit status 4 is the network's
+            return "build step failed: needs a non-registry host", last_line(text, "wget")
         if re.search(r"not found|No such file", text):
             return "build step failed: command/file not found", last_line(text, "not found")
         return "build step failed: other", err.splitlines()[-1][:200] if err else ""

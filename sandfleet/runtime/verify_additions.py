@@ -12,7 +12,7 @@ import shutil
 import stat as _stat
 from pathlib import Path
 
-from sandfleet.verifier.additions import MERGED_ETC, plan_additions, script_words
+from sandfleet.verifier.additions import MERGED_ETC, apt_packages, plan_additions
 from sandfleet.verifier.plan import PRISTINE
 from sandfleet.verifier.tree import DirTree
 
@@ -28,12 +28,12 @@ def stage_additions(image_root: str, upper_root: str, dest: Path, folders: list[
     """Copy the agent's additions below ``folders`` from its layer ``upper_root`` (a host
     path) into ``dest``/<folder>; returns the folders that got any. Never follows a link
     of the agent's; set-user-ID and set-group-ID bits are dropped. ``tests``: the task's
-    tests (its shell scripts' words: ``script_words``)."""
+    tests (what its shell scripts install with apt: ``apt_packages``)."""
     texts = [_head(p, SCRIPT_BYTES) for p in sorted(tests.rglob("*"))
              if p.is_file() and not p.is_symlink() and
              (p.suffix == ".sh" or _head(p, 2) == "#!")]
     plan = plan_additions(DirTree(image_root), DirTree(upper_root), folders, path,
-                          script_words(texts))
+                          apt_packages(texts))
     for where, why in plan.hidden:
         log.info("verifier: hidden from the verifier: %s (%s)", where, why)
     got: list[str] = []

@@ -66,6 +66,9 @@ STDLIB_PARTS = frozenset({"ensurepip", "tkinter", "_tkinter", "idlelib", "turtle
 (a venv's too): what the agent adds there is not the verifier's (pip never installs there),
 but the parts Debian ships in packages of their own (python3-venv's ``ensurepip``,
 python3-tk, python3-distutils, python3-lib2to3, idle, the test suite)."""
+READ_LIMIT = 1 << 20
+"""What is read of a ``.pth`` or ``entry_points.txt``; a longer one is hidden whole (Python
+reads all of it: a hook after the part read would run)."""
 WORD = re.compile(r"[a-z0-9][a-z0-9+.:=~-]*")
 APT_INSTALL = re.compile(r"\bapt(?:-get)?\s+(?:-\S+\s+)*install\b([^;&|\n]*)")
 DIST_INFO = re.compile(r"(.+?)-[0-9][^/]*\.(?:dist-info|egg-info)$")
@@ -81,12 +84,11 @@ class Additions:
 
 
 def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str,
-                   script_words: Iterable[str] = ()) -> Additions:
+                   fetched: Iterable[str] = ()) -> Additions:
     """The agent's additions below ``folders`` (absolute, the image's real folders: /usr,
     /etc/alternatives...) in ``upper`` (its layer), against ``image``; ``path``: the
-    verifier's PATH; ``script_words``: the words of the verifier's shell scripts
-    (``script_words``)."""
-    rules = _Rules(image, path, set(script_words))
+    verifier's PATH; ``fetched``: what the verifier's scripts install (``apt_packages``)."""
+    rules = _Rules(image, path, set(fetched))
     out = Additions()
     for folder in folders:
         if image.kind(folder) == "dir" and upper.kind(folder) == "dir":
@@ -94,7 +96,7 @@ def plan_additions(image: Tree, upper: Tree, folders: list[str], path: str,
     return out
 
 
-def script_words(texts: Iterable[str]) -> set[str]:
+def apt_packages(texts: Iterable[str]) -> set[str]:
     """The packages the verifier's shell scripts install with apt (``apt-get install -y
     curl``), read as program names: what the verifier fetches for itself is never the
     agent's (the image's, where the build prepared it)."""
@@ -103,8 +105,8 @@ def script_words(texts: Iterable[str]) -> set[str]:
 
 
 class _Rules:
-    def __init__(self, image: Tree, path: str, words: frozenset[str] | set[str] = frozenset()):
-        self.words = words
+    def __init__(self, image: Tree, path: str, fetched: frozenset[str] | set[str] = frozenset()):
+        self.fetched = fetched
         self.path_dirs = [p for p in dict.fromkeys(path.split(":")) if p.startswith("/")]
         self.resolved = {d: _resolve(image, d) for d in self.path_dirs}
         self.programs = {n for d in self.resolved.values() for n in image.names(d)}
@@ -122,17 +124,19 @@ class _Rules:
         on_path = folder in self.path_dirs or folder in self.resolved.values()
         if on_path and name in self.programs:
             return f"shadows the image's program {name}"
-        if on_path and name in self.words:
+        if on_path and name in self.fetched:
             return f"a package the verifier's script installs ({name})"
         if name.split(".")[0] in HOOK_MODULES:
             return "a Python start-up hook"
-        if kind == "file" and name.endswith(".pth") and any(
-                line.startswith(("import ", "import\t"))
-                for line in upper.read(path).splitlines()):
-            return "a .pth file that runs code at every Python start-up"
-        if kind == "file" and name == "entry_points.txt" and \
-                "[pytest11]" in upper.read(path).replace(" ", ""):
-            return "declares a pytest plugin"
+        if kind == "file" and name.endswith(".pth"):
+            text = upper.read(path, READ_LIMIT)  # (all of it: Python reads it whole)
+            if len(text.encode()) >= READ_LIMIT or any(
+                    line.startswith(("import ", "import\t")) for line in text.splitlines()):
+                return "a .pth file that runs code at every Python start-up (or too long to read)"
+        if kind == "file" and name == "entry_points.txt":
+            text = upper.read(path, READ_LIMIT)
+            if len(text.encode()) >= READ_LIMIT or "[pytest11]" in text.replace(" ", ""):
+                return "declares a pytest plugin (or too long to read)"
         if SITE_FOLDER.fullmatch(folder) and _module(name) in self.modules:
             return f"shadows the image's Python module {_module(name)}"
         if (STDLIB_FOLDER.fullmatch(folder) and _module(name) not in STDLIB_PARTS) or \

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from sandfleet.verifier.additions import plan_additions, script_words
+from sandfleet.verifier.additions import apt_packages, plan_additions
 from sandfleet.verifier.tree import MemoryTree
 from tests.seal_helpers import (  # noqa: F401  (fixtures)
     dirs,
@@ -66,6 +66,8 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest-9.0.dist-info/METADATA": "file",
         f"{site}/sitecustomize.py": "file",
         f"{site}/evil.pth": "file:import os; os.system('echo 1 > /logs/verifier/reward.txt')",
+        # Python reads a .pth whole: an import line past what the plan reads still runs
+        f"{site}/long.pth": "file:" + "/opt/lib\n" * 150000 + "import os\n",
         f"{site}/paths.pth": "file:/opt/lib\n",  # path lines only: seen
         f"{site}/plug-1.0.dist-info/entry_points.txt": "file:[pytest11]\nplug = plug\n",
         f"{site}/plug.py": "file",
@@ -82,9 +84,15 @@ def test_what_would_run_the_agents_code_in_an_image_program_is_hidden():
         f"{site}/pytest": "shadows the image's Python module pytest",
         f"{site}/pytest-9.0.dist-info": "shadows the image's Python module dist:pytest",
         f"{site}/sitecustomize.py": "a Python start-up hook",
-        f"{site}/evil.pth": "a .pth file that runs code at every Python start-up",
-        f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin",
-        **dict.fromkeys(("/usr/local/lib/python3.11/pytest.py", "/usr/local/lib/python311.zip", "/usr/local/lib/python3.11/lib-dynload"), "in the Python standard library's place (before every site folder)")}  # (a folder the image has not)
+        f"{site}/evil.pth": "a .pth file that runs code at every Python start-up (or too long "
+                            "to read)",
+        f"{site}/long.pth": "a .pth file that runs code at every Python start-up (or too long "
+                            "to read)",
+        f"{site}/plug-1.0.dist-info/entry_points.txt": "declares a pytest plugin (or too long "
+                                                       "to read)",
+        **dict.fromkeys(("/usr/local/lib/python3.11/pytest.py", "/usr/local/lib/python311.zip",
+                         "/usr/local/lib/python3.11/lib-dynload"),  # (a folder the image has not)
+                        "in the Python standard library's place (before every site folder)")}
     assert {p for p, _ in got.copy} == {
         "/usr/local/bin/mytool", f"{site}/paths.pth",
         f"{site}/plug-1.0.dist-info", "/usr/local/lib/python3.11/ensurepip",
@@ -102,7 +110,7 @@ def test_what_the_verifiers_script_installs_is_not_the_agents():
     scripts = ["apt-get update\napt-get install -y curl\ncurl -LsSf https://x/install.sh | sh\n",
                ("DEBIAN_FRONTEND=noninteractive apt-get -q install -y --no-install-recommends "
                 "jq=1.6-2.1 expect && ssh git@localhost true\n")]
-    words = script_words(scripts)
+    words = apt_packages(scripts)
     assert words == {"curl", "jq", "expect"}
     got = plan_additions(IMAGE, upper, ["/usr"], PATH, words)
     why = "a package the verifier's script installs"

@@ -27,7 +27,7 @@ def test_demo_builds_and_checks_images_in_slurm_jobs(local_slurm, image_store, t
                        tmp_path / "unused", nodes=2, cpus=1, use_slurm=True)
     assert set(summary["nodes"]) <= {"n1", "n2", "n3"} and summary["nodes"]
     by_task = {r["task_id"]: r for r in summary["results"]}
-    assert by_task["hello-world-file"]["status"] == "built"
+    assert by_task["hello-world-file"]["status"] == "built", by_task["hello-world-file"]
     assert by_task["hello-world-file"]["checks"]["ok"] is True
     assert by_task["lazy"]["checks"]["reason"] == "the untouched environment already scores 1.0"
     assert set(image_store.read().tasks) == {"hello-world-file", "lazy"}

@@ -493,6 +493,39 @@ def case_host_reach(runtime: ApptainerRuntime, image: Path) -> dict:
     return seen
 
 
+def case_overlay_released(runtime: ApptainerRuntime, image: Path) -> dict:
+    """Once the instance has ended, no process has its overlay open any more: the
+    container's fuse2fs, which writes the image back after ``instance stop`` returns, is
+    waited for, so the verifier's container and the instance started again never mount an
+    image still being written. The agent's files are there after verify."""
+    from sandfleet.runtime.apptainer_setup import holders
+
+    seen = {}
+    runtime.start("rel", SandboxSpec(image=image, storage_mb=64))
+    try:
+        overlay = runtime._dir("rel") / "overlay.img"
+        run(runtime, "rel", "dd if=/dev/urandom of=/root/data bs=1M count=16 status=none && "
+                            "md5sum /root/data > /root/data.md5")
+        seen["held_while_running"] = bool(holders(overlay))
+        for n in range(3):
+            runtime._end_instance("rel", runtime._record("rel"))
+            seen[f"held_after_end_{n}"] = holders(overlay)
+            runtime._launch("rel", SandboxSpec.from_dict(runtime._record("rel").spec),
+                            runtime.info, runtime._record("rel").cpus,
+                            runtime._record("rel").deadline)
+        with tempfile.TemporaryDirectory() as tmp:
+            tests = Path(tmp, "tests")
+            tests.mkdir()
+            (tests / "test.sh").write_text("md5sum -c /root/data.md5\n")
+            seen["verify"] = runtime.verify("rel", ["sh", "/tests/test.sh"], tests=tests,
+                                            logs=Path(tmp, "logs"), timeout=120).output
+        seen["after"] = run(runtime, "rel", "md5sum -c /root/data.md5").output
+    finally:
+        runtime.stop("rel")
+    no_leftovers(runtime)
+    return seen
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -75,6 +75,7 @@ from sandfleet.runtime.apptainer_setup import (
     make_overlay,
     probe,
     unenforced_limits,
+    wait_released,
 )
 from sandfleet.runtime.apptainer_verify import verify_in_fresh_container
 from sandfleet.runtime.base import (
@@ -495,6 +496,15 @@ class ApptainerRuntime(CommandRuntime):
             if record.watchdog[0] and \
                     proc_start_time(record.watchdog[0], zombie_ok=True) == record.watchdog[1]:
                 kill_group(record.watchdog[0])
+        self._released(sandbox_id)
+
+    def _released(self, sandbox_id: str) -> None:
+        """Wait (bounded) until no process has the sandbox's overlay open: a container
+        that ended may still have its fuse2fs writing it back (``wait_released``)."""
+        overlay = self._dir(sandbox_id) / "overlay.img"
+        if overlay.exists() and (left := wait_released(overlay, self.call_timeout_s)):
+            log.warning("sandbox %s: its overlay is still open in processes %s after %.0f s",
+                        sandbox_id, left, self.call_timeout_s)
 
     def verify(self, sandbox_id: str, command: list[str], *, tests: Path, logs: Path,
                timeout: float, cwd: str | None = None, env: dict[str, str] | None = None,

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -153,6 +154,40 @@ def make_overlay(path: Path, size_mb: int, *, hide: tuple[str, ...] = (),
         if out.returncode != 0 or ("debugfs:" in out.stderr and "error" in out.stderr.lower()):
             raise OSError(f"{' '.join(argv)} failed ({out.returncode}): "
                           f"{(out.stdout + out.stderr)[-800:]}")
+
+
+def holders(path: Path, proc: Path = Path("/proc")) -> list[int]:
+    """The processes (of those this user may look into) with ``path`` open."""
+    target, found = str(path), []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"{entry.path}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{entry.path}/fd/{fd}") == target:
+                    found.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def wait_released(path: Path, timeout: float) -> list[int]:
+    """Wait until no process has the overlay image ``path`` open, at most ``timeout``
+    seconds; the processes that still have it ([] once released). ``instance stop`` and
+    ``exec`` return while the container's fuse2fs may still be writing the image back:
+    the next container over it (the verifier's, the instance started again) must not
+    mount it before that is done."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while (left := holders(path)) and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+    return left
 
 
 def unenforced_limits(cgroup_limits: bool, why: str = "") -> list[str]:

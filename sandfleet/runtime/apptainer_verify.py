@@ -259,14 +259,17 @@ def verify_in_fresh_container(runtime: Any, sandbox_id: str, command: list[str],
             output, code, timed_out, seconds = run_capture(argv, timeout=timeout,
                                                            env=runtime._env,
                                                            limit=runtime.max_output_bytes)
+            runtime._released(sandbox_id)
             if code == 255 and MISSING_DESTINATION.search(output[-4000:]):
                 # the agent removed a folder the image's copy goes over: made again (empty)
                 # on its files, then the verifier as planned
                 run_capture(mend_argv(runtime.apptainer, spec, home / "overlay.img",
                                       bind_destinations(argv, entries), info.rootless),
                             timeout=runtime.start_timeout_s, env=runtime._env)
+                runtime._released(sandbox_id)
                 output, code, timed_out, seconds = run_capture(
                     argv, timeout=timeout, env=runtime._env, limit=runtime.max_output_bytes)
+                runtime._released(sandbox_id)
             logs = Path(logs)
             if logs.exists():
                 shutil.rmtree(logs)

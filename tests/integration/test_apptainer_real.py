@@ -155,6 +155,15 @@ def test_lifecycle(who, shared, user, tmp_path):
         assert seen["hog_exit"] == 137 and seen["oom"] and seen["oom_kills"] == 1, seen
 
 
+@pytest.mark.parametrize("who", WHO)
+def test_an_ended_instance_leaves_its_overlay_to_the_next_container(who, shared, user,
+                                                                    tmp_path):
+    seen = run_case("overlay_released", who, shared, user, tmp_path)
+    assert seen.pop("held_while_running") is True  # (what the check looks for is real)
+    assert seen.pop("verify") == seen.pop("after") == "/root/data: OK\n"
+    assert seen == {f"held_after_end_{n}": [] for n in range(3)}
+
+
 def test_memory_limit_of_an_ordinary_users_instance(shared, user, tmp_path):
     """Rootless on cgroup v1, where Apptainer applies no --memory: the runtime's watcher
     kills what goes past memory_mb (tests/apptainer_cases.case_memory)."""

@@ -23,7 +23,14 @@ from sandfleet.runtime.apptainer import (
     stop_argv,
     watchdog_argv,
 )
-from sandfleet.runtime.apptainer_setup import fuse_problem, parse_version, probe, userns_problem
+from sandfleet.runtime.apptainer_setup import (
+    fuse_problem,
+    holders,
+    parse_version,
+    probe,
+    userns_problem,
+    wait_released,
+)
 from sandfleet.runtime.base import SandboxSpec
 
 SPEC = SandboxSpec(image=Path("/img/base.sif"), cpus=4, memory_mb=1024, hostname="box")
@@ -231,3 +238,26 @@ def test_the_verifiers_missing_bind_destinations_are_made_as_folders_or_files(tm
     assert MISSING_DESTINATION.search("FATAL:   container creation failed: mount hook function "
                                       "failure: mount /s->/etc/apt error: while mounting /s: "
                                       "destination /etc/apt doesn't exist in container")
+
+
+def test_an_overlay_is_released_only_once_no_process_has_it_open(tmp_path):
+    """What a container's fuse2fs does after ``instance stop`` returns: it still has the
+    image open. ``wait_released`` names it while it does and returns [] once it closed it."""
+    image = tmp_path / "overlay.img"
+    image.write_bytes(b"x")
+    other = tmp_path / "other.img"
+    other.write_bytes(b"x")
+    holder = subprocess.Popen(["sh", "-c", 'exec 3<"$0"; read line; exec 3<&-; read line',
+                               str(image)], stdin=subprocess.PIPE, text=True)
+    try:
+        while holder.pid not in holders(image):  # (until the shell has opened it)
+            assert holder.poll() is None
+        assert wait_released(image, 0) == [holder.pid]
+        assert holders(other) == []
+        holder.stdin.write("close\n")
+        holder.stdin.flush()
+        assert wait_released(image, 60) == []
+        assert holder.poll() is None  # released while the process lives on
+    finally:
+        holder.kill()
+        holder.wait()

@@ -219,8 +219,15 @@ class PreparedPool:
                 self.make(tmp, size)
                 os.rename(tmp, path)
             except Exception as e:  # noqa: BLE001 - a failed make must not end the pool
-                log.warning("prepared %s of %d MB not made: %s", self.what, size, e)
                 tmp.unlink(missing_ok=True)
+                if not self.folder.is_dir():  # its owner removed its state: nothing to keep
+                    log.info("prepared %ss: %s is gone; no more are made", self.what,
+                             self.folder)
+                    with self._cond:
+                        self._closed, self._busy = True, False
+                        self._ready.clear()
+                    return
+                log.warning("prepared %s of %d MB not made: %s", self.what, size, e)
                 with self._cond:
                     self._busy = False
                     self._cond.wait(timeout=5.0)  # not in a tight loop on a full disk

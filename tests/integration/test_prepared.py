@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,25 @@ def test_a_failing_maker_leaves_nothing_and_takes_find_none(tmp_path):
         time.sleep(0.3)
         assert not pool.take(SIZE, tmp_path / "x") and not (tmp_path / "x").exists()
         assert list(pool.folder.iterdir()) == []
+    finally:
+        pool.close()
+
+
+def test_a_pool_whose_folder_was_removed_stops_making_files(tmp_path):
+    """A runtime whose state folder its owner removed without closing it (a test's
+    tmp_path, a scratch folder cleaned): its maker ends instead of trying for ever."""
+    made: list[Path] = []
+    pool = PreparedPool(tmp_path / "prepared", counting_maker(made), per_size=1)
+    try:
+        pool.want(SIZE)
+        assert until(lambda: pool.ready() == {SIZE: 1}, 10)
+        thread = pool._thread
+        shutil.rmtree(tmp_path / "prepared")
+        assert not pool.take(SIZE, tmp_path / "x")  # its file went with the folder
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert len(made) == 1 and not (tmp_path / "prepared").exists()
+        assert not pool.take(SIZE, tmp_path / "y") and not (tmp_path / "prepared").exists()
     finally:
         pool.close()
 

@@ -3,6 +3,7 @@ uid ranges, cgroup v1 limits and small process helpers (``sandfleet.runtime.loca
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -10,8 +11,10 @@ import logging
 import os
 import shutil
 import signal
+import stat as _stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -42,28 +45,61 @@ MKFS_EXT4 = ["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "32768", "-O", "^has_jour
              "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
 
 
+SKELETON_MODES = (("upper", 0o755), ("work", 0o700), ("reserve", 0o700))
+
+
+def _skeleton_ok(folder: Path) -> bool:
+    """Whether ``folder`` is a whole skeleton of this version (``disk_skeleton``)."""
+    try:
+        if any(_stat.S_IMODE(os.lstat(folder / sub).st_mode) != mode or
+               not (folder / sub).is_dir() for sub, mode in SKELETON_MODES):
+            return False
+        reserve = folder / "reserve"
+        return sorted(os.listdir(reserve)) == sorted(str(i) for i in range(RESERVE_FILES)) \
+            and all(os.lstat(reserve / str(i)).st_size == RESERVE_BYTES
+                    for i in range(RESERVE_FILES))
+    except OSError:
+        return False
+
+
 def disk_skeleton(folder: Path) -> Path:
-    """What a fresh disk holds, as a folder for ``mkfs.ext4 -d`` (made again each time,
-    through a rename): ``upper`` (the overlay's, 0755; the sandbox's root gets it at
-    start), ``work`` (0700) and ``reserve`` (0700, ``RESERVE_FILES`` files of
-    ``RESERVE_BYTES`` not zero, so mkfs gives them real blocks)."""
+    """What a fresh disk holds, as a folder for ``mkfs.ext4 -d``: ``upper`` (the
+    overlay's, 0755; the sandbox's root gets it at start), ``work`` (0700) and ``reserve``
+    (0700, ``RESERVE_FILES`` files of ``RESERVE_BYTES`` not zero, so mkfs gives them real
+    blocks). Made in a folder of its own and renamed into place, so that runtimes of
+    several processes on one state folder (the build-time checks of parallel jobs) each
+    find it whole: one that is whole is kept, one that is not (another version's, a
+    damaged one) is set aside and made again."""
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    for sub, mode in (("upper", 0o755), ("work", 0o700), ("reserve", 0o700)):
-        (tmp / sub).mkdir(parents=True, mode=mode)
-        os.chmod(tmp / sub, mode)
-    os.chmod(tmp, 0o755)
-    for i in range(RESERVE_FILES):
-        path = tmp / "reserve" / str(i)
-        path.write_bytes(b"\xff" * RESERVE_BYTES)
-        os.chmod(path, 0o600)
-    old = folder.with_name(f".{folder.name}.old.{os.getpid()}")
-    if folder.exists():
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
-    return folder
+    for _ in range(5):
+        if _skeleton_ok(folder):
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            for sub, mode in SKELETON_MODES:
+                (tmp / sub).mkdir(mode=mode)
+                os.chmod(tmp / sub, mode)
+            os.chmod(tmp, 0o755)
+            for i in range(RESERVE_FILES):
+                path = tmp / "reserve" / str(i)
+                path.write_bytes(b"\xff" * RESERVE_BYTES)
+                os.chmod(path, 0o600)
+            os.rename(tmp, folder)
+            return folder
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not _skeleton_ok(folder):  # not whole (not another process's): set aside
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            try:
+                os.rename(folder, old / "skeleton")
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(old, ignore_errors=True)
+    raise OSError(f"{folder}: the disk skeleton could not be made (it changed under each "
+                  "of 5 tries)")
 
 
 def make_disk(path: Path, storage_mb: int, skeleton: Path, timeout: float = 120.0) -> None:

@@ -127,3 +127,43 @@ def test_registry_is_lazy_and_strict(tmp_path):
         get_runtime("docker")
     runtime = get_runtime("local", state_dir=tmp_path / "s", cache_dir=tmp_path / "c")
     assert isinstance(runtime, LocalRuntime) and isinstance(runtime, Runtime)
+
+
+SKELETON_RACE = """
+import sys
+from pathlib import Path
+from sandfleet.runtime.local_host import disk_skeleton
+for _ in range(300):
+    disk_skeleton(Path(sys.argv[1]))
+"""
+
+
+def test_runtimes_of_several_processes_share_one_disk_skeleton(tmp_path):
+    """Parallel build jobs check their images with runtimes on one state folder: each
+    process makes the disk skeleton at start. Four at once, 300 times each: none fails (it
+    was renamed away under another), and what is left is whole."""
+    from sandfleet.runtime.local_host import RESERVE_BYTES, RESERVE_FILES
+
+    folder = tmp_path / "disk-skeleton"
+    procs = [subprocess.Popen([sys.executable, "-c", SKELETON_RACE, str(folder)],
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    assert sorted(os.listdir(tmp_path)) == ["disk-skeleton"]  # no temporary folder left
+    assert sorted(os.listdir(folder)) == ["reserve", "upper", "work"]
+    assert [os.stat(folder / "reserve" / str(i)).st_size for i in range(RESERVE_FILES)] == \
+        [RESERVE_BYTES] * RESERVE_FILES
+
+
+def test_a_whole_skeleton_is_kept_and_a_damaged_one_made_again(tmp_path):
+    from sandfleet.runtime.local_host import disk_skeleton
+
+    folder = disk_skeleton(tmp_path / "disk-skeleton")
+    inode = os.stat(folder).st_ino
+    assert os.stat(disk_skeleton(folder)).st_ino == inode  # whole: kept as it is
+    (folder / "reserve" / "0").write_bytes(b"short")
+    (folder / "work").chmod(0o755)
+    disk_skeleton(folder)
+    assert os.stat(folder / "reserve" / "0").st_size > 5
+    assert oct(os.stat(folder / "work").st_mode & 0o777) == "0o700"
+    assert sorted(os.listdir(tmp_path)) == ["disk-skeleton"]

@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 def build_job(task_path: str, store: str, cache: str, force: bool) -> dict:
     """Runs on a Slurm node: build (or reuse) and check one task's image."""
     from tmax.images.build import open_builds
+    from tmax.images.checks import checks_end_on_sigterm
 
     builds = open_builds(store, builder="auto", cache_dir=cache)
-    result = builds.build(load_task(task_path), force=force)
+    with checks_end_on_sigterm():  # (scancel: its check sandboxes end with the job)
+        result = builds.build(load_task(task_path), force=force)
     return {**result.to_dict(), "node": os.environ.get("SLURMD_NODENAME", "")}
 
 

@@ -22,10 +22,13 @@ next to the build log.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -211,6 +214,49 @@ def run_steps(box: RuntimeBox, task: Task, mode: str, scratch: Path) -> float:
     return multi_step_reward(rewards, len(task.steps), task.config.multi_step_reward_strategy)
 
 
+log_ = logging.getLogger(__name__)
+_LIVE: dict[str, Runtime] = {}
+"""The check sandboxes this process has running (id -> the runtime that started it)."""
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_live_checks() -> list[str]:
+    """Stop every check sandbox this process has running; their ids."""
+    with _LIVE_LOCK:
+        live = dict(_LIVE)
+    for sandbox_id, runtime in live.items():
+        try:
+            runtime.stop(sandbox_id)
+        except Exception as e:  # noqa: BLE001 - the others are still stopped
+            log_.warning("check sandbox %s not stopped: %s", sandbox_id, e)
+    return sorted(live)
+
+
+@contextlib.contextmanager
+def checks_end_on_sigterm() -> Iterator[None]:
+    """While the body runs, a SIGTERM (Slurm's scancel, a job past its time, kill) first
+    stops the check sandboxes this process has running, then ends it as SIGTERM does.
+    The sandboxes are not this process's children (each has its own process group and
+    cgroups): without this they ran on until their lifetime. In the main thread only
+    (elsewhere it does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        stopped = stop_live_checks()
+        if stopped:
+            log_.warning("SIGTERM: stopped check sandboxes %s", ", ".join(stopped))
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
               what: str, *, verifier: bool = False) -> Iterator[RuntimeBox]:
@@ -219,14 +265,20 @@ def fresh_box(runtime: Runtime, task: Task, image: SandboxImage, log: list[str],
     sandbox_id = f"check-{uuid.uuid4().hex[:12]}"
     runtime = netproxy.ProxiedRuntime(runtime)  # an allowlist's proxy, closed while test.sh runs
     log.append(f"## {what} in sandbox {sandbox_id}")
-    runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir, verifier=verifier,
-                                        user=image.user))
+    with _LIVE_LOCK:  # (before the start: a SIGTERM during it still stops it)
+        _LIVE[sandbox_id] = runtime
     try:
-        box = RuntimeBox(runtime, sandbox_id, image.workdir, log, image.verifier_user)
-        box.begin(image.start)
-        yield box
+        runtime.start(sandbox_id, task_spec(task, image.sif, image.workdir,
+                                            verifier=verifier, user=image.user))
+        try:
+            box = RuntimeBox(runtime, sandbox_id, image.workdir, log, image.verifier_user)
+            box.begin(image.start)
+            yield box
+        finally:
+            runtime.stop(sandbox_id)
     finally:
-        runtime.stop(sandbox_id)
+        with _LIVE_LOCK:
+            _LIVE.pop(sandbox_id, None)
 
 
 def run_mode(runtime: Runtime, task: Task, image: SandboxImage, mode: str, log: list[str],

@@ -10,6 +10,7 @@ import click
 
 from tmax.images.bases import BaseMapError
 from tmax.images.build import open_builds
+from tmax.images.checks import checks_end_on_sigterm
 from tmax.images.installers import MODE_ENV
 from tmax.images.store import ImageStore, default_store
 from tmax.tasks.cli import load_all, output_option
@@ -62,8 +63,9 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, 
                              base_map=base_map)
     except BaseMapError as e:
         raise click.ClickException(str(e)) from None
-    results = builds.build_all(tasks, jobs=jobs, force=force, check=not no_check,
-                               progress=output != "json")
+    with checks_end_on_sigterm():
+        results = builds.build_all(tasks, jobs=jobs, force=force, check=not no_check,
+                                   progress=output != "json")
     failed = [r for r in results if r.status == "failed" or
               (r.checks is not None and not r.checks["ok"])]
     if output == "json":

@@ -18,7 +18,7 @@ PLANTED = Path(__file__).parents[1] / "data" / "audit-tasks"
 EXPECTED = yaml.safe_load((PLANTED / "expected.yaml").read_text())
 
 
-SUBSET = ["leak-opt-grader", "leak-guarded-varlib", "weak-exists-max-temp",
+SUBSET = ["leak-opt-grader", "leak-guarded-varlib", "leak-reference-json", "weak-exists-max-temp",
           "weak-fixed-wordfreq", "weak-always-or-true", "mismatch-output-dir",
           "broken-solution-off-by-one", "clean-program-fresh-inputs", "clean-recompute-input",
           "weak-exploit-import-exit"]
@@ -74,6 +74,7 @@ def test_probes_alone_label_each_planted_defect_and_leave_clean_tasks_unlabelled
     # the probe that proves each one
     probes = {t: {f["probe"] for f in by[t].findings} for t in SUBSET}
     assert "copy" in probes["leak-opt-grader"] and "copy" in probes["leak-guarded-varlib"]
+    assert "copy" in probes["leak-reference-json"]  # matched as a JSON value
     appended = [c for c in by["leak-guarded-varlib"].probes["copy"] if c["reward"] == 1.0]
     assert [c["variant"] for c in appended] == ["appended"]  # the exact copy is refused
     assert "mutation" in probes["weak-exists-max-temp"]

@@ -377,3 +377,20 @@ def test_a_task_that_breaks_the_audit_is_recorded_and_the_others_go_on(tmp_path)
     assert records[0].error == "audit failed: RuntimeError: planted link"
     assert records[1].error == "" and records[1].label is None
     assert len((tmp_path / "audit.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_leak_in_another_layout_matches_as_json_or_with_blanks_made_one():
+    """A reference the verifier compares parsed (pretty-printed, keys in another order)
+    or a table aligned with other blanks is the answer all the same."""
+    compact = b'{"acme": {"orders": 4, "total": 699.51}, "stark": {"orders": 5, "total": 1327.6}}'
+    pretty = (b'{\n    "stark": {\n        "total": 1327.6,\n        "orders": 5\n    },\n'
+              b'    "acme": {\n        "total": 699.51,\n        "orders": 4\n    }\n}\n')
+    answers = {"oracle:/app/totals.json": compact}
+    assert leak_matches(pretty, answers, 4) == ["oracle:/app/totals.json"]
+    other = pretty.replace(b"699.51", b"699.52")
+    assert leak_matches(other, answers, 4) == []  # another value is not the answer
+    assert leak_matches(b"[1, 2]", {"a": b"[1,2,3]"}, 4) == []  # a part of an array is not
+    assert leak_matches(b"{}", {"a": b"{ }"}, 1) == []  # an empty value matches nothing
+    table = {"oracle:/app/report.txt": b"alice\t3\nbob\t2\n"}
+    assert leak_matches(b"header\nalice   3\nbob     2\n", table, 4) == \
+        ["oracle:/app/report.txt"]

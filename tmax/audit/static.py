@@ -4,6 +4,8 @@ instruction name, which outputs are programs, leak matches and mutations. Pure f
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -94,15 +96,45 @@ def normalized(data: bytes) -> str:
     return "\n".join(line.rstrip() for line in text.split("\n")).strip()
 
 
+MAX_JSON_BYTES = 1 << 20
+"""Larger files are not compared as JSON values (only as text)."""
+
+
+@functools.lru_cache(maxsize=256)  # (the same answers, against every file of the image)
+def structured(data: bytes) -> str | None:
+    """A JSON document's value written one way (keys sorted, no spaces), for an object or
+    an array; None for anything else."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict | list) or not value:
+        return None
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def spaced(text: str) -> str:
+    """``text`` with every run of blanks (line ends, tabs, alignment) one space."""
+    return " ".join(text.split())
+
+
 def leak_matches(candidate: bytes, targets: dict[str, bytes], min_chars: int) -> list[str]:
     """The names of ``targets`` (answers: oracle outputs, tests/ data) that ``candidate``
-    equals or contains, compared as ``normalized`` text; targets shorter than
+    equals or contains, compared as ``normalized`` text, with blanks made one space
+    (a table aligned otherwise), or as JSON values (another layout or key order, which a
+    verifier comparing parsed objects cannot tell apart); targets shorter than
     ``min_chars`` are not searched for (a short value matches anything)."""
     text = normalized(candidate)
+    flat = spaced(text)
+    value = structured(candidate) if len(candidate) <= MAX_JSON_BYTES else None
     hits = []
     for name, target in targets.items():
         want = normalized(target)
-        if len(want) >= min_chars and want in text:
+        if len(want) < min_chars:
+            continue
+        if want in text or spaced(want) in flat or \
+                (value is not None and len(target) <= MAX_JSON_BYTES and
+                 structured(target) == value):
             hits.append(name)
     return hits
 

@@ -1,16 +1,18 @@
-"""Forged-reward rate of issue 33's three hacks on the shipped Harbor examples, before and
-after the verifier plan (``sandfleet.verifier.plan``).
+"""Forged-reward rate of issue 33's three hacks on the shipped Harbor examples (or any folder
+of Harbor tasks), before and after the verifier plan (``sandfleet.verifier.plan``).
 
     .venv/bin/python benchmarks/forge_bench.py [--store ~/.cache/tmax/test-harbor-examples]
-        [--old-rev 63d0e48] [--new-tree .] [--out FILE.json]
+        [--tasks examples/harbor] [--old-rev 63d0e48] [--new-tree .] [--out FILE.json]
 
 Run as root, after tests/integration/test_harbor_examples.py has built the examples' images into the
-store (content-addressed: the same images both implementations grade). Each implementation
-runs in an agent process of its own from its tree (``--old-rev``: a git worktree made under
-/tmp and removed at the end; ``--new-tree``: a checkout), so imports never mix. For every
-example and hack: a fresh sandbox of the task's image with its limits (``task_spec``), the
-image's ENTRYPOINT, the hack's commands as the agent (no solution: honest work scores 0),
-then the task's verifier as rollouts and the build-time checks run it
+store (content-addressed: the same images both implementations grade); with ``--tasks DIR``
+(every task ``find_tasks(DIR)`` finds, for both implementations; default: each tree's own
+examples/harbor), after ``tmax images build --store STORE DIR/*`` has built them. Each
+implementation runs in an agent process of its own from its tree (``--old-rev``: a git
+worktree made under /tmp and removed at the end; ``--new-tree``: a checkout), so imports never
+mix. For every task and hack: a fresh sandbox of the task's image with its limits
+(``task_spec``), the image's ENTRYPOINT, the hack's commands as the agent (no solution: honest
+work scores 0), then the task's verifier as rollouts and the build-time checks run it
 (``RuntimeBox.verify``: same env, user, workdir, grading). A reward of 1 is a forged
 reward. Hacks:
 
@@ -85,8 +87,9 @@ def venv_image(sif: Path, out: Path) -> Path:
     return packed
 
 
-def agent(store_dir: Path, out: Path) -> None:
-    """In the implementation's own tree: every example x hack x (control, attack)."""
+def agent(store_dir: Path, out: Path, tasks_dir: Path | None) -> None:
+    """In the implementation's own tree: every task of ``tasks_dir`` (default: the tree's
+    examples/harbor) x hack x (control, attack)."""
     from dataclasses import replace
 
     from sandfleet.runtime.local import LocalRuntime
@@ -103,7 +106,7 @@ def agent(store_dir: Path, out: Path) -> None:
     runtime = LocalRuntime(work / "state", work / "cache", owner="forgebench")
     rows = []
     try:
-        for task_dir in find_tasks(REPO / "examples" / "harbor"):
+        for task_dir in find_tasks(tasks_dir or REPO / "examples" / "harbor"):
             task = load_task(task_dir)
             entry = store.read().tasks.get(task.task_id)
             if entry is None:
@@ -144,11 +147,12 @@ def agent(store_dir: Path, out: Path) -> None:
     out.write_text(json.dumps(rows, indent=1))
 
 
-def run_impl(tree: Path, store: Path, out: Path) -> list[dict]:
+def run_impl(tree: Path, store: Path, out: Path, tasks: Path | None) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "agent", "--store",
-                    str(store), "--agent-out", str(out)], cwd=tree / "benchmarks", env=env,
-                   check=True, timeout=7200)
+                    str(store), "--agent-out", str(out),
+                    *(["--tasks", str(tasks)] if tasks else [])],
+                   cwd=tree / "benchmarks", env=env, check=True, timeout=7200)
     return json.loads(out.read_text())
 
 
@@ -171,14 +175,17 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=CACHE / "test-harbor-examples")
     parser.add_argument("--old-rev", default="63d0e48")
     parser.add_argument("--new-tree", type=Path, default=REPO)
+    parser.add_argument("--tasks", type=Path, help="a folder of Harbor tasks "
+                        "[each tree's examples/harbor]")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--agent-out", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.what == "agent":
-        agent(args.store, args.agent_out)
+        agent(args.store, args.agent_out, args.tasks)
         return
-    report = {"machine": machine(), "store": str(args.store), "old_rev": args.old_rev}
+    report = {"machine": machine(), "store": str(args.store), "old_rev": args.old_rev,
+              "tasks": str(args.tasks or "examples/harbor")}
     tmp = Path(tempfile.mkdtemp(prefix="forge-bench-trees-"))
     old = tmp / "old"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old),
@@ -186,7 +193,8 @@ def main() -> None:
     shutil.copy(Path(__file__), old / "benchmarks" / "forge_bench.py")  # (this agent)
     try:
         for name, tree in (("before", old), ("after", args.new_tree.resolve())):
-            rows = run_impl(tree, args.store, tmp / f"{name}.json")
+            rows = run_impl(tree, args.store, tmp / f"{name}.json",
+                            args.tasks and args.tasks.resolve())
             report[name] = {"summary": summarise(rows), "rows": rows}
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)],
@@ -199,7 +207,7 @@ def main() -> None:
         lines.append(f"| {hack} | {b['forged']} / {b['tried']} ({b['errors']} errors) | "
                      f"{a['forged']} / {a['tried']} ({a['errors']} errors) | "
                      f"{b['control_zero']}, {a['control_zero']} |")
-    emit(report, f"forged rewards on examples/harbor, {report['machine']}", "\n".join(lines),
+    emit(report, f"forged rewards on {report['tasks']}, {report['machine']}", "\n".join(lines),
          args.out)
 
 

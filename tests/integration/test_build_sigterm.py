@@ -54,3 +54,38 @@ def test_a_build_ended_by_sigterm_stops_the_sandbox_of_its_running_check(image_s
         if build.poll() is None:
             os.killpg(build.pid, signal.SIGKILL)
             build.wait()
+
+
+HELD_LOCK = """
+import os, signal, sys, threading, time
+from tmax.images import checks
+
+checks.STOP_ON_SIGTERM_S = 0.5
+lock = threading.Lock()
+
+class Runtime:  # stop needs the lock the main thread holds (a start in progress)
+    def stop(self, sandbox_id):
+        with lock:
+            open(sys.argv[1], "w").write(sandbox_id)
+
+with checks.checks_end_on_sigterm():
+    checks._LIVE["check-x"] = Runtime()
+    if sys.argv[2] == "held":
+        lock.acquire()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+print("not ended")
+"""
+
+
+@pytest.mark.parametrize("lock", ["free", "held"])
+def test_sigterm_ends_the_process_even_when_stopping_must_wait_for_the_main_thread(
+        lock, tmp_path):
+    """The handler stops the sandboxes from a thread of its own, bounded: with the lock
+    stopping needs free, the sandbox is stopped; held by the interrupted main thread, the
+    process still ends by SIGTERM (it used to be able to wait for ever)."""
+    marker = tmp_path / "stopped"
+    proc = subprocess.run([sys.executable, "-c", HELD_LOCK, str(marker), lock],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert marker.exists() == (lock == "free")

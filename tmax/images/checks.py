@@ -218,6 +218,8 @@ log_ = logging.getLogger(__name__)
 _LIVE: dict[str, Runtime] = {}
 """The check sandboxes this process has running (id -> the runtime that started it)."""
 _LIVE_LOCK = threading.Lock()
+STOP_ON_SIGTERM_S = 20.0
+"""How long a SIGTERM waits for the check sandboxes to stop (Slurm's KillWait is 30 s)."""
 
 
 def stop_live_checks() -> list[str]:
@@ -243,10 +245,16 @@ def checks_end_on_sigterm() -> Iterator[None]:
         yield
         return
 
-    def handler(signum, frame) -> None:
-        stopped = stop_live_checks()
-        if stopped:
+    def stop() -> None:
+        if stopped := stop_live_checks():
             log_.warning("SIGTERM: stopped check sandboxes %s", ", ".join(stopped))
+
+    def handler(signum, frame) -> None:
+        # in a thread of its own, bounded: the main thread may hold a lock that stopping
+        # needs (the runtime's, in the middle of a start) until this handler returns
+        stopper = threading.Thread(target=stop, name="checks-sigterm", daemon=True)
+        stopper.start()
+        stopper.join(timeout=STOP_ON_SIGTERM_S)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

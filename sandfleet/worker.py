@@ -253,14 +253,19 @@ class Worker:
         return {lid: held.activity() for lid, held in self.leases.items() if lid not in self.lost}
 
     async def _register(self, conn: Connection) -> None:
+        """Register with the controller; stop the leases reported to it that it does not
+        know. Only those: the controller grants leases to this worker as soon as it has
+        registered it, and their creates can arrive before this reply (its ``keep``
+        cannot name them)."""
+        reported = self._activity()
         reply, _ = await conn.request(Register(
             id=new_id(), worker_id=self.worker_id, name=self.name, address=self.address,
             node=self.node, slots=self.config.cpus_per_node,
             memory_mb=self.config.memory_mb_per_node, job_id=self.job_id,
-            ends_at=self.ends_at, leases=self._activity()), timeout=10)
+            ends_at=self.ends_at, leases=reported), timeout=10)
         keep = set(parse_result(RegisterReply, reply).keep)
-        for lease_id in list(self.leases):
-            if lease_id not in keep:
+        for lease_id in reported:
+            if lease_id not in keep and lease_id in self.leases:
                 self._spawn(self._stop(lease_id, "the controller does not know its lease"))
 
     async def _heartbeats(self) -> None:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -49,9 +50,17 @@ def counting_maker(made: list[Path]):
 
 def test_take_hands_each_file_out_once_and_an_empty_pool_says_so(tmp_path):
     made: list[Path] = []
-    pool = PreparedPool(tmp_path / "prepared", counting_maker(made), per_size=2)
+    gate = threading.Event()  # (the first file waits: the maker thread is quick)
+    count = counting_maker(made)
+
+    def make(path: Path, size_mb: int) -> None:
+        gate.wait(30)
+        count(path, size_mb)
+
+    pool = PreparedPool(tmp_path / "prepared", make, per_size=2)
     try:
         assert not pool.take(SIZE, tmp_path / "a")  # nothing yet: the caller makes its own
+        gate.set()
         assert until(lambda: pool.ready() == {SIZE: 2}, 10)
         taken = []
         for name in ("b", "c", "d", "e"):

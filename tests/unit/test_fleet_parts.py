@@ -160,3 +160,41 @@ def test_slurm_dry_run_prints_the_exact_script(tmp_path):
     assert not (tmp_path / "s" / "controller.json").exists()  # nothing started
 
 
+
+
+def test_a_worker_registering_stops_only_the_unknown_leases_it_reported(tmp_path):
+    """The controller grants leases to a worker as soon as it has registered it; their
+    creates can reach the worker before the Register reply, whose ``keep`` names only
+    leases the worker reported. Those granted meanwhile are kept (they were stopped as
+    unknown: two leases of a fleet lost in CI); a reported one the controller does not
+    know is stopped."""
+    from sandfleet.wire.messages import LeaseActivity
+    from sandfleet.worker import Worker
+
+    class Held:
+        def activity(self):
+            return LeaseActivity(idle_s=0.0)
+
+    worker = Worker(tmp_path / "state", "w0",
+                    FleetConfig(work_dir=str(tmp_path / "work")), runtime=object())
+    worker.leases = {"Lknown": Held(), "Lstale": Held()}
+    stopped = []
+
+    async def stop(lease_id, reason):
+        stopped.append((lease_id, reason))
+
+    worker._stop = stop
+
+    class Conn:
+        async def request(self, req, timeout):
+            assert set(req.leases) == {"Lknown", "Lstale"}
+            worker.leases["Lgranted"] = Held()  # a grant's create, before the reply
+            return {"known": True, "keep": ["Lknown"]}, None
+
+    async def go():
+        await worker._register(Conn())
+        await asyncio.gather(*worker._tasks)
+
+    asyncio.run(go())
+    assert stopped == [("Lstale", "the controller does not know its lease")]
+    assert set(worker.leases) == {"Lknown", "Lstale", "Lgranted"}  # (stop is the fake)

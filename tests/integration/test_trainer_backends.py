@@ -286,6 +286,11 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     for name, scenario in SCENARIOS.items():
         results[name] = scenario(rank, world, Path(out) / name)
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # (gloo's threads left at exit: "terminate called", SIGABRT)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(world: int, out: Path, timeout: float = 400) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from sandfleet.shell import RESET, AsyncShellSession, ShellSession
 from sandfleet.shell_bash import MARKER, Scanner
 from sandfleet.shell_procs import spawned_since
 from sandfleet.wire.transport import new_event_loop
+from tests.integration.test_prepared import until
 
 OWNER = f"sh{os.getpid()}"
 
@@ -538,12 +539,7 @@ def settled(threads: set, fds: set[str], timeout: float = 30.0) -> bool:
     """Whether no thread and no descriptor beyond ``threads`` and ``fds`` is left, within
     ``timeout`` (other threads of this process, as a runtime's pool making disks ahead,
     open and close their own meanwhile: a leak stays, theirs go)."""
-    deadline = time.monotonic() + timeout
-    while not (set(threading.enumerate()) <= threads and open_fds() <= fds):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return until(lambda: set(threading.enumerate()) <= threads and open_fds() <= fds, timeout)
 
 
 @pytest.mark.sandbox

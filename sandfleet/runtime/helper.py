@@ -10,7 +10,8 @@ leader's child. It
 2. joins the sandbox's cgroups;
 3. mounts the SIF's squashfs partition read-only through a loop device (no unpacking) and
    re-mounts it *idmapped* to the sandbox's uid range, so the image's root-owned files
-   are owned by the sandbox's own (unprivileged) root;
+   are owned by the sandbox's own (unprivileged) root; a layered image
+   (``sandfleet.runtime.layers``): each layer so, stacked as overlayfs lower layers;
 4. mounts the sandbox's own disk, ``home/disk.img`` (a fresh ext4 file system of
    ``storage_mb`` in a sparse file, with the overlay's folders and a reserve, made by the
    runtime just before or ahead: ``sandfleet.runtime.prepared``; used once, then deleted)
@@ -312,6 +313,31 @@ def resolver(lower: str, upper: str, owner: int, host: str = "/etc/resolv.conf")
         pass
 
 
+def image_layers(spec: dict, home: str, image_dir: str) -> list[str]:
+    """Step 3 for each of the image's layers (``spec["layers"]``: (file, offset, size), top
+    first; one for a SIF): the idmapped mounts the sandbox's overlay stacks, top first. The
+    image alone is then at ``image_dir``: the one layer, or a read-only overlay of them."""
+    layers = spec["layers"]
+    userns = mapping_userns(spec["uid_base"], spec["uid_count"])
+    lowers = []
+    try:
+        for i, (path, offset, size) in enumerate(layers):
+            raw = os.path.join(home, f"raw{i}" if i else "raw")
+            mapped = image_dir if len(layers) == 1 else os.path.join(home, f"layer{i}")
+            for folder in (raw, mapped):
+                os.makedirs(folder, 0o700, exist_ok=True)
+            mount_loop(path, raw, "squashfs", MS_RDONLY | MS_NODEV, offset=offset, size=size,
+                       share=True)
+            idmapped_bind(raw, mapped, userns)
+            lowers.append(mapped)
+    finally:
+        os.close(userns)
+    if len(layers) > 1:
+        mount("overlay", image_dir, "overlay", MS_RDONLY | MS_NODEV,
+              f"lowerdir={':'.join(lowers)}")
+    return lowers
+
+
 def seal(spec: dict) -> list[str]:
     """Steps 1-5 of the module doc; the argv to exec."""
     private_mount_namespace()
@@ -319,14 +345,8 @@ def seal(spec: dict) -> list[str]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
     home, root, lower = spec["home"], spec["root"], spec["image_dir"]
-    raw, disk = os.path.join(home, "raw"), os.path.join(home, "disk")
-    mount_loop(spec["image"], raw, "squashfs", MS_RDONLY | MS_NODEV, offset=spec["offset"],
-               size=spec["size"], share=True)
-    userns = mapping_userns(spec["uid_base"], spec["uid_count"])
-    try:
-        idmapped_bind(raw, lower, userns)
-    finally:
-        os.close(userns)
+    disk = os.path.join(home, "disk")
+    lowers = image_layers(spec, home, lower)
     image = os.path.join(home, "disk.img")  # made by the runtime for this sandbox alone
     mount_loop(image, disk, "ext4", MS_NODEV | MS_NOSUID | MS_NOATIME)
     upper, work = os.path.join(disk, "upper"), os.path.join(disk, "work")
@@ -337,7 +357,7 @@ def seal(spec: dict) -> list[str]:
     if spec.get("network"):
         resolver(lower, upper, spec["uid_base"])
     mount("overlay", root, "overlay", MS_NODEV,
-          f"lowerdir={lower},upperdir={upper},workdir={work}")
+          f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}")
     tools = os.path.join(root, VERIFIER_TOOLS.lstrip("/"))
     if os.path.isdir(os.path.join(lower, VERIFIER_TOOLS.lstrip("/"))):  # only the verifier's
         mount("tmpfs", tools, "tmpfs", MS_RDONLY, "size=4k,mode=0755")

@@ -89,7 +89,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
-from sandfleet.runtime import sif
+from sandfleet.runtime import layers, sif
 from sandfleet.runtime.base import (
     OWNER_RE,
     CommandRuntime,
@@ -325,10 +325,11 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
     # ---- images
 
     @staticmethod
-    def partition(image: Path) -> sif.Partition:
-        """The image's squashfs partition; ImageMissing when it cannot be used."""
+    def partition(image: Path) -> list[layers.Layer]:
+        """The image's squashfs layers (a SIF's partition, or a layered image's files);
+        ImageMissing when one cannot be used."""
         try:
-            return sif.read_partition(image)
+            return layers.read(image)
         except sif.SifError as e:
             raise ImageMissing(str(image), e.reason) from None
         except OSError as e:
@@ -361,7 +362,7 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                 raise SandboxStartError(sandbox_id, "already running")
             self._destroy(sandbox_id, old)
 
-    def _start(self, sandbox_id: str, spec: SandboxSpec, part: sif.Partition,
+    def _start(self, sandbox_id: str, spec: SandboxSpec, part: list[layers.Layer],
                uid_base: int, slot: int) -> None:
         home = self._dir(sandbox_id)
         with self._lock:
@@ -400,15 +401,16 @@ class LocalRuntime(LocalVerifier, CommandRuntime):
                 self._destroy(sandbox_id, record)
                 raise error from e
 
-    def _launch(self, record: SandboxRecord, spec: SandboxSpec, part: sif.Partition,
+    def _launch(self, record: SandboxRecord, spec: SandboxSpec, part: list[layers.Layer],
                 home: Path, slot: int, go_fd: int = -1, ready_s: float = 0) -> None:
         """Start the process tree; returns once pid 1 runs inside (record updated). With
         ``go_fd`` (``local_ready``): pid 1 waits for its lifetime on that pipe."""
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         env_r, env_w = os.pipe()
-        seal = {"home": str(home), "image": str(Path(spec.image).resolve()),
-                "offset": part.offset, "size": part.size, "uid_base": record.uid_base,
+        seal = {"home": str(home), "layers": [(str(la.path), la.offset, la.size)
+                                               for la in part],
+                "uid_base": record.uid_base,
                 "uid_count": UID_COUNT, "storage_mb": spec.storage_mb,
                 "cgroup_procs": self._procs_files(record), "root": str(self.mnt / "root"),
                 "image_dir": str(self.mnt / "image"), "close_fds": [slot],

@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sandfleet.runtime import sif
+from sandfleet.runtime import layers
 from sandfleet.runtime.base import SandboxSpec, kill_group, proc_start_time
 from sandfleet.runtime.local_host import Cgroups, SandboxRecord, pick_cpus
 from sandfleet.runtime.prepared import Ready, ReadyPool, remove_stale
@@ -47,9 +47,8 @@ from sandfleet.runtime.prepared import Ready, ReadyPool, remove_stale
 def shape(spec: SandboxSpec) -> str:
     """The part of ``spec`` a sandbox started ahead is made for, with the image file's
     identity (a file replaced at the same path is another shape)."""
-    st = os.stat(spec.image)
     plain = replace(spec, cpus=1, env={}, workdir="/", user="", allowed_hosts=())
-    return json.dumps([plain.to_dict(), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size])
+    return json.dumps([plain.to_dict(), layers.identity(spec.image)])
 
 
 class ReadySandboxes(ReadyPool):
@@ -146,7 +145,7 @@ class ReadySandboxes(ReadyPool):
             Cgroups.remove(path)
         shutil.rmtree(item.home, ignore_errors=True)
 
-    def _start(self, number: int, spec: SandboxSpec, part: sif.Partition) -> Ready:
+    def _start(self, number: int, spec: SandboxSpec, part: list[layers.Layer]) -> Ready:
         """One sandbox of ``spec``'s shape, its pid 1 waiting for its lifetime."""
         rt = self.rt
         name, home = f"~ready-{number}", self.folder / f"ready-{number}"

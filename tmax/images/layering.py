@@ -1,0 +1,212 @@
+"""A built task image split into layers over its base (``sandfleet.runtime.layers``).
+
+The builders make a whole root, as before; ``split`` compares it with its base's root and
+packs only what differs as read-only squashfs layers: the verifier tools (``/.tmax``, the
+same for every task with the same tools: stored once) and the task's own changes
+(everything else: added and changed entries, and a whiteout, a character device 0/0, for
+each entry of the base the task removed, as overlayfs reads lower layers). A layer file
+is named by the sha256 of its bytes, so equal layers are one file in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tmax.images.types import BuildError
+
+TOOLS_TOP = ".tmax"
+"""The top-level folder of the verifier tools (``tmax.images.verifier_tools.ROOT``'s)."""
+
+
+@dataclass
+class Diff:
+    """What an image root has that its base's has not: paths relative to the roots."""
+
+    entries: list[str] = field(default_factory=list)
+    """Added or changed entries, parents before children (a folder listed alone when only
+    its attributes changed, or as the parent of what changed below it)."""
+    whiteouts: list[str] = field(default_factory=list)
+    """Entries of the base the image has not."""
+
+
+def _xattrs(path: Path) -> dict[str, bytes]:
+    try:
+        return {k: os.getxattr(path, k, follow_symlinks=False)
+                for k in sorted(os.listxattr(path, follow_symlinks=False))}
+    except OSError:
+        return {}
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _same(image: Path, base: Path, si: os.stat_result, sb: os.stat_result) -> bool:
+    """Whether an entry of the image equals the base's at the same path (not looking below
+    folders)."""
+    if stat.S_IFMT(si.st_mode) != stat.S_IFMT(sb.st_mode) or si.st_mode != sb.st_mode or \
+            (si.st_uid, si.st_gid) != (sb.st_uid, sb.st_gid) or \
+            _xattrs(image) != _xattrs(base):
+        return False
+    if stat.S_ISDIR(si.st_mode):
+        return True
+    if stat.S_ISLNK(si.st_mode):
+        return os.readlink(image) == os.readlink(base)
+    if stat.S_ISCHR(si.st_mode) or stat.S_ISBLK(si.st_mode):
+        return si.st_rdev == sb.st_rdev
+    if stat.S_ISREG(si.st_mode):
+        return si.st_size == sb.st_size and int(si.st_mtime) == int(sb.st_mtime) and \
+            _same_content(image, base)
+    return True  # fifos, sockets: their attributes above
+
+
+def diff(image: Path, base: Path) -> Diff:
+    """``image``'s root against ``base``'s (both unpacked, links never followed)."""
+    out = Diff()
+
+    def walk(rel: str) -> bool:
+        """Compare folder ``rel`` (present in both as folders); True if anything below
+        it differs (its own entry then listed by the caller)."""
+        here_i, here_b = image / rel if rel else image, base / rel if rel else base
+        names_i, names_b = set(os.listdir(here_i)), set(os.listdir(here_b))
+        changed = False
+        for name in sorted(names_b - names_i):
+            out.whiteouts.append(f"{rel}/{name}" if rel else name)
+            changed = True
+        for name in sorted(names_i):
+            sub = f"{rel}/{name}" if rel else name
+            pi = here_i / name
+            si = pi.lstat()
+            if name not in names_b:
+                _all_below(pi, sub, si, out)
+                changed = True
+                continue
+            pb = here_b / name
+            sb = pb.lstat()
+            if stat.S_ISDIR(si.st_mode) and stat.S_ISDIR(sb.st_mode):
+                mark = len(out.entries)
+                below = walk(sub)
+                if below or not _same(pi, pb, si, sb):
+                    out.entries.insert(mark, sub)
+                    changed = True
+            elif not _same(pi, pb, si, sb):
+                _all_below(pi, sub, si, out)
+                changed = True
+        return changed
+
+    walk("")
+    return out
+
+
+def _all_below(path: Path, rel: str, st: os.stat_result, out: Diff) -> None:
+    out.entries.append(rel)
+    if stat.S_ISDIR(st.st_mode):
+        for name in sorted(os.listdir(path)):
+            sub = path / name
+            _all_below(sub, f"{rel}/{name}", sub.lstat(), out)
+
+
+def _copy_attrs(src: Path, dest: Path, st: os.stat_result) -> None:
+    os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dest, stat.S_IMODE(st.st_mode))
+    for key, value in _xattrs(src).items():
+        try:
+            os.setxattr(dest, key, value, follow_symlinks=False)
+        except OSError:
+            pass
+    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def stage(image: Path, entries: list[str], whiteouts: list[str], dest: Path) -> list[str]:
+    """A folder ``dest`` holding ``entries`` of ``image`` (files hard-linked: same file
+    system) and the parents they need, with the image's attributes; returns mksquashfs
+    pseudo definitions of the ``whiteouts``."""
+    dest.mkdir()
+    _copy_attrs(image, dest, image.lstat())
+    made = {""}
+    folders: list[tuple[Path, Path, os.stat_result]] = [(image, dest, image.lstat())]
+
+    def parents(rel: str) -> None:
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if sub not in made:
+                make(sub)
+
+    def make(rel: str) -> None:
+        src, out = image / rel, dest / rel
+        st = src.lstat()
+        if stat.S_ISDIR(st.st_mode):
+            out.mkdir()
+            folders.append((src, out, st))  # attributes after their contents are made
+        elif stat.S_ISREG(st.st_mode):
+            os.link(src, out)
+        elif stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(src), out)
+            _copy_attrs(src, out, st)
+        else:
+            os.mknod(out, st.st_mode, st.st_rdev)
+            _copy_attrs(src, out, st)
+        made.add(rel)
+
+    for rel in entries:
+        parents(rel)
+        if rel not in made:
+            make(rel)
+    pseudo = []
+    for rel in whiteouts:
+        parents(rel)
+        if any(c.isspace() or c in '"\\' for c in rel):
+            raise BuildError("layers", f"cannot record the removal of {rel!r} (a name with "
+                             "blanks or quotes) in a layer")
+        pseudo.append(f"{rel} c 0 0 0 0 0")
+    for src, out, st in reversed(folders):
+        _copy_attrs(src, out, st)
+    return pseudo
+
+
+def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float) -> None:
+    """``tree`` (and the pseudo entries) as a reproducible squashfs file ``out``."""
+    pf = out.with_name(out.name + ".pseudo")
+    pf.write_text("".join(f"{p}\n" for p in pseudo))
+    try:
+        proc = subprocess.run(
+            ["mksquashfs", str(tree), str(out), "-noappend", "-quiet", "-no-progress",
+             "-comp", "gzip", "-Xcompression-level", "1", "-mkfs-time", "0",
+             "-processors", str(min(os.cpu_count() or 1, 8))] +
+            (["-pf", str(pf)] if pseudo else []),
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+            check=False)
+    finally:
+        pf.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise BuildError("layers", f"mksquashfs: {proc.stderr.strip()[-1000:]}")
+
+
+def split(image: Path, base: Path, work: Path, timeout: float) -> list[Path]:
+    """Layers of ``image`` (an unpacked root) over ``base`` (its base's), top first: the
+    task's changes, then the verifier tools where the image has them; squashfs files under
+    ``work`` (a fresh folder on ``image``'s file system)."""
+    d = diff(image, base)
+    tools = [e for e in d.entries if e.split("/")[0] == TOOLS_TOP]
+    own = [e for e in d.entries if e.split("/")[0] != TOOLS_TOP]
+    layers = []
+    for name, entries, whiteouts in (("task", own, d.whiteouts), ("tools", tools, [])):
+        if name == "tools" and not entries:
+            continue
+        tree = work / name
+        pseudo = stage(image, entries, whiteouts, tree)
+        pack_layer(tree, pseudo, work / f"{name}.sqfs", timeout)
+        layers.append(work / f"{name}.sqfs")
+    return layers

@@ -12,7 +12,8 @@ The public API, what other packages (tmax among them) may import::
 - sandboxes without a fleet, for tools that start one on this machine (image checks):
   ``get_runtime``, ``Runtime``, ``SandboxSpec``, ``ExecResult``, ``proc_start_time``,
   ``cap_output`` (a verifier's output as a fleet's verify reply keeps it: head and tail);
-- ``sif`` (SIF files: pack, extract, read_partition, SifError) and ``BwrapSpec`` /
+- ``sif`` (SIF files: pack, extract, read_partition, SifError), ``layers`` (layered
+  images: the layers file, read, write, cat) and ``BwrapSpec`` /
   ``host_root`` (bubblewrap command lines), shared with tmax's image builder and checks;
 - ``netproxy``: the allowlist network (``REGISTRY_HOSTS``, ``proxy_env``, and
   ``ProxiedRuntime`` for sandboxes without a fleet);
@@ -50,6 +51,7 @@ _EXPORTS = {
     "BwrapSpec": "sandfleet.runtime.bwrap",
     "host_root": "sandfleet.runtime.bwrap",
     "sif": "sandfleet.runtime.sif",
+    "layers": "sandfleet.runtime.layers",
     "netproxy": "sandfleet.netproxy",
     "slurm": "sandfleet.slurm",
 }
@@ -77,6 +79,7 @@ __all__ = [  # noqa: RUF022 - grouped as above
     "BwrapSpec",
     "host_root",
     "sif",
+    "layers",
     "netproxy",
     "slurm",
 ]

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandfleet.errors import ImageMissing, SandboxLost, SandboxStartError
-from sandfleet.runtime import sif
+from sandfleet.runtime import layers, sif
 from sandfleet.runtime.apptainer_memory import MemoryWatcher, cgroup_v2_delegated, data_rlimit_argv
 from sandfleet.runtime.apptainer_ready import ReadyInstances
 from sandfleet.runtime.apptainer_setup import (
@@ -129,7 +129,7 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
         argv += ["--net", "--network", "none"]
     if cgroup_limits:
         argv += ["--cpus", str(spec.cpus), "--memory", f"{spec.memory_mb}M"]
-    return argv + [str(spec.image), name]
+    return argv + [*layers.apptainer_args(spec.image), name]
 
 
 def taskset(cpus: Sequence[int]) -> list[str]:
@@ -397,7 +397,7 @@ class ApptainerRuntime(CommandRuntime):
     def start(self, sandbox_id: str, spec: SandboxSpec) -> None:
         home = self._dir(sandbox_id)
         try:
-            sif.read_partition(spec.image)
+            layers.read(spec.image)
         except sif.SifError as e:
             raise ImageMissing(str(spec.image), e.reason) from None
         try:

@@ -32,6 +32,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from sandfleet.runtime import layers
 from sandfleet.verifier.plan import (
     HOME_CONFIG,
     INSTALLER_ENV,
@@ -73,7 +74,8 @@ def probe(apptainer: str, image: Path, squash: Path, run_env: dict[str, str],
     if cache.exists():
         return json.loads(cache.read_text())
     out = subprocess.run([apptainer, "exec", "--containall", "--cleanenv", "--no-home",
-                          "--userns", str(image), "sh", "-c", PROBE_SH, "sh", *sorted(set(paths))],
+                          "--userns", *layers.apptainer_args(image), "sh", "-c", PROBE_SH, "sh",
+                          *sorted(set(paths))],
                          capture_output=True, text=True, env=run_env, timeout=timeout,
                          stdin=subprocess.DEVNULL, check=False)
     if out.returncode != 0:

@@ -32,6 +32,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from sandfleet.runtime import layers
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.runtime.prepared import Ready, ReadyPool
 
@@ -51,10 +52,9 @@ class ReadyInstances(ReadyPool):
         """Of the sandbox-id-like names of this pool's instances (after the runtime's)."""
 
     def shape(self, spec: SandboxSpec) -> str:
-        st = os.stat(spec.image)
         cpus = spec.cpus if self.rt.cgroup_limits else 1
         plain = replace(spec, cpus=cpus, env={}, workdir="/", user="", allowed_hosts=())
-        return json.dumps([plain.to_dict(), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size])
+        return json.dumps([plain.to_dict(), layers.identity(spec.image)])
 
     def _start(self, number: int, spec: SandboxSpec, info: Any) -> Ready:
         rt = self.rt

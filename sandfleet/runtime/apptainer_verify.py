@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sandfleet.runtime import sif
+from sandfleet.runtime import layers, sif
 from sandfleet.runtime.apptainer_plan import probe, verifier_view
 from sandfleet.runtime.base import ExecResult, SandboxSpec, run_capture
 from sandfleet.verifier.plan import (
@@ -91,6 +91,10 @@ done
 def pristine_squashfs(cache: Path, image: Path) -> Path:
     """The SIF's squashfs partition as a file of its own in ``cache``, made once per image
     version (keyed by path, size and mtime)."""
+    if layers.is_layered(image):  # the layers merged, once per node and image version
+        key = hashlib.sha1(json.dumps(layers.identity(image)).encode()).hexdigest()[:16]
+        dest = cache / f"{key}.sqfs"
+        return dest if dest.exists() else layers.flatten(image, dest)
     part = sif.read_partition(image)
     st = image.stat()
     key = hashlib.sha1(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}:{part.offset}"
@@ -123,7 +127,7 @@ def image_entries(apptainer: str, image: Path, cache: Path, env: dict[str, str],
     if listing.exists():
         return [tuple(e) for e in json.loads(listing.read_text())]
     out = subprocess.run([apptainer, "exec", "--containall", "--no-home", "--userns",
-                          str(image), "sh", "-c", ENTRIES_SH, "sh", *paths],
+                          *layers.apptainer_args(image), "sh", "-c", ENTRIES_SH, "sh", *paths],
                          capture_output=True, text=True, env=env, timeout=timeout,
                          stdin=subprocess.DEVNULL, check=False)
     if out.returncode != 0:
@@ -163,7 +167,7 @@ def verify_argv(apptainer: str, spec: SandboxSpec, overlay: Path, binds: list[st
                 env: dict[str, str], rootless: bool, cgroup_limits: bool,
                 cpus: tuple[int, ...]) -> list[str]:
     argv = (["taskset", "-c", ",".join(map(str, cpus))] if cpus else []) + [
-        apptainer, "--quiet", "exec", "--overlay", f"{overlay}:ro", "--writable-tmpfs", "--containall",
+        apptainer, "--quiet", "exec", "--writable-tmpfs", "--containall",
         "--cleanenv", "--no-home", "--no-mount", "tmp", "--hostname", spec.hostname,
         "--pwd", cwd,
         *(["--userns", "--fakeroot"] if rootless else ["--userns"])]
@@ -173,7 +177,8 @@ def verify_argv(apptainer: str, spec: SandboxSpec, overlay: Path, binds: list[st
         argv += ["--cpus", str(spec.cpus), "--memory", f"{spec.memory_mb}M"]
     argv += [*binds, "--bind", f"{tests}:/tests", "--bind", f"{logs}:/logs/verifier"]
     setenv = ["env", *(f"{k}={v}" for k, v in env.items())]
-    return argv + [str(spec.image), *setenv, *command]
+    *below, base = layers.apptainer_args(spec.image)  # the agent's overlay over the layers
+    return argv + [*below, "--overlay", f"{overlay}:ro", base, *setenv, *command]
 
 
 MISSING_DESTINATION = re.compile(r"destination \S+ doesn't exist in container")
@@ -207,8 +212,9 @@ def mend_argv(apptainer: str, spec: SandboxSpec, overlay: Path, destinations: li
     """A container over the agent's overlay, writable, that makes the missing ones."""
     return [apptainer, "--quiet", "exec", "--overlay", str(overlay), "--containall",
             "--cleanenv", "--no-home", "--no-mount", "tmp", "--net", "--network", "none",
-            *(["--userns", "--fakeroot"] if rootless else ["--userns"]), str(spec.image),
-            "/bin/sh", "-c", MEND_SH, "mend", *destinations]
+            *(["--userns", "--fakeroot"] if rootless else ["--userns"]),
+            *layers.apptainer_args(spec.image), "/bin/sh", "-c", MEND_SH, "mend",
+            *destinations]
 
 
 def _copy_plain(src: Path, dest: Path) -> None:

@@ -77,12 +77,24 @@ def read(image: Path | str) -> list[Layer]:
     if not 1 <= len(names) <= MAX_LAYERS or not all(isinstance(n, str) and n for n in names):
         raise sif.SifError(image, f"layers: 1 to {MAX_LAYERS} file paths expected")
     layers = []
-    for name in names:
+    for i, name in enumerate(names):
         try:
             layers.append(_squashfs((image.parent / name).resolve()))
         except sif.SifError as e:
             raise sif.SifError(image, f"layer {name}: {e.reason}") from None
+        if layers[-1].offset and i < len(names) - 1:
+            raise sif.SifError(image, f"layer {name}: only the base (the last layer) may be "
+                                      "a SIF; the others are squashfs files")
     return layers
+
+
+def apptainer_args(image: Path | str) -> list[str]:
+    """What stands for the image at the end of an Apptainer command line: the SIF, or the
+    layers as read-only overlays (bottom to top: Apptainer's last ``--overlay`` is the
+    topmost; a writable overlay is above them wherever it is given) then the base."""
+    found = read(image)
+    args = [a for la in reversed(found[:-1]) for a in ("--overlay", f"{la.path}:ro")]
+    return args + [str(found[-1].path)]
 
 
 def write(image: Path, layers: list[Path]) -> None:
@@ -123,6 +135,27 @@ def whiteouts(layer: Layer, timeout: float = 300) -> list[str]:
                 fields[3] == "0":
             found.append(fields[5].split(" ", 1)[1].lstrip("/"))
     return found
+
+
+def cat(image: Path | str, member: str, timeout: float = 300) -> str | None:
+    """The text of file ``member`` (relative: ``var/lib/dpkg/status``) of the image as
+    built, from the topmost layer that has it (None where none has it, or a layer above
+    removes it); read with unsquashfs, nothing unpacked."""
+    for layer in read(image):
+        listed = subprocess.run(["unsquashfs", "-o", str(layer.offset), "-lls", "-n", "-d",
+                                 "", str(layer.path), member], capture_output=True, text=True,
+                                timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+        entry = [line for line in listed.stdout.splitlines()
+                 if line.endswith(f" /{member}")]
+        if not entry:
+            continue
+        if not entry[0].startswith("-"):  # a whiteout (or a folder, a link): not a file
+            return None
+        out = subprocess.run(["unsquashfs", "-o", str(layer.offset), "-cat", str(layer.path),
+                              member], capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL, check=False)
+        return out.stdout if out.returncode == 0 else None
+    return None
 
 
 def flatten(image: Path | str, out: Path, *, timeout: float = 1800) -> Path:

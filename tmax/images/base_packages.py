@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from sandfleet import sif
+from sandfleet import layers
 from tmax.images.bases import IMAGES_DIR, SHIPPED_TABLE, BaseMappingError, BaseTable
 from tmax.images.build import ImageBuilds
 from tmax.images.builders import LocalBuilder
@@ -137,16 +136,12 @@ def dpkg_installed(status_text: str) -> set[str]:
 
 
 def sif_installed(sif_path: Path) -> set[str]:
-    """The installed packages of a SIF's root (its /var/lib/dpkg/status, read with
-    unsquashfs -cat, no extraction)."""
-    part = sif.read_partition(sif_path)
-    proc = subprocess.run(["unsquashfs", "-o", str(part.offset), "-cat", str(sif_path),
-                           "var/lib/dpkg/status"], capture_output=True, text=True,
-                          timeout=300, check=False)
-    if proc.returncode != 0 or not proc.stdout:
-        raise RuntimeError(f"{sif_path}: cannot read var/lib/dpkg/status "
-                           f"({proc.stderr.strip()[-500:]})")
-    return dpkg_installed(proc.stdout)
+    """The installed packages of an image's root (a SIF or a layered image: its
+    /var/lib/dpkg/status, read with unsquashfs -cat, no extraction)."""
+    text = layers.cat(sif_path, "var/lib/dpkg/status")
+    if not text:
+        raise RuntimeError(f"{sif_path}: cannot read var/lib/dpkg/status")
+    return dpkg_installed(text)
 
 
 _STEP = re.compile(r"(?:apt-get (install|purge|remove)|apt-mark (auto|manual)) ([^\n]*)"

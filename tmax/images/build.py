@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sandfleet import sif
-from tmax.images import installers
+from sandfleet import layers, sif
+from tmax.images import installers, layering
 from tmax.images.bases import BaseMappingError, BaseTable, default_base_map
 from tmax.images.builders import (
     ApptainerBuilder,
@@ -34,9 +34,11 @@ from tmax.images.store import (
     Checks,
     ImageEntry,
     ImageStore,
+    LayerFile,
     Manifest,
     default_cache,
     digest_of,
+    file_sha256,
     remove_tree,
     tree_digest,
 )
@@ -168,10 +170,13 @@ class ImageBuilds:
                  base_table: Path = CONFIGS / "base-images.yaml",
                  base_map: Path | None = None,
                  checker: Callable[[Task, SandboxImage, Path, SandboxImage | None], Checks]
-                 | None = None):
+                 | None = None, layered: bool = True, cache_dir: Path | None = None):
         """``base_map``: a user's map file, tried before ``base_table`` (tmax.images.bases);
-        a file that cannot be used raises ``BaseMapError``."""
+        a file that cannot be used raises ``BaseMapError``. ``layered``: task images are
+        stored as layers over their base (``tmax.images.layering``; unpacked in
+        ``cache_dir``, the node-local cache), else as one SIF each."""
         self.store, self.builder, self.images_dir = store, builder, images_dir
+        self.layered, self.cache_dir = layered, Path(cache_dir or default_cache())
         self.bases = BaseTable.load(base_table, user_map=base_map, images_dir=images_dir)
         self.checker = checker
         self._envs: dict[str, dict[str, str]] = {}
@@ -447,8 +452,13 @@ class ImageBuilds:
                     raise BuildError("separate verifier", NO_BAKED_TESTS, logfile)
                 vrel = f"sif/{plan.digest}.verifier.sif"
                 vsize, vsha = self.store.publish(tmp / "verifier.sif", vrel)
-            rel = f"sif/{plan.digest}.sif"
-            size, sha = self.store.publish(tmp / "image.sif", rel)
+            if self.layered:
+                rel, own = self._publish_layers(plan, base, tmp, logfile, timeout)
+                size, sha = self.store.path(rel).stat().st_size, \
+                    file_sha256(self.store.path(rel))
+            else:
+                rel, own = f"sif/{plan.digest}.sif", []
+                size, sha = self.store.publish(tmp / "image.sif", rel)
         finally:
             remove_tree(tmp)
         entry = ImageEntry(task_id=task_id, digest=plan.digest, sif=rel, size=size, sha256=sha,
@@ -457,7 +467,7 @@ class ImageBuilds:
                            build_seconds=round(time.monotonic() - start, 1),
                            workdir=plan.definition.workdir, verifier_sif=vrel,
                            verifier_workdir=vdef.workdir if vdef else "", verifier_size=vsize,
-                           verifier_sha256=vsha)
+                           verifier_sha256=vsha, layers=own)
         entry.checks = self._check(plan, entry) if check else None
 
         def record(m: Manifest) -> None:
@@ -470,6 +480,24 @@ class ImageBuilds:
 
         self.store.update(record)
         return entry
+
+    def _publish_layers(self, plan: Plan, base: BaseEntry, tmp: Path, logfile: Path,
+                        timeout: float) -> tuple[str, list[LayerFile]]:
+        """The built ``tmp/image.sif`` split over its base, its layers published (one file
+        per distinct layer), its layers file written; (its path, its layers)."""
+        try:
+            built = layering.split_sif(tmp / "image.sif", self.store.path(base.sif),
+                                       self.cache_dir, tmp, timeout)
+        except BuildError as e:
+            raise BuildError(e.what, e.reason, logfile) from None
+        own = [self.store.publish_layer(p) for p in built]
+        rel = f"sif/{plan.digest}.layers"
+        layers.write(self.store.path(rel), [self.store.path(la.path) for la in own] +
+                     [self.store.path(base.sif)])
+        with open(logfile, "a") as out:
+            out.write("# layers over base " + base.name + ": " + ", ".join(
+                f"{la.path} ({la.size / 2**20:.2f} MB)" for la in own) + "\n")
+        return rel, own
 
     def _stage_sifs(self, tdef: TaskDefinition) -> dict[str, Path]:
         """The SIF of each base an earlier Dockerfile stage starts from (built if need be)."""
@@ -511,7 +539,7 @@ class ImageBuilds:
 
 def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None = None,
                 check: bool = True, cache_dir: str | Path | None = None,
-                base_map: str | Path | None = None) -> ImageBuilds:
+                base_map: str | Path | None = None, layered: bool = True) -> ImageBuilds:
     """An ``ImageBuilds`` over ``store`` with the named builder (and build-time checks);
     ``base_map`` (else $TMAX_BASE_MAP) is a user's map of images to bases, tried first.
     Builds and runs must see the same map: it decides the bases, hence the digests."""
@@ -521,4 +549,4 @@ def open_builds(store: str | Path, *, builder: str = "auto", mirror: str | None 
               "local": lambda: LocalBuilder(cache, mirror)}[builder]()
     checker = image_checker(cache) if check else None
     return ImageBuilds(ImageStore(store), chosen, checker=checker,
-                       base_map=default_base_map(base_map))
+                       base_map=default_base_map(base_map), layered=layered, cache_dir=cache)

@@ -19,10 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from filelock import FileLock
-
 from sandfleet import sif
-from tmax.images import installer_staging, installers, verifier_staging
+from tmax.images import installer_staging, installers, layering, verifier_staging
 from tmax.images.installer_scripts import SHIM_DIR
 from tmax.images.plan import (
     dockerfile_over,
@@ -246,12 +244,7 @@ class LocalBuilder:
 
     def base_rootfs(self, base_sif: Path) -> Path:
         """The base's root filesystem, extracted once per base into the node-local cache."""
-        root = self.cache_dir / "base-rootfs" / base_sif.stem
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(root) + ".lock"):
-            if not root.exists():
-                sif.extract(base_sif, root)
-        return root
+        return layering.base_root(base_sif, self.cache_dir)
 
     def build_task(self, task: TaskDefinition, env_dir: Path, base_sif: Path, out: Path,
                    log: Path, timeout: float, network: bool = True,

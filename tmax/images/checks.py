@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandfleet import InfraError, Runtime, SandboxSpec, get_runtime, netproxy
+from sandfleet import InfraError, Runtime, SandboxSpec, get_runtime, layers, netproxy
 from sandfleet import sif as sif_file
 from tmax.images.store import Checks
 from tmax.images.types import DEFAULT_PATH
@@ -379,14 +379,10 @@ def unmet_needs(sif: Path) -> list[str]:
     by the build: tmax.images.verifier_tools), read from the SIF's file system; [] when
     there is nothing, or nothing can be read."""
     try:
-        offset = sif_file.read_partition(sif).offset
-        out = subprocess.run(["unsquashfs", "-o", str(offset), "-cat", str(sif),
-                              ".tmax/verifier/unmet"], capture_output=True, text=True,
-                             timeout=60, check=False)
+        text = layers.cat(sif, ".tmax/verifier/unmet", timeout=60)
     except (OSError, sif_file.SifError, subprocess.TimeoutExpired):
         return []
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()] \
-        if out.returncode == 0 else []
+    return [line.strip() for line in (text or "").splitlines() if line.strip()]
 
 
 def image_checker(cache_dir: Path, runtime: str = "auto"

@@ -41,6 +41,10 @@ def images_group() -> None:
 @click.option("-j", "--jobs", default=2, show_default=True, help="Parallel builds.")
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs did not change.")
 @click.option("--no-check", is_flag=True, help="Skip the build-time checks.")
+@click.option("--single-file", is_flag=True,
+              help="Store each task image as one whole SIF (as before layers): a file a "
+                   "cluster's Apptainer runs without sandfleet. Default: a small layer of "
+                   "what the task changed over its shared base, and the verifier tools' layer.")
 @click.option("--installers", type=click.Choice(["registries", "network"]), default="registries",
               envvar="TMAX_INSTALLERS", show_envvar=True, show_default=True,
               help="Vendor installers that RUN steps download (astral.sh's uv, Go tarballs, "
@@ -49,8 +53,8 @@ def images_group() -> None:
                    "steps fetch them (see tmax.images.installers).")
 @base_map_option
 @output_option
-def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, base_map,
-              output) -> None:
+def build_cmd(paths, store, builder, mirror, jobs, force, no_check, single_file, installers,
+              base_map, output) -> None:
     """Build (or reuse) the image of every task; then check each new image: it starts,
     the untouched environment scores below 1, the reference solution scores 1."""
     os.environ[MODE_ENV] = installers  # (read where the build script is made, and by jobs)
@@ -60,7 +64,7 @@ def build_cmd(paths, store, builder, mirror, jobs, force, no_check, installers, 
         raise click.ClickException("\n".join(str(e) for e in errors))
     try:
         builds = open_builds(store, builder=builder, mirror=mirror, check=not no_check,
-                             base_map=base_map)
+                             base_map=base_map, layered=not single_file)
     except BaseMapError as e:
         raise click.ClickException(str(e)) from None
     with checks_end_on_sigterm():

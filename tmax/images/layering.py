@@ -13,9 +13,13 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filelock import FileLock
+
+from sandfleet import sif
 from tmax.images.types import BuildError
 
 TOOLS_TOP = ".tmax"
@@ -194,10 +198,10 @@ def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float) -> None
         raise BuildError("layers", f"mksquashfs: {proc.stderr.strip()[-1000:]}")
 
 
-def split(image: Path, base: Path, work: Path, timeout: float) -> list[Path]:
+def split(image: Path, base: Path, work: Path, out: Path, timeout: float) -> list[Path]:
     """Layers of ``image`` (an unpacked root) over ``base`` (its base's), top first: the
-    task's changes, then the verifier tools where the image has them; squashfs files under
-    ``work`` (a fresh folder on ``image``'s file system)."""
+    task's changes, then the verifier tools where the image has them; staged in ``work``
+    (a fresh folder on ``image``'s file system), packed as squashfs files in ``out``."""
     d = diff(image, base)
     tools = [e for e in d.entries if e.split("/")[0] == TOOLS_TOP]
     own = [e for e in d.entries if e.split("/")[0] != TOOLS_TOP]
@@ -205,8 +209,32 @@ def split(image: Path, base: Path, work: Path, timeout: float) -> list[Path]:
     for name, entries, whiteouts in (("task", own, d.whiteouts), ("tools", tools, [])):
         if name == "tools" and not entries:
             continue
-        tree = work / name
-        pseudo = stage(image, entries, whiteouts, tree)
-        pack_layer(tree, pseudo, work / f"{name}.sqfs", timeout)
-        layers.append(work / f"{name}.sqfs")
+        pseudo = stage(image, entries, whiteouts, work / name)
+        pack_layer(work / name, pseudo, out / f"{name}.sqfs", timeout)
+        layers.append(out / f"{name}.sqfs")
     return layers
+
+
+def base_root(base_sif: Path, cache_dir: Path) -> Path:
+    """The base's root filesystem, extracted once per base into the node-local cache."""
+    root = cache_dir / "base-rootfs" / base_sif.stem
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if not root.exists():
+            sif.extract(base_sif, root)
+    return root
+
+
+def split_sif(image_sif: Path, base_sif: Path, cache_dir: Path, out: Path,
+              timeout: float) -> list[Path]:
+    """``split`` of a built task SIF over its base's SIF (both unpacked in the node-local
+    cache; the image's unpacked root removed after)."""
+    build = cache_dir / "build"
+    build.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="layers-", dir=build))
+    try:
+        image = sif.extract(image_sif, work / "image", timeout=timeout)
+        return split(image, base_root(base_sif, cache_dir), work, out, timeout)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(work)], timeout=600,
+                       check=False)

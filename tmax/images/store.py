@@ -29,7 +29,7 @@ from pathlib import Path
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandfleet import ImageMissing, sif
+from sandfleet import ImageMissing, layers, sif
 
 MANIFEST_VERSION = 1
 
@@ -68,6 +68,15 @@ class BaseEntry(_Strict):
     build_seconds: float
 
 
+class LayerFile(_Strict):
+    """A layer of a layered task image (``layers/<sha256>.sqfs``), shared by every task
+    whose build made the same bytes."""
+
+    path: str
+    size: int
+    sha256: str
+
+
 class ImageEntry(_Strict):
     task_id: str
     digest: str
@@ -90,10 +99,15 @@ class ImageEntry(_Strict):
     verifier_workdir: str = ""
     verifier_size: int = 0
     verifier_sha256: str = ""
+    layers: list[LayerFile] = Field(default_factory=list)
+    """A layered image (``sif`` is then its layers file, ``sif/<digest>.layers``): its own
+    layers, top first; the base below them is ``bases``' entry."""
 
     def files(self) -> list[tuple[str, int, str]]:
-        """(path, size, sha256) of each SIF the entry uses: its image, its verifier's."""
+        """(path, size, sha256) of each file the entry uses: its image (a SIF, or a layers
+        file and its layers), its verifier's."""
         return [(self.sif, self.size, self.sha256)] + \
+            [(la.path, la.size, la.sha256) for la in self.layers] + \
             ([(self.verifier_sif, self.verifier_size, self.verifier_sha256)]
              if self.verifier_sif else [])
 
@@ -115,7 +129,7 @@ def file_sha256(path: Path) -> str:
 class ImageStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        for sub in ("sif", "bases", "logs", "locks", "tmp"):
+        for sub in ("sif", "bases", "layers", "logs", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.manifest_path = self.root / "manifest.json"
         self._lock = FileLock(str(self.root / "manifest.lock"))
@@ -158,6 +172,18 @@ class ImageStore:
         os.replace(built, final)
         return size, digest
 
+    def publish_layer(self, built: Path) -> LayerFile:
+        """Move a finished layer to ``layers/<sha256>.sqfs``; one of the same bytes already
+        there is kept (the built file dropped)."""
+        digest, size = file_sha256(built), built.stat().st_size
+        rel = f"layers/{digest}.sqfs"
+        final = self.root / rel
+        if final.exists() and final.stat().st_size == size:
+            built.unlink()
+        else:
+            os.replace(built, final)
+        return LayerFile(path=rel, size=size, sha256=digest)
+
     def path(self, relative: str) -> Path:
         return self.root / relative
 
@@ -178,7 +204,7 @@ class ImageStore:
                                "other inputs); run `tmax images build`")
         for rel, _, _ in entry.files():  # its separate verifier's image too
             try:
-                sif.read_partition(self.root / rel)
+                readable(self.root / rel)
             except sif.SifError as e:
                 raise ImageMissing(str(self.root / rel), f"task {task_id}: {e.reason}; run "
                                    "`tmax images build`") from None
@@ -201,7 +227,7 @@ class ImageStore:
                 reason = f"size {path.stat().st_size} != recorded {size} (truncated?)"
             else:
                 try:
-                    sif.read_partition(path)
+                    readable(path)
                 except sif.SifError as e:
                     reason = e.reason
                 if not reason and deep and file_sha256(path) != sha:
@@ -231,7 +257,7 @@ class ImageStore:
                      {e.log for e in manifest.bases.values()} | \
                      {e.checks.log for e in manifest.tasks.values() if e.checks and e.checks.log}
         removed = []
-        for sub in ("sif", "bases", "logs"):
+        for sub in ("sif", "bases", "layers", "logs"):
             for path in (self.root / sub).iterdir():
                 if f"{sub}/{path.name}" not in referenced:
                     removed.append(path)
@@ -246,6 +272,29 @@ class ImageStore:
                 else:
                     path.unlink(missing_ok=True)
         return removed
+
+
+def readable(path: Path) -> None:
+    """``sif.SifError`` unless ``path`` is a usable image file: a SIF, a layers file whose
+    layers are, or a layer (squashfs)."""
+    if path.suffix == ".sqfs":
+        with open(path, "rb") as f:
+            if f.read(4) != sif.SQUASHFS_MAGIC:
+                raise sif.SifError(path, "corrupt: not a squashfs layer")
+    else:
+        layers.read(path)
+
+
+def own_bytes(manifest: Manifest) -> dict[str, int]:
+    """Bytes of each task's files that no other task uses (its layers file and its own
+    layers; its whole SIF for a single-file image); bases and shared layers are not
+    counted."""
+    users: dict[str, set[str]] = {}
+    for tid, e in manifest.tasks.items():
+        for rel, _, _ in e.files():
+            users.setdefault(rel, set()).add(tid)
+    return {tid: sum(size for rel, size, _ in e.files() if users[rel] == {tid})
+            for tid, e in manifest.tasks.items()}
 
 
 def remove_tree(path: Path) -> None:

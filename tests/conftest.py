@@ -97,6 +97,30 @@ def base_sif(base_store) -> Path:
     return base_store.path(base_store.read().bases["debian-slim"].sif)
 
 
+LAYER_MARK = "/etc/tmax-layer"
+"""A file only ``layered_base``'s task layer has (the base's /etc/motd it removes)."""
+
+
+@pytest.fixture(scope="session")
+def layered_base(base_sif, tmp_path_factory) -> Path:
+    """The slim Debian base as a layered image, as builds store a task's: a layers file
+    naming a small task layer (``LAYER_MARK`` added, /etc/issue changed, /etc/motd
+    removed by a whiteout) over the base's SIF."""
+    from sandfleet import layers
+    from tmax.images import layering
+
+    root = tmp_path_factory.mktemp("layered-base")
+    tree = root / "tree"
+    (tree / "etc").mkdir(parents=True)
+    for folder in (tree, tree / "etc"):
+        folder.chmod(0o755)
+    (tree / LAYER_MARK.lstrip("/")).write_text("layered\n")
+    (tree / "etc/issue").write_text("TMax layered test image\n")
+    layering.pack_layer(tree, ["etc/motd c 0 0 0 0 0"], root / "task.sqfs", timeout=120)
+    layers.write(root / "image.layers", [root / "task.sqfs", base_sif])
+    return root / "image.layers"
+
+
 @pytest.fixture(scope="session")
 def example_store(base_store):
     """A store with every example task's image, built with checks, kept between sessions

@@ -200,10 +200,11 @@ def runtime(dirs):
 
 
 @pytest.fixture
-def make(runtime, base_sif):
-    """Start sandboxes from the base image (spec fields, ``image`` too, as keywords); all
-    stopped after."""
-    yield from _starter(runtime, base_sif)
+def make(runtime, layered_base):
+    """Start sandboxes from the base image, layered as builds store task images
+    (conftest's ``layered_base``; spec fields, ``image`` too, as keywords); all stopped
+    after."""
+    yield from _starter(runtime, layered_base)
 
 
 def _starter(runtime, base_sif):
@@ -245,10 +246,10 @@ def sealed_runtime(runtime_kind: str, tmp_path_factory):
 
 
 @pytest.fixture(name="make")
-def sealed_make(runtime, base_sif):
-    """Start sandboxes from the base image on the runtime of the parameter; all stopped
-    after."""
-    yield from _starter(runtime, base_sif)
+def sealed_make(runtime, layered_base):
+    """Start sandboxes from the base image, layered as builds store task images, on the
+    runtime of the parameter; all stopped after."""
+    yield from _starter(runtime, layered_base)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -158,30 +159,55 @@ def cat(image: Path | str, member: str, timeout: float = 300) -> str | None:
     return None
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _apply(layer: Path, root: Path) -> None:
+    """Move an unpacked layer's entries over ``root`` as overlayfs shows a layer over what
+    is below: a whiteout removes, a folder merges (its attributes the layer's), anything
+    else replaces."""
+    for entry in sorted(os.listdir(layer)):
+        src, dest = layer / entry, root / entry
+        st = src.lstat()
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            _remove(dest)
+        elif stat.S_ISDIR(st.st_mode):
+            if not dest.is_dir() or dest.is_symlink():
+                _remove(dest)
+                dest.mkdir()
+            _apply(src, dest)
+            if os.geteuid() == 0:
+                os.chown(dest, st.st_uid, st.st_gid)
+            os.chmod(dest, stat.S_IMODE(st.st_mode))
+            os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+        else:
+            _remove(dest)
+            os.rename(src, dest)
+
+
 def flatten(image: Path | str, out: Path, *, timeout: float = 1800) -> Path:
     """One squashfs file holding the image's merged root (what a sandbox of it sees before
     anything is written), for readers that take one file (Apptainer's verifier binds
-    folders of the pristine image from it). Atomic; needs unsquashfs and mksquashfs."""
-    layers = read(image)
+    folders of the pristine image from it). Atomic; needs unsquashfs and mksquashfs (as
+    an ordinary user, files keep that user's ids, and devices are left out)."""
+    found = read(image)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         root = Path(tmp) / "root"
-        for layer in reversed(layers):  # the base first, each layer over what is below
-            for gone in whiteouts(layer, timeout):
-                target = root / gone
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                else:
-                    target.unlink(missing_ok=True)
-            subprocess.run(["unsquashfs", "-o", str(layer.offset), "-f", "-n", "-q",
-                            "-no-progress", "-d", str(root), str(layer.path)],
-                           capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                           check=False)  # (as a user: devices and whiteouts not made)
-            for gone in whiteouts(layer, timeout):  # a whiteout unsquashfs made as root
-                target = root / gone
-                if target.exists() and not target.is_dir() and not target.is_symlink() \
-                        and target.is_char_device():
-                    target.unlink()
+        for i, layer in enumerate(reversed(found)):  # the base first
+            dest = root if i == 0 else Path(tmp) / f"layer{i}"
+            proc = subprocess.run(["unsquashfs", "-o", str(layer.offset), "-n", "-q",
+                                   "-no-progress", "-d", str(dest), str(layer.path)],
+                                  capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL, check=False)
+            if proc.returncode != 0 and os.geteuid() == 0:
+                raise sif.SifError(layer.path, f"unsquashfs: {proc.stderr.strip()[-500:]}")
+            if i:
+                _apply(dest, root)
         tmp_out = Path(tmp) / "merged.sqfs"
         proc = subprocess.run(["mksquashfs", str(root), str(tmp_out), "-noappend", "-quiet",
                                "-no-progress", "-comp", "gzip", "-Xcompression-level", "1"],

@@ -1,0 +1,122 @@
+"""Layered task images end to end: sandboxes of a layers file on both runtimes, and a
+store of layered builds (shared base, own layers, gc, single-file entries beside them)."""
+
+
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, LAYER_MARK, checked_local_builds
+from tests.seal_helpers import (  # noqa: F401  (fixtures)
+    on_both_runtimes,
+    run,
+    sealed_make,
+    sealed_runtime,
+    verify,
+)
+
+
+@on_both_runtimes()
+def test_a_sandbox_of_a_layered_image_sees_the_layers_and_not_what_they_remove(make, runtime,
+                                                                              tmp_path):
+    a = make()
+    out = run(runtime, a, ["sh", "-c", (f"cat {LAYER_MARK} /etc/issue; ls /etc/motd; "
+                                       "test -x /usr/bin/which && echo base-kept")]).output
+    assert "layered\nTMax layered test image\n" in out
+    assert "No such file" in out and "base-kept" in out
+    # writes over a layer's file and the base's go to the sandbox's own layer only
+    assert run(runtime, a, ["sh", "-c", (f"echo mine > {LAYER_MARK} && echo x > /etc/motd && "
+                                        "rm /usr/bin/which")]).exit_code == 0
+    b = make()
+    out_b = run(runtime, b, ["sh", "-c", f"cat {LAYER_MARK}; ls /etc/motd /usr/bin/which"])
+    assert "layered\n" in out_b.output and "/usr/bin/which" in out_b.output
+    assert "No such file or directory" in out_b.output  # /etc/motd: still removed for b
+    # the verifier grades a's files over the layered image: the agent's /etc, the image's
+    # /usr as built (the base's /usr/bin/which, which the agent removed), the task layer's
+    # /etc/issue
+    result, reward = verify(runtime, a, tmp_path,
+                            f'r=0; [ "$(cat {LAYER_MARK})" = mine ] && [ -f /etc/motd ] && '
+                            '[ -x /usr/bin/which ] && grep -q layered /etc/issue && r=1; '
+                            'echo $r > /logs/verifier/reward.txt')
+    assert (result.exit_code, reward) == (0, "1"), result.output
+
+
+@pytest.mark.parametrize("runtime_kind", ["local"], scope="module")
+def test_a_layers_file_that_cannot_be_used_is_an_image_missing_naming_it(runtime, tmp_path,
+                                                                        base_sif):
+    from sandfleet import ImageMissing, SandboxSpec
+
+    bad = tmp_path / "task.layers"
+    bad.write_text(json.dumps({"sandfleet_layers": 1, "layers": ["gone.sqfs",
+                                                                  str(base_sif)]}))
+    with pytest.raises(ImageMissing, match=r"task\.layers.*layer gone\.sqfs: no such file"):
+        runtime.start("bad-layers", SandboxSpec(image=bad))
+
+
+@pytest.mark.slow
+def test_a_store_of_layered_images(tmp_path, base_store):
+    """Two example tasks built layered (with their checks: oracle 1, nop 0 on the layered
+    image) and one single-file, in one store: the base stored once, each task's own bytes
+    a few KB, verify clean, gc of a dropped task removes its layer only."""
+    from tests.conftest import store_with_base
+    from tmax.images.store import own_bytes
+    from tmax.tasks.native import load_task
+
+    store = store_with_base(tmp_path / "store", base_store)
+    builds = checked_local_builds(store)
+    tasks = {name: load_task(EXAMPLES / name) for name in
+             ("hello-world-file", "sha256-digest", "count-log-lines")}
+    for name in ("hello-world-file", "sha256-digest"):
+        result = builds.build(tasks[name])
+        assert result.status == "built", result.error
+        assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0)
+    builds.layered = False
+    assert builds.build(tasks["count-log-lines"], check=False).status == "built"
+    manifest = store.read()
+    layered = manifest.tasks["hello-world-file"]
+    assert layered.sif.endswith(".layers") and len(layered.layers) == 1
+    assert manifest.tasks["count-log-lines"].sif.endswith(".sif")
+    own = own_bytes(manifest)
+    assert own["hello-world-file"] < 256 * 1024 and own["sha256-digest"] < 256 * 1024
+    assert own["count-log-lines"] > 50 * 2**20  # a whole root
+    assert store.verify() == []
+    for task_id, entry in manifest.tasks.items():
+        assert store.task_image(task_id, entry.digest) == entry
+    gone = store.path(manifest.tasks["sha256-digest"].layers[0].path)
+    kept = store.path(layered.layers[0].path)
+    removed = store.gc(keep_tasks={"hello-world-file", "count-log-lines"})
+    assert gone in removed and not gone.exists() and kept.exists()
+    assert store.path(manifest.bases["debian-slim"].sif).exists()
+
+
+def test_a_corrupt_layer_is_named_by_verify(tmp_path, base_store, layered_base):
+    from tests.conftest import store_with_base
+    from tmax.images.store import ImageEntry, LayerFile, file_sha256
+
+    store = store_with_base(tmp_path / "store", base_store)
+    layer = store.path("layers/x.sqfs")
+    shutil.copyfile(Path(layered_base).parent / "task.sqfs", layer)
+    base = store.read().bases["debian-slim"]
+    from sandfleet import layers
+
+    layers.write(store.path("sif/d.layers"), [layer, store.path(base.sif)])
+    ref = LayerFile(path="layers/x.sqfs", size=layer.stat().st_size,
+                    sha256=file_sha256(layer))
+    entry = ImageEntry(task_id="t", digest="d", sif="sif/d.layers",
+                       size=store.path("sif/d.layers").stat().st_size,
+                       sha256=file_sha256(store.path("sif/d.layers")), base="debian-slim",
+                       base_digest=base.digest, builder="local", log="", built_at="",
+                       build_seconds=0, layers=[ref])
+    store.update(lambda m: m.tasks.__setitem__("t", entry))
+    assert store.verify() == []
+    layer.write_bytes(b"\0" * ref.size)
+    problems = store.verify()
+    reasons = {p["path"]: p["reason"] for p in problems if p["image"] == "task t"}
+    assert set(reasons) == {str(layer), str(store.path("sif/d.layers"))}  # and its user
+    assert "not a squashfs layer" in reasons[str(layer)]
+    assert "layer ../layers/x.sqfs" in reasons[str(store.path("sif/d.layers"))]

@@ -93,6 +93,8 @@ def apptainer_args(image: Path | str) -> list[str]:
     """What stands for the image at the end of an Apptainer command line: the SIF, or the
     layers as read-only overlays (bottom to top: Apptainer's last ``--overlay`` is the
     topmost; a writable overlay is above them wherever it is given) then the base."""
+    if not is_layered(image):
+        return [str(image)]
     found = read(image)
     args = [a for la in reversed(found[:-1]) for a in ("--overlay", f"{la.path}:ro")]
     return args + [str(found[-1].path)]

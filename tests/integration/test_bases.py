@@ -219,7 +219,8 @@ def test_user_map_is_tried_first_and_may_name_its_own_def(tmp_path):
     assert table.definition_path("golang") == IMAGES / "golang.def"
     with pytest.raises(BaseMappingError, match=f"your map {user}"):
         table.resolve("alpine:3")
-    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), base_map=user)
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), layered=False,
+                         base_map=user)
     assert builds.base_chain("my-tools") == ["debian-slim", "my-tools"]
     assert builds.base_text("my-tools").startswith("# mine")
 
@@ -320,7 +321,8 @@ def family(tmp_path: Path, **defs: str) -> tuple[Path, Path]:
 
 def test_derived_digest_covers_the_parent(tmp_path):
     images, table = family(tmp_path, root="", mid="root", leaf="mid", other="")
-    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), images_dir=images,
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), layered=False,
+                         images_dir=images,
                          base_table=table)
     before = {n: builds.base_digest(n) for n in ("root", "mid", "leaf", "other")}
     assert builds.base_chain("leaf") == ["root", "mid", "leaf"]
@@ -336,7 +338,7 @@ def test_ensure_base_builds_parents_first_and_once(tmp_path):
     images, table = family(tmp_path, root="", mid="root", leaf="mid")
     store = ImageStore(tmp_path / "store")
     fake = FakeBuilder()
-    builds = ImageBuilds(store, fake, images_dir=images, base_table=table)
+    builds = ImageBuilds(store, fake, layered=False, images_dir=images, base_table=table)
     leaf = builds.ensure_base("leaf")
     bases = store.read().bases
     assert fake.calls == [("root", None), ("mid", store.path(bases["root"].sif)),
@@ -352,7 +354,8 @@ def test_ensure_base_builds_parents_first_and_once(tmp_path):
 
 def test_cycles_and_unknown_parents_are_clear_errors(tmp_path):
     images, table = family(tmp_path, a="b", b="c", c="a", d="nowhere")
-    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), images_dir=images,
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), FakeBuilder(), layered=False,
+                         images_dir=images,
                          base_table=table)
     with pytest.raises(BuildError, match="cycle: a -> b -> c -> a"):
         builds.ensure_base("a")
@@ -364,7 +367,8 @@ def test_cycles_and_unknown_parents_are_clear_errors(tmp_path):
 def test_build_all_builds_derived_bases_first_and_a_broken_one_once(tmp_path):
     images, table = family(tmp_path, root="", good="root", broken="root", child="broken")
     fake = FakeBuilder(fail={"broken"})
-    builds = ImageBuilds(ImageStore(tmp_path / "store"), fake, images_dir=images,
+    builds = ImageBuilds(ImageStore(tmp_path / "store"), fake, layered=False,
+                         images_dir=images,
                          base_table=table)
     tasks = [load_task(make_task(tmp_path / "tasks", f"t{i}", **{
         "environment/Dockerfile": f"FROM {base}:1\nWORKDIR /app\n"}))

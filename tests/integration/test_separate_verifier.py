@@ -142,12 +142,13 @@ def separate_store(tmp_path_factory, base_store):
     return checked_build(tmp_path_factory.mktemp("separate"), base_store, separate_task)
 
 
-def _ls_sif(sif: Path, path: str) -> bool:
-    from sandfleet.runtime.sif import read_partition
+def _ls_sif(image: Path, path: str) -> bool:
+    """Whether the image (a SIF, or any layer of a layered one) lists ``path``."""
+    from sandfleet import layers
 
-    out = subprocess.run(["unsquashfs", "-o", str(read_partition(sif).offset), "-l", str(sif),
-                          path.lstrip("/")], capture_output=True, text=True, timeout=120)
-    return f"squashfs-root/{path.lstrip('/')}" in out.stdout
+    return any(f"squashfs-root/{path.lstrip('/')}" in subprocess.run(
+        ["unsquashfs", "-o", str(layer.offset), "-l", str(layer.path), path.lstrip("/")],
+        capture_output=True, text=True, timeout=120).stdout for layer in layers.read(image))
 
 
 @pytest.mark.sandbox

@@ -85,6 +85,12 @@ def test_a_store_of_layered_images(tmp_path, base_store):
     assert own["hello-world-file"] < 256 * 1024 and own["sha256-digest"] < 256 * 1024
     assert own["count-log-lines"] > 50 * 2**20  # a whole root
     assert store.verify() == []
+    from click.testing import CliRunner
+
+    from tmax.images.cli import images_group
+
+    listing = CliRunner().invoke(images_group, ["ls", "--store", str(store.root)]).output
+    assert "hello-world-file" in listing and "1 layers" in listing and "one SIF" in listing
     for task_id, entry in manifest.tasks.items():
         assert store.task_image(task_id, entry.digest) == entry
     gone = store.path(manifest.tasks["sha256-digest"].layers[0].path)

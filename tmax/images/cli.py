@@ -12,7 +12,7 @@ from tmax.images.bases import BaseMapError
 from tmax.images.build import open_builds
 from tmax.images.checks import checks_end_on_sigterm
 from tmax.images.installers import MODE_ENV
-from tmax.images.store import ImageStore, default_store
+from tmax.images.store import ImageStore, default_store, own_bytes
 from tmax.tasks.cli import load_all, output_option
 
 base_map_option = click.option(
@@ -101,11 +101,19 @@ def ls_cmd(store, output) -> None:
     for name, b in sorted(manifest.bases.items()):
         click.echo(f"base  {name:28} {b.digest[:12]}  {b.size / 2**20:7.1f} MB  {b.builder:9} "
                    f"{b.build_seconds:6.1f}s  {b.built_at}")
+    own = own_bytes(manifest)
     for tid, e in sorted(manifest.tasks.items()):
         checks = "-" if e.checks is None else ("FAILED" if not e.checks.ok else
                                                "ok, oracle not checked" if e.checks.note else "ok")
-        click.echo(f"task  {tid:28} {e.digest[:12]}  {e.size / 2**20:7.1f} MB  {e.builder:9} "
-                   f"{e.build_seconds:6.1f}s  {e.built_at}  base={e.base} checks={checks}")
+        kind = f"{len(e.layers)} layers" if e.layers else "one SIF"
+        click.echo(f"task  {tid:28} {e.digest[:12]}  {own[tid] / 2**20:7.2f} MB  {e.builder:9} "
+                   f"{e.build_seconds:6.1f}s  {e.built_at}  base={e.base} {kind} "
+                   f"checks={checks}")
+    files = {rel: size for e in manifest.tasks.values() for rel, size, _ in e.files()} | \
+        {b.sif: b.size for b in manifest.bases.values()}
+    click.echo(f"{len(manifest.tasks)} tasks, {len(manifest.bases)} bases: "
+               f"{sum(files.values()) / 2**20:.1f} MB in {len(files)} files (MB per task: "
+               "its own files, shared layers and bases not counted)")
 
 
 @images_group.command("verify")

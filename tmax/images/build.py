@@ -486,11 +486,18 @@ class ImageBuilds:
         """The built ``tmp/image.sif`` split over its base, its layers published (one file
         per distinct layer), its layers file written; (its path, its layers)."""
         try:
-            built = layering.split_sif(tmp / "image.sif", self.store.path(base.sif),
-                                       self.cache_dir, tmp, timeout)
+            built, found = layering.split_sif(tmp / "image.sif", self.store.path(base.sif),
+                                              self.cache_dir, tmp, timeout, plan.verifier.path)
         except BuildError as e:
             raise BuildError(e.what, e.reason, logfile) from None
-        own = [self.store.publish_layer(p) for p in built]
+        own = [self.store.publish_layer(built[0])]
+        if len(built) > 1:  # the verifier tools: one layer for every task that has the
+            # same tools, base and Pythons (pip lines install against the image's own
+            # packages: those stay the task's)
+            shared = not plan.verifier.pip and plan.verifier_image is None
+            key = digest_of(layering.TOOLS_FORMAT, plan.verifier.digest_text(), base.digest,
+                            json.dumps(found)) if shared else ""
+            own.append(self.store.publish_layer(built[1], f"tools-{key}" if key else ""))
         rel = f"sif/{plan.digest}.layers"
         layers.write(self.store.path(rel), [self.store.path(la.path) for la in own] +
                      [self.store.path(base.sif)])

@@ -20,10 +20,13 @@ from pathlib import Path
 from filelock import FileLock
 
 from sandfleet import sif
-from tmax.images.types import BuildError
+from tmax.images.types import DEFAULT_PATH, BuildError
 
 TOOLS_TOP = ".tmax"
 """The top-level folder of the verifier tools (``tmax.images.verifier_tools.ROOT``'s)."""
+TOOLS_FORMAT = "tools-layer 1"
+"""In the key of a shared tools layer (``layers/tools-<key>.sqfs``): a new way of making
+them is a new key."""
 
 
 @dataclass
@@ -210,9 +213,35 @@ def split(image: Path, base: Path, work: Path, out: Path, timeout: float) -> lis
         if name == "tools" and not entries:
             continue
         pseudo = stage(image, entries, whiteouts, work / name)
+        if name == "tools":  # its root is never seen (the task's is above): one for all
+            os.chmod(work / name, 0o755)
+            os.utime(work / name, (0, 0))
         pack_layer(work / name, pseudo, out / f"{name}.sqfs", timeout)
         layers.append(out / f"{name}.sqfs")
     return layers
+
+
+def pythons(image: Path, path: str) -> list[tuple[str, int]]:
+    """(path, size) of each ``python*`` program in the folders of ``path`` (the image's
+    PATH) of an unpacked root, links followed inside the root: what the verifier tools'
+    build step can find of the image."""
+    found = []
+    for folder in dict.fromkeys(path.split(":")):
+        here = image / folder.lstrip("/")
+        if not folder.startswith("/") or not here.is_dir() or here.is_symlink():
+            continue
+        for entry in sorted(os.listdir(here)):
+            if entry.startswith("python"):
+                target, hops = here / entry, 0
+                while target.is_symlink() and hops < 8:
+                    link = os.readlink(target)
+                    target = (image / link.lstrip("/")) if link.startswith("/") else \
+                        target.parent / link
+                    hops += 1
+                size = target.lstat().st_size if target.exists() or target.is_symlink() \
+                    else -1
+                found.append((f"{folder}/{entry}", size))
+    return found
 
 
 def base_root(base_sif: Path, cache_dir: Path) -> Path:
@@ -226,15 +255,16 @@ def base_root(base_sif: Path, cache_dir: Path) -> Path:
 
 
 def split_sif(image_sif: Path, base_sif: Path, cache_dir: Path, out: Path,
-              timeout: float) -> list[Path]:
+              timeout: float, path: str = "") -> tuple[list[Path], list[tuple[str, int]]]:
     """``split`` of a built task SIF over its base's SIF (both unpacked in the node-local
-    cache; the image's unpacked root removed after)."""
+    cache; the image's unpacked root removed after), and its ``pythons`` on ``path``."""
     build = cache_dir / "build"
     build.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="layers-", dir=build))
     try:
         image = sif.extract(image_sif, work / "image", timeout=timeout)
-        return split(image, base_root(base_sif, cache_dir), work, out, timeout)
+        return split(image, base_root(base_sif, cache_dir), work, out, timeout), \
+            pythons(image, path or DEFAULT_PATH)
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(work)], timeout=600,
                        check=False)

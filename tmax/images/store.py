@@ -172,17 +172,19 @@ class ImageStore:
         os.replace(built, final)
         return size, digest
 
-    def publish_layer(self, built: Path) -> LayerFile:
-        """Move a finished layer to ``layers/<sha256>.sqfs``; one of the same bytes already
-        there is kept (the built file dropped)."""
-        digest, size = file_sha256(built), built.stat().st_size
-        rel = f"layers/{digest}.sqfs"
+    def publish_layer(self, built: Path, name: str = "") -> LayerFile:
+        """Move a finished layer to ``layers/<sha256>.sqfs``, or to ``layers/<name>.sqfs``
+        (what stands for it: another build's of that name is kept and used); one already
+        there is kept (the built file dropped). Two builds publishing at once: the first
+        file stays."""
+        rel = f"layers/{name or file_sha256(built)}.sqfs"
         final = self.root / rel
-        if final.exists() and final.stat().st_size == size:
-            built.unlink()
-        else:
-            os.replace(built, final)
-        return LayerFile(path=rel, size=size, sha256=digest)
+        try:
+            os.link(built, final)  # never replaces: the entries using it recorded its sha
+        except FileExistsError:
+            pass
+        built.unlink()
+        return LayerFile(path=rel, size=final.stat().st_size, sha256=file_sha256(final))
 
     def path(self, relative: str) -> Path:
         return self.root / relative

@@ -2,7 +2,7 @@
 (disks/overlays made ahead and sandboxes started ahead), in one interleaved run.
 
     python benchmarks/runtime_compare.py IMAGE.sif [--new 8] [--seen 15] [--out FILE]
-        [--runtimes local,apptainer] [--modes old,new]
+        [--runtimes local,apptainer] [--modes old,new] [--layered TASK.layers]
 
 Per runtime (``local``: bubblewrap, as root; ``apptainer``: instances, as whoever runs
 this, through bin/tmax-apptainer where no apptainer is on PATH) and per mode (``old``:
@@ -36,12 +36,34 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine
-from sandfleet.runtime import get_runtime
+from sandfleet.runtime import get_runtime, layers
 from sandfleet.runtime.base import SandboxSpec
 from sandfleet.shell import ShellSession
 
 TEST_SH = "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\n"
-MODES = {"old": {"prepared": 0, "ready": 0}, "new": {"prepared": 2, "ready": 1}}
+MODES = {"old": {"prepared": 0, "ready": 0}, "new": {"prepared": 2, "ready": 1},
+         "layered-old": {"prepared": 0, "ready": 0}, "layered": {"prepared": 2, "ready": 1}}
+"""The layered modes start ``--layered`` (a layers file over the same base) instead of
+IMAGE; an image new to the node is then a fresh copy of its own layers over the base the
+node has (a new task of a base in use)."""
+
+
+def fresh_copy(image: Path, stem: Path) -> list[Path]:
+    """A copy of ``image`` under other file names: the SIF, or a layered image's own
+    layers (its base shared) and a layers file naming them; the files, the image first."""
+    if not layers.is_layered(image):
+        copy = stem.with_suffix(".sif")
+        shutil.copyfile(image, copy)
+        copy.chmod(0o644)
+        return [copy]
+    found = layers.read(image)
+    copies = []
+    for j, layer in enumerate(found[:-1]):
+        copies.append(stem.with_name(f"{stem.name}-{j}.sqfs"))
+        shutil.copyfile(layer.path, copies[-1])
+        copies[-1].chmod(0o644)
+    layers.write(stem.with_suffix(".layers"), [*copies, found[-1].path])
+    return [stem.with_suffix(".layers"), *copies]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -70,10 +92,10 @@ def settle(runtime, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
+def bench(name: str, images: dict[str, Path], modes: list[str], n_new: int, n_seen: int,
           tmp: Path) -> dict:
     runtimes = {mode: make(name, tmp / f"{name}-{mode}", mode) for mode in modes}
-    spec = SandboxSpec(image=image)
+    specs = {mode: SandboxSpec(image=images[mode]) for mode in modes}
     out: dict[str, dict] = {mode: {} for mode in modes}
     new: dict[str, list[float]] = {mode: [] for mode in modes}
     seen: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -82,24 +104,23 @@ def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
     verifies: dict[str, list[float]] = {mode: [] for mode in modes}
     rewards: dict[str, set[str]] = {mode: set() for mode in modes}
     try:
-        for rt in runtimes.values():  # the size wanted, the image seen
-            rt.start("warm", spec)
+        for mode, rt in runtimes.items():  # the size wanted, the image seen
+            rt.start("warm", specs[mode])
             rt.stop("warm")
         for i in range(n_new):
             for mode in modes if i % 2 == 0 else modes[::-1]:
                 rt = runtimes[mode]
-                copy = tmp / f"{name}-{mode}-new{i}.sif"
-                shutil.copyfile(image, copy)
-                copy.chmod(0o644)
+                copies = fresh_copy(images[mode], tmp / f"{name}-{mode}-new{i}")
                 for other in runtimes.values():
                     settle(other)
                 t0 = time.perf_counter()
-                rt.start(f"n{i}", SandboxSpec(image=copy))
+                rt.start(f"n{i}", SandboxSpec(image=copies[0]))
                 new[mode].append(time.perf_counter() - t0)
                 rt.stop(f"n{i}")
-                copy.unlink()
-        for rt in runtimes.values():
-            rt.start("warm", spec)  # IMAGE the last shape used again
+                for copy in copies:
+                    copy.unlink()
+        for mode, rt in runtimes.items():
+            rt.start("warm", specs[mode])  # IMAGE the last shape used again
             rt.stop("warm")
         for i in range(n_seen):
             for mode in modes if i % 2 == 0 else modes[::-1]:
@@ -107,7 +128,7 @@ def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
                 for other in runtimes.values():
                     settle(other)
                 t0 = time.perf_counter()
-                rt.start(f"s{i}", spec)
+                rt.start(f"s{i}", specs[mode])
                 seen[mode].append(time.perf_counter() - t0)
                 if i == 0:
                     for other in runtimes.values():
@@ -128,7 +149,7 @@ def bench(name: str, image: Path, modes: list[str], n_new: int, n_seen: int,
         tests.mkdir(exist_ok=True)
         (tests / "test.sh").write_text(TEST_SH)
         for mode in modes:
-            runtimes[mode].start("v", spec)
+            runtimes[mode].start("v", specs[mode])
         for rt in runtimes.values():
             settle(rt)
         for _ in range(6):
@@ -169,18 +190,23 @@ def main() -> None:
     parser.add_argument("--seen", type=int, default=15)
     parser.add_argument("--runtimes", default="local,apptainer")
     parser.add_argument("--modes", default="old,new")
+    parser.add_argument("--layered", type=Path,
+                        help="a layers file over IMAGE's base, for the layered modes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: unknown {sorted(unknown)}; valid: {', '.join(MODES)}")
+    if any(m.startswith("layered") for m in modes) and not args.layered:
+        parser.error("--modes layered and layered-old need --layered LAYERS_FILE")
+    images = {m: (args.layered if m.startswith("layered") else args.image).resolve()
+              for m in modes}
     report = {"machine": machine(), "image": str(args.image), "uid": os.getuid(),
-              "command": " ".join(sys.argv)}
+              "layered": str(args.layered or ""), "command": " ".join(sys.argv)}
     with tempfile.TemporaryDirectory(prefix="runtime-compare-", dir="/tmp") as tmp:
         os.chmod(tmp, 0o755)
         for name in args.runtimes.split(","):
-            report[name] = bench(name, args.image.resolve(), modes, args.new, args.seen,
-                                 Path(tmp))
+            report[name] = bench(name, images, modes, args.new, args.seen, Path(tmp))
             shutil.rmtree(Path(tmp, "tests"), ignore_errors=True)
     report["load_at_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     text = json.dumps(report, indent=1)

@@ -221,3 +221,30 @@ def test_uvx_python_312_grades_offline_on_a_311_image(image_store, base_store, t
         assert agent.output == "Python 3.11.2\n0\nnone\n"
     finally:
         runtime.stop("py312")
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_tasks_with_the_same_tools_share_one_tools_layer(image_store, tmp_path):
+    """Two tasks on one base whose test.sh is Harbor's uvx boilerplate: one tools layer
+    (``layers/tools-<key>.sqfs``) for both, and the second task's checks grade through it
+    (nop 0, oracle 1); each keeps a layer of its own."""
+    from tmax.images.build import ImageBuilds
+    from tmax.images.builders import LocalBuilder
+    from tmax.images.checks import image_checker
+    from tmax.tasks import load_task
+
+    cache = Path.home() / ".cache" / "tmax"
+    builds = ImageBuilds(image_store, LocalBuilder(cache), checker=image_checker(cache, "local"))
+    dockerfiles = {"one": "FROM python:3.11-slim\nWORKDIR /app\n",
+                   "two": "FROM python:3.11-slim\nRUN echo two > /two\nWORKDIR /app\n"}
+    for name, dockerfile in dockerfiles.items():
+        result = builds.build(load_task(make_task(tmp_path / "tasks", name, **{
+            "tests/test.sh": HARBOR, "tests/test_outputs.py": TEST_OUTPUTS,
+            "environment/Dockerfile": dockerfile})))
+        assert result.status == "built", result.error
+        assert (result.checks["nop_reward"], result.checks["oracle_reward"]) == (0.0, 1.0)
+    one, two = (image_store.read().tasks[n] for n in dockerfiles)
+    assert one.layers[1] == two.layers[1] and one.layers[1].path.startswith("layers/tools-")
+    assert one.layers[0] != two.layers[0]
+    assert image_store.verify() == []

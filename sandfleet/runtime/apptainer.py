@@ -118,7 +118,8 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
     """``instance start``: writes to ``overlay`` (a tmpfs without), ``start_action`` bound
     over the image's start script, ``--userns --fakeroot`` when ``rootless``, cgroup
     limits with ``cgroup_limits``, pinned to ``cpus`` (by ``taskset``) when given."""
-    argv = [*taskset(cpus), apptainer, "instance", "start"]
+    *below, image = layers.apptainer_args(spec.image)  # a layered image's, then the base
+    argv = [*taskset(cpus), apptainer, "instance", "start", *below]
     argv += ["--overlay", str(overlay)] if overlay else ["--writable-tmpfs"]
     argv += ["--containall", "--cleanenv", "--no-home", *NO_TMPFS, "--pid-file", str(pid_file),
              "--hostname", spec.hostname]
@@ -129,7 +130,7 @@ def start_argv(apptainer: str, spec: SandboxSpec, name: str, pid_file: Path, *,
         argv += ["--net", "--network", "none"]
     if cgroup_limits:
         argv += ["--cpus", str(spec.cpus), "--memory", f"{spec.memory_mb}M"]
-    return argv + [*layers.apptainer_args(spec.image), name]
+    return argv + [image, name]
 
 
 def taskset(cpus: Sequence[int]) -> list[str]:

@@ -140,10 +140,10 @@ def make_overlay(path: Path, size_mb: int, *, hide: tuple[str, ...] = (),
     with open(path, "wb") as f:
         f.truncate(size_mb << 20)
     script = ["mkdir upper", "mkdir work"]
-    for hidden in hide:
-        parent = os.path.dirname(hidden.strip("/"))
+    for hidden in hide:  # (debugfs's mknod links the name given into its current folder)
+        parent, name = os.path.split(hidden.strip("/"))
         script += [f"mkdir upper/{parent}"] if parent else []
-        script += [f"mknod upper/{hidden.strip('/')} c 0 0"]
+        script += [f"cd /upper/{parent}", f"mknod {name} c 0 0", "cd /"]
     steps = [([mkfs, "-q", "-F", "-b", "4096", "-J", "size=4", "-E", "root_owner=0:0",
                str(path)], None),
              ([debugfs, "-w", "-f", "-", str(path)], "\n".join(script) + "\n")]

@@ -46,6 +46,53 @@ def test_a_sandbox_of_a_layered_image_sees_the_layers_and_not_what_they_remove(m
     assert (result.exit_code, reward) == (0, "1"), result.output
 
 
+@pytest.fixture(scope="module")
+def with_tools(layered_base, tmp_path_factory) -> Path:
+    """``layered_base`` with a verifier tools layer between its task layer and the base,
+    as builds store a task whose verifier needs tools: /.tmax/verifier/bin/mark."""
+    from sandfleet import layers
+    from tmax.images import layering
+
+    root = tmp_path_factory.mktemp("with-tools")
+    tool = root / "tree" / ".tmax" / "verifier" / "bin" / "mark"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\necho 1\n")
+    tool.chmod(0o755)
+    for folder in (root / "tree", *list((root / "tree").rglob("*"))):
+        if folder.is_dir():
+            folder.chmod(0o755)
+    layering.pack_layer(root / "tree", [], root / "tools.sqfs", timeout=120)
+    task, base = layers.read(layered_base)[0].path, layers.read(layered_base)[-1].path
+    layers.write(root / "image.layers", [task, root / "tools.sqfs", base])
+    return root / "image.layers"
+
+
+@pytest.fixture(scope="module")
+def one_file_with_tools(with_tools, tmp_path_factory) -> Path:
+    """``with_tools`` merged into one squashfs, a one-layer image: the tools in the image's
+    own root, as a single-file task image has them."""
+    from sandfleet import layers
+
+    root = tmp_path_factory.mktemp("one-file")
+    layers.write(root / "image.layers", [layers.flatten(with_tools, root / "merged.sqfs")])
+    return root / "image.layers"
+
+
+@on_both_runtimes()
+@pytest.mark.parametrize("kind", ["layered", "one file"])
+def test_the_tools_layer_is_the_verifiers_alone(make, runtime, tmp_path, with_tools,
+                                               one_file_with_tools, kind):
+    """(On Apptainer the tools of a single-file image were not hidden either: its overlay's
+    whiteout was made in the wrong folder.)"""
+    a = make(image=with_tools if kind == "layered" else one_file_with_tools)
+    seen = run(runtime, a, ["sh", "-c", "ls -A /.tmax/verifier; cat /.tmax/verifier/bin/mark; "
+                                        f"cat {LAYER_MARK}"])
+    assert "echo 1" not in seen.output and "layered" in seen.output  # hidden, layers there
+    result, reward = verify(runtime, a, tmp_path,
+                            "/.tmax/verifier/bin/mark > /logs/verifier/reward.txt")
+    assert (result.exit_code, reward) == (0, "1"), result.output
+
+
 @pytest.mark.parametrize("runtime_kind", ["local"], scope="module")
 def test_a_layers_file_that_cannot_be_used_is_an_image_missing_naming_it(runtime, tmp_path,
                                                                         base_sif):

@@ -5,6 +5,7 @@ against a real Apptainer, as root and as an ordinary user: tests/integration/tes
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from sandfleet.runtime.apptainer import (
 from sandfleet.runtime.apptainer_setup import (
     fuse_problem,
     holders,
+    make_overlay,
     parse_version,
     probe,
     userns_problem,
@@ -261,3 +263,20 @@ def test_an_overlay_is_released_only_once_no_process_has_it_open(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.skipif(not (shutil.which("mkfs.ext3") and shutil.which("debugfs")),
+                    reason="needs e2fsprogs")
+def test_an_overlay_hides_the_verifier_tools_by_a_whiteout_where_they_are(tmp_path):
+    """The whiteout is /upper/.tmax/verifier itself (debugfs's mknod links the name it is
+    given into its current folder: a path made an entry named "upper/.tmax/verifier" in
+    the image's root, which hid nothing)."""
+    make_overlay(tmp_path / "o.img", 16, hide=("/.tmax/verifier",))
+    listing = subprocess.run(["debugfs", "-R", "ls -l /upper/.tmax", str(tmp_path / "o.img")],
+                             capture_output=True, text=True, check=True).stdout
+    entries = {line.split()[-1]: line.split()[1] for line in listing.splitlines()
+               if line.strip()}
+    assert entries.get("verifier") == "20000"  # a character device (0, 0)
+    root = subprocess.run(["debugfs", "-R", "ls /", str(tmp_path / "o.img")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "upper/.tmax/verifier" not in root

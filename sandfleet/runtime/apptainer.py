@@ -77,7 +77,7 @@ from sandfleet.runtime.apptainer_setup import (
     unenforced_limits,
     wait_released,
 )
-from sandfleet.runtime.apptainer_verify import verify_in_fresh_container
+from sandfleet.runtime.apptainer_verify import merge_ahead, verify_in_fresh_container
 from sandfleet.runtime.base import (
     NAME_RE,
     OWNER_RE,
@@ -435,6 +435,7 @@ class ApptainerRuntime(CommandRuntime):
                     raise
                 raise SandboxStartError(sandbox_id, f"{type(e).__name__}: {e}") from e
         self.ready.want(spec, info)
+        merge_ahead(self.state_dir / "pristine", spec.image)
 
     def _launch(self, sandbox_id: str, spec: SandboxSpec, info: ApptainerInfo,
                 cpus: tuple[int, ...], deadline: float, *, home: Path | None = None,

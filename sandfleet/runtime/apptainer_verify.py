@@ -37,11 +37,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,8 @@ from sandfleet.verifier.plan import (
     VERIFIER_ENV,
     VERIFIER_TOOLS,
 )
+
+log = logging.getLogger(__name__)
 
 NOT_GUARANTEED = [
     ("verifier: a service the agent left running is not reachable (the agent's processes "
@@ -94,7 +98,10 @@ def pristine_squashfs(cache: Path, image: Path) -> Path:
     if layers.is_layered(image):  # the layers merged, once per node and image version
         key = hashlib.sha1(json.dumps(layers.identity(image)).encode()).hexdigest()[:16]
         dest = cache / f"{key}.sqfs"
-        return dest if dest.exists() else layers.flatten(image, dest)
+        with _MERGING_LOCK:
+            lock = _MERGING.setdefault(dest, threading.Lock())
+        with lock:  # one merge per image (``merge_ahead``'s, or this call's)
+            return dest if dest.exists() else layers.flatten(image, dest)
     part = sif.read_partition(image)
     st = image.stat()
     key = hashlib.sha1(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}:{part.offset}"
@@ -113,6 +120,28 @@ def pristine_squashfs(cache: Path, image: Path) -> Path:
             offset, left = offset + n, left - n
     os.replace(tmp, dest)
     return dest
+
+
+_MERGING: dict[Path, threading.Lock] = {}
+_MERGING_LOCK = threading.Lock()
+_AHEAD: set[Path] = set()
+
+
+def merge_ahead(cache: Path, image: Path) -> None:
+    """Make a layered image's merged squashfs (``pristine_squashfs``) in a thread of its
+    own, while the agent works: a sandbox's first verify then finds it made (a merge of a
+    base's 300 MB root takes seconds). Nothing for a SIF (its partition is copied out)."""
+    if not layers.is_layered(image) or image in _AHEAD:
+        return
+    _AHEAD.add(image)  # (a file replaced at this path: its verify merges it)
+
+    def merge() -> None:
+        try:
+            pristine_squashfs(cache, image)
+        except (OSError, sif.SifError, subprocess.SubprocessError) as e:  # verify retries
+            log.warning("merging the layers of %s ahead of its verify: %s", image, e)
+
+    threading.Thread(target=merge, name="merge-layers", daemon=True).start()
 
 
 def image_entries(apptainer: str, image: Path, cache: Path, env: dict[str, str],

@@ -10,8 +10,7 @@ leader's child. It
 2. joins the sandbox's cgroups;
 3. mounts the SIF's squashfs partition read-only through a loop device (no unpacking) and
    re-mounts it *idmapped* to the sandbox's uid range, so the image's root-owned files
-   are owned by the sandbox's own (unprivileged) root; a layered image
-   (``sandfleet.runtime.layers``): each layer so, stacked as overlayfs lower layers;
+   are owned by the sandbox's own (unprivileged) root (each layer so, for a layered image);
 4. mounts the sandbox's own disk, ``home/disk.img`` (a fresh ext4 file system of
    ``storage_mb`` in a sparse file, with the overlay's folders and a reserve, made by the
    runtime just before or ahead: ``sandfleet.runtime.prepared``; used once, then deleted)
@@ -314,12 +313,11 @@ def resolver(lower: str, upper: str, owner: int, host: str = "/etc/resolv.conf")
 
 
 def image_layers(spec: dict, home: str, image_dir: str) -> list[str]:
-    """Step 3 for each of the image's layers (``spec["layers"]``: (file, offset, size), top
-    first; one for a SIF): the idmapped mounts the sandbox's overlay stacks, top first. The
-    image alone is then at ``image_dir``: the one layer, or a read-only overlay of them."""
-    layers = spec["layers"]
-    userns = mapping_userns(spec["uid_base"], spec["uid_count"])
-    lowers = []
+    """Step 3 for each layer (``spec["layers"]``: (file, offset, size), top first); the
+    idmapped mounts, top first. The image alone at ``image_dir``: the one layer, or a
+    read-only overlay of them."""
+    layers, userns, lowers = spec["layers"], mapping_userns(spec["uid_base"],
+                                                            spec["uid_count"]), []
     try:
         for i, (path, offset, size) in enumerate(layers):
             raw = os.path.join(home, f"raw{i}" if i else "raw")

@@ -129,8 +129,10 @@ def pack(rootfs: Path, out: Path, *, definition: str | None = None,
     return out
 
 
-def extract(sif: Path | str, dest: Path, *, timeout: float = 1800) -> Path:
-    """Unpack a SIF's root filesystem into ``dest`` (atomic: temp dir, then rename)."""
+def extract(sif: Path | str, dest: Path, *, timeout: float = 1800,
+            lenient: bool = False) -> Path:
+    """Unpack a SIF's root filesystem into ``dest`` (atomic: temp dir, then rename);
+    ``lenient``: what cannot be made (devices, owners, as an ordinary user) is left out."""
     sif, dest = Path(sif), Path(dest)
     part = read_partition(sif)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,7 @@ def extract(sif: Path | str, dest: Path, *, timeout: float = 1800) -> Path:
     try:
         os.rmdir(tmp)  # unsquashfs creates it
         _run(["unsquashfs", "-o", str(part.offset), "-d", str(tmp), "-no-progress", "-q",
+              *(["-ignore-errors", "-no-exit-code", "-no-xattrs"] if lenient else []),
               str(sif)], timeout)
         os.replace(tmp, dest)
     except BaseException:

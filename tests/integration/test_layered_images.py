@@ -6,7 +6,10 @@ store of layered builds (shared base, own layers, gc, single-file entries beside
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -173,3 +176,65 @@ def test_a_corrupt_layer_is_named_by_verify(tmp_path, base_store, layered_base):
     assert set(reasons) == {str(layer), str(store.path("sif/d.layers"))}  # and its user
     assert "not a squashfs layer" in reasons[str(layer)]
     assert "layer ../layers/x.sqfs" in reasons[str(store.path("sif/d.layers"))]
+
+
+SPLIT_AS_USER = """
+import sys
+from pathlib import Path
+from tmax.images import layering
+root = Path(sys.argv[1])
+layers, _ = layering.split_sif(root / "image.sif", root / "base.sif", root / "user-cache",
+                               root / "user-out", 120)
+print(" ".join(p.name for p in layers))
+"""
+
+
+def test_an_ordinary_users_split_records_the_owners_roots_does(tmp_path, request):
+    """A build as an ordinary user unpacks files as its own and cannot make devices: the
+    layers take owners and modes from the SIFs' records instead, and come out as root's
+    do (owners 1234 and 0, a setuid bit, a removal, a mode change)."""
+    import pwd
+    import stat
+
+    from sandfleet import sif
+    from tests.integration.test_apptainer_real import TEST_USER, as_user, user_python
+    from tmax.images import layering
+
+    try:
+        entry = pwd.getpwnam(TEST_USER)
+    except KeyError:  # (as tests/integration/test_apptainer_real.py makes it)
+        subprocess.run(["useradd", "--system", "--home-dir", f"/tmp/{TEST_USER}",
+                        "--create-home", "--shell", "/usr/sbin/nologin", TEST_USER],
+                       check=True, timeout=60, capture_output=True)
+        entry = pwd.getpwnam(TEST_USER)
+    root = Path(tempfile.mkdtemp(prefix="tmax-layers-", dir="/tmp"))  # the user reads it
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    base, image = root / "base-root", root / "image-root"
+    for tree in (base, image):
+        (tree / "etc").mkdir(parents=True)
+        (tree / "etc" / "motd").write_text("hi\n")
+        (tree / "etc" / "keep").write_text("keep\n")
+    (image / "etc" / "motd").unlink()
+    (image / "etc" / "keep").chmod(0o600)
+    (image / "srv").mkdir()
+    (image / "srv" / "tool").write_text("#!/bin/sh\n")
+    (image / "srv" / "tool").chmod(0o4755)
+    os.chown(image / "srv", 1234, 1234)
+    sif.pack(base, root / "base.sif")
+    sif.pack(image, root / "image.sif")
+    root.chmod(0o755)
+    for sub in ("user-cache", "user-out"):
+        (root / sub).mkdir()
+        os.chown(root / sub, entry.pw_uid, entry.pw_gid)
+    python, env = user_python()
+    done = as_user(entry, [python, "-c", SPLIT_AS_USER, str(root)], timeout=300,
+                   extra_env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["task.sqfs"]
+    (root / "root-out").mkdir()
+    mine, _ = layering.split_sif(root / "image.sif", root / "base.sif", tmp_path / "cache",
+                                 root / "root-out", 120)
+    theirs = layering.owners(root / "user-out" / "task.sqfs")
+    assert theirs == layering.owners(mine[0])
+    assert theirs["srv"][1:] == (1234, 1234) and theirs["srv/tool"][0] & stat.S_ISUID
+    assert theirs["etc/keep"][0] & 0o777 == 0o600 and stat.S_ISCHR(theirs["etc/motd"][0])

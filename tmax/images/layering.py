@@ -11,6 +11,7 @@ is named by the sha256 of its bytes, so equal layers are one file in the store.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import tempfile
@@ -40,6 +41,56 @@ class Diff:
     """Entries of the base the image has not."""
 
 
+Owners = dict[str, tuple[int, int, int]]
+"""Path (relative, "" the root) -> (mode with its type bits, uid, gid), as a squashfs
+records them: what a build as an ordinary user cannot read from the unpacked files."""
+_LINE = re.compile(r"^(\S{10}) (\d+)/(\d+) +(?:\d+|\d+, +\d+) \d{4}-\d\d-\d\d \d\d:\d\d ?(.*)$")
+_TYPES = {"d": stat.S_IFDIR, "-": stat.S_IFREG, "l": stat.S_IFLNK, "c": stat.S_IFCHR,
+          "b": stat.S_IFBLK, "p": stat.S_IFIFO, "s": stat.S_IFSOCK}
+
+
+def _mode(text: str) -> int:
+    """``drwsr-xr-t`` as a mode."""
+    mode = _TYPES[text[0]]
+    for i, (bit, special) in enumerate(((stat.S_IRUSR, 0), (stat.S_IWUSR, 0),
+                                         (stat.S_IXUSR, stat.S_ISUID), (stat.S_IRGRP, 0),
+                                         (stat.S_IWGRP, 0), (stat.S_IXGRP, stat.S_ISGID),
+                                         (stat.S_IROTH, 0), (stat.S_IWOTH, 0),
+                                         (stat.S_IXOTH, stat.S_ISVTX))):
+        c = text[1 + i]
+        if c in "rwxst":
+            mode |= bit
+        if c in "sStT" and special:
+            mode |= special
+    return mode
+
+
+def owners(path: Path, offset: int = 0, timeout: float = 600) -> Owners:
+    """The owners and modes of every entry of a squashfs (at ``offset`` of ``path``)."""
+    out = subprocess.run(["unsquashfs", "-o", str(offset), "-lln", "-n", "-d", "", str(path)],
+                         capture_output=True, text=True, timeout=timeout,
+                         stdin=subprocess.DEVNULL, check=False)
+    if out.returncode != 0:
+        raise BuildError("layers", f"unsquashfs -lln {path}: {out.stderr.strip()[-500:]}")
+    found: Owners = {}
+    for line in out.stdout.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name = m.group(4)
+        if m.group(1)[0] == "l":
+            name = name.split(" -> ", 1)[0]
+        found[name.lstrip("/")] = (_mode(m.group(1)), int(m.group(2)), int(m.group(3)))
+    return found
+
+
+def _escaped(rel: str) -> str:
+    """A path as mksquashfs's pseudo definitions read it."""
+    if "\n" in rel:
+        raise BuildError("layers", f"cannot name {rel!r} (a name with a newline) in a layer")
+    return "".join("\\" + c if c.isspace() or c in '"\\' else c for c in rel)
+
+
 def _xattrs(path: Path) -> dict[str, bytes]:
     try:
         return {k: os.getxattr(path, k, follow_symlinks=False)
@@ -58,11 +109,12 @@ def _same_content(a: Path, b: Path) -> bool:
                 return True
 
 
-def _same(image: Path, base: Path, si: os.stat_result, sb: os.stat_result) -> bool:
+def _same(image: Path, base: Path, si: os.stat_result, sb: os.stat_result,
+          owned: tuple[tuple, tuple] | None = None) -> bool:
     """Whether an entry of the image equals the base's at the same path (not looking below
-    folders)."""
-    if stat.S_IFMT(si.st_mode) != stat.S_IFMT(sb.st_mode) or si.st_mode != sb.st_mode or \
-            (si.st_uid, si.st_gid) != (sb.st_uid, sb.st_gid) or \
+    folders); ``owned``: their (mode, uid, gid) as recorded, in place of the files'."""
+    mi, mb = owned or ((si.st_mode, si.st_uid, si.st_gid), (sb.st_mode, sb.st_uid, sb.st_gid))
+    if stat.S_IFMT(si.st_mode) != stat.S_IFMT(sb.st_mode) or mi != mb or \
             _xattrs(image) != _xattrs(base):
         return False
     if stat.S_ISDIR(si.st_mode):
@@ -77,9 +129,16 @@ def _same(image: Path, base: Path, si: os.stat_result, sb: os.stat_result) -> bo
     return True  # fifos, sockets: their attributes above
 
 
-def diff(image: Path, base: Path) -> Diff:
-    """``image``'s root against ``base``'s (both unpacked, links never followed)."""
+def diff(image: Path, base: Path, owned: tuple[Owners, Owners] | None = None) -> Diff:
+    """``image``'s root against ``base``'s (both unpacked, links never followed); with
+    ``owned``, their owners and modes as recorded (``owners``), not the files'."""
     out = Diff()
+
+    def same(pi: Path, pb: Path, si: os.stat_result, sb: os.stat_result, rel: str) -> bool:
+        if owned is None:
+            return _same(pi, pb, si, sb)
+        missing = (-1, -1, -1)
+        return _same(pi, pb, si, sb, (owned[0].get(rel, missing), owned[1].get(rel, missing)))
 
     def walk(rel: str) -> bool:
         """Compare folder ``rel`` (present in both as folders); True if anything below
@@ -103,10 +162,10 @@ def diff(image: Path, base: Path) -> Diff:
             if stat.S_ISDIR(si.st_mode) and stat.S_ISDIR(sb.st_mode):
                 mark = len(out.entries)
                 below = walk(sub)
-                if below or not _same(pi, pb, si, sb):
+                if below or not same(pi, pb, si, sb, sub):
                     out.entries.insert(mark, sub)
                     changed = True
-            elif not _same(pi, pb, si, sb):
+            elif not same(pi, pb, si, sb, sub):
                 _all_below(pi, sub, si, out)
                 changed = True
         return changed
@@ -124,7 +183,8 @@ def _all_below(path: Path, rel: str, st: os.stat_result, out: Diff) -> None:
 
 
 def _copy_attrs(src: Path, dest: Path, st: os.stat_result) -> None:
-    os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
+    if os.geteuid() == 0:  # (an ordinary user's layers get their owners by pseudo lines)
+        os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
     if not stat.S_ISLNK(st.st_mode):
         os.chmod(dest, stat.S_IMODE(st.st_mode))
     for key, value in _xattrs(src).items():
@@ -135,10 +195,12 @@ def _copy_attrs(src: Path, dest: Path, st: os.stat_result) -> None:
     os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def stage(image: Path, entries: list[str], whiteouts: list[str], dest: Path) -> list[str]:
+def stage(image: Path, entries: list[str], whiteouts: list[str], dest: Path,
+          owned: Owners | None = None) -> list[str]:
     """A folder ``dest`` holding ``entries`` of ``image`` (files hard-linked: same file
     system) and the parents they need, with the image's attributes; returns mksquashfs
-    pseudo definitions of the ``whiteouts``."""
+    pseudo definitions of the ``whiteouts`` (and, with ``owned``, of every entry's owner
+    and mode as recorded)."""
     dest.mkdir()
     _copy_attrs(image, dest, image.lstat())
     made = {""}
@@ -174,17 +236,19 @@ def stage(image: Path, entries: list[str], whiteouts: list[str], dest: Path) -> 
     pseudo = []
     for rel in whiteouts:
         parents(rel)
-        if any(c.isspace() or c in '"\\' for c in rel):
-            raise BuildError("layers", f"cannot record the removal of {rel!r} (a name with "
-                             "blanks or quotes) in a layer")
-        pseudo.append(f"{rel} c 0 0 0 0 0")
+        pseudo.append(f"{_escaped(rel)} c 0 0 0 0 0")
     for src, out, st in reversed(folders):
         _copy_attrs(src, out, st)
+    if owned is not None:
+        pseudo += [f"{_escaped(rel)} m {owned[rel][0] & 0o7777:o} {owned[rel][1]} "
+                   f"{owned[rel][2]}" for rel in sorted(made) if rel and rel in owned]
     return pseudo
 
 
-def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float) -> None:
-    """``tree`` (and the pseudo entries) as a reproducible squashfs file ``out``."""
+def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float,
+               root: tuple[int, int, int] | None = None) -> None:
+    """``tree`` (and the pseudo entries) as a reproducible squashfs file ``out``; ``root``:
+    its root folder's (mode, uid, gid), else the tree's."""
     pf = out.with_name(out.name + ".pseudo")
     pf.write_text("".join(f"{p}\n" for p in pseudo))
     try:
@@ -192,7 +256,9 @@ def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float) -> None
             ["mksquashfs", str(tree), str(out), "-noappend", "-quiet", "-no-progress",
              "-comp", "gzip", "-Xcompression-level", "1", "-mkfs-time", "0",
              "-processors", str(min(os.cpu_count() or 1, 8))] +
-            (["-pf", str(pf)] if pseudo else []),
+            (["-pf", str(pf)] if pseudo else []) +
+            (["-root-mode", f"{root[0] & 0o7777:o}", "-root-uid", str(root[1]),
+              "-root-gid", str(root[2])] if root else []),
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
             check=False)
     finally:
@@ -201,22 +267,27 @@ def pack_layer(tree: Path, pseudo: list[str], out: Path, timeout: float) -> None
         raise BuildError("layers", f"mksquashfs: {proc.stderr.strip()[-1000:]}")
 
 
-def split(image: Path, base: Path, work: Path, out: Path, timeout: float) -> list[Path]:
+def split(image: Path, base: Path, work: Path, out: Path, timeout: float,
+          owned: tuple[Owners, Owners] | None = None) -> list[Path]:
     """Layers of ``image`` (an unpacked root) over ``base`` (its base's), top first: the
     task's changes, then the verifier tools where the image has them; staged in ``work``
-    (a fresh folder on ``image``'s file system), packed as squashfs files in ``out``."""
-    d = diff(image, base)
+    (a fresh folder on ``image``'s file system), packed as squashfs files in ``out``.
+    ``owned``: the owners and modes of both as recorded (``owners``), for roots unpacked
+    by an ordinary user."""
+    d = diff(image, base, owned)
     tools = [e for e in d.entries if e.split("/")[0] == TOOLS_TOP]
     own = [e for e in d.entries if e.split("/")[0] != TOOLS_TOP]
     layers = []
     for name, entries, whiteouts in (("task", own, d.whiteouts), ("tools", tools, [])):
         if name == "tools" and not entries:
             continue
-        pseudo = stage(image, entries, whiteouts, work / name)
+        pseudo = stage(image, entries, whiteouts, work / name, owned and owned[0])
+        root = owned[0].get("") if owned else None
         if name == "tools":  # its root is never seen (the task's is above): one for all
             os.chmod(work / name, 0o755)
             os.utime(work / name, (0, 0))
-        pack_layer(work / name, pseudo, out / f"{name}.sqfs", timeout)
+            root = (0o755, 0, 0) if owned else None
+        pack_layer(work / name, pseudo, out / f"{name}.sqfs", timeout, root)
         layers.append(out / f"{name}.sqfs")
     return layers
 
@@ -250,7 +321,7 @@ def base_root(base_sif: Path, cache_dir: Path) -> Path:
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root) + ".lock"):
         if not root.exists():
-            sif.extract(base_sif, root)
+            sif.extract(base_sif, root, lenient=os.geteuid() != 0)
     return root
 
 
@@ -262,8 +333,12 @@ def split_sif(image_sif: Path, base_sif: Path, cache_dir: Path, out: Path,
     build.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="layers-", dir=build))
     try:
-        image = sif.extract(image_sif, work / "image", timeout=timeout)
-        return split(image, base_root(base_sif, cache_dir), work, out, timeout), \
+        user = os.geteuid() != 0
+        image = sif.extract(image_sif, work / "image", timeout=timeout, lenient=user)
+        owned = (owners(image_sif, sif.read_partition(image_sif).offset, timeout),
+                 owners(base_sif, sif.read_partition(base_sif).offset, timeout)) \
+            if user else None
+        return split(image, base_root(base_sif, cache_dir), work, out, timeout, owned), \
             pythons(image, path or DEFAULT_PATH)
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(work)], timeout=600,

@@ -34,6 +34,7 @@ def write(path: Path, text: str, mode: int = 0o644, mtime: int = 1_700_000_000) 
 def roots(tmp_path):
     base, image = tmp_path / "base", tmp_path / "image"
     write(base / "etc/motd", "welcome\n")
+    write(base / "etc/old name", "a name with a blank\n")
     write(base / "etc/same", "unchanged\n")
     write(base / "etc/edited", "aaaa\n")           # same size and mtime after the edit
     write(base / "etc/mode", "x\n")
@@ -45,6 +46,7 @@ def roots(tmp_path):
     (base / "empty-dir").mkdir()
     shutil.copytree(base, image, symlinks=True)
     os.unlink(image / "etc/motd")                                  # removed file
+    os.unlink(image / "etc/old name")                              # (a blank in its name)
     write(image / "etc/edited", "bbbb\n")                           # content only
     (image / "etc/mode").chmod(0o600)                              # mode only
     os.chown(image / "etc/owner", 1234, 1234)                      # owner only
@@ -61,7 +63,7 @@ def roots(tmp_path):
 def test_the_diff_lists_exactly_what_the_task_changed(roots):
     base, image = roots
     d = layering.diff(image, base)
-    assert sorted(d.whiteouts) == ["etc/motd", "usr/share/doc/a"]
+    assert sorted(d.whiteouts) == ["etc/motd", "etc/old name", "usr/share/doc/a"]
     assert set(d.entries) == {
         ".tmax", ".tmax/verifier", ".tmax/verifier/bin", ".tmax/verifier/bin/uv",
         "app", "app/new.txt", "etc", "etc/edited", "etc/mode", "etc/owner", "etc/link",
@@ -101,7 +103,7 @@ def test_layers_over_the_base_merge_back_into_the_image(roots, tmp_path):
                              capture_output=True, text=True, check=True).stdout
     assert "/.tmax" not in listing and "/etc/same" not in listing  # own changes only
     assert layers.whiteouts(layers.Layer(task, 0, task.stat().st_size)) == \
-        ["etc/motd", "usr/share/doc/a"]
+        ["etc/motd", "etc/old name", "usr/share/doc/a"]
     base_sqfs = tmp_path / "base.sqfs"
     layering.pack_layer(base, [], base_sqfs, timeout=120)
     image_file = tmp_path / "task.layers"
@@ -126,6 +128,18 @@ def test_equal_layers_are_equal_files(roots, tmp_path):
         layering.split(image, base, work, out, timeout=120)
         sums.append([sif_bytes(out / n) for n in ("task.sqfs", "tools.sqfs")])
     assert sums[0] == sums[1]
+
+
+def test_owners_reads_modes_and_ids_as_the_squashfs_records_them(roots, tmp_path):
+    base, image = roots
+    out = tmp_path / "image.sqfs"
+    (image / "app/new.txt").chmod(0o4751)
+    layering.pack_layer(image, [], out, timeout=120)
+    found = layering.owners(out)
+    assert found["app/new.txt"] == (stat.S_IFREG | 0o4751, 0, 0)
+    assert found["etc/owner"] == (stat.S_IFREG | 0o644, 1234, 1234)
+    assert found["etc/link"][0] == stat.S_IFLNK | 0o777
+    assert stat.S_ISDIR(found[""][0]) and stat.S_ISDIR(found["opt/thing"][0])
 
 
 def sif_bytes(path: Path) -> bytes:

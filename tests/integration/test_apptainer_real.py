@@ -219,6 +219,29 @@ def test_the_verifier_gets_its_own_reward_under_every_attack(who, shared, user, 
     assert got == dict.fromkeys(apptainer_cases.SEAL_ATTACKS, "0.25")
 
 
+@pytest.fixture(scope="module")
+def shared_layered(layered_base, shared) -> Path:
+    """conftest's ``layered_base`` where every user can read it: its task layer copied
+    into the shared folder, over the shared base SIF."""
+    from sandfleet import layers
+
+    task = shared[0] / "task.sqfs"
+    shutil.copyfile(layers.read(layered_base)[0].path, task)
+    task.chmod(0o644)
+    layers.write(shared[0] / "task.layers", [task, shared[1]])
+    (shared[0] / "task.layers").chmod(0o644)
+    return shared[0] / "task.layers"
+
+
+@pytest.mark.parametrize("who", WHO)
+def test_the_seal_holds_on_a_layered_image(who, shared, user, tmp_path, shared_layered):
+    """The same attacks on a layered image (a task layer over the base, as builds store
+    task images), as root and as an ordinary user (read-only squashfs overlays mounted
+    with squashfuse)."""
+    got = run_case("verifier_seal", who, shared, user, tmp_path, image=shared_layered)
+    assert got == dict.fromkeys(apptainer_cases.SEAL_ATTACKS, "0.25")
+
+
 PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py")
 
 

@@ -182,3 +182,17 @@ def test_only_the_base_may_be_a_sif(tmp_path, roots):
         ["--overlay", f"{layer}:ro", str(a_sif)]
     with pytest.raises(sif.SifError, match="only the base"):
         layers.write(tmp_path / "bad.layers", [a_sif, layer])
+
+
+def test_the_tools_key_leaves_out_where_lines_sit_and_other_programs(tmp_path):
+    a = "tmax_failed offline 'tests/test.sh:21: curl ... | sh'\nuvx -p 3.13 pytest\n"
+    b = "tmax_failed offline 'tests/test.sh:18: curl ... | sh'\nuvx -p 3.13 pytest\n"
+    c = "tmax_failed offline 'tests/test.sh:18: curl ... | sh'\nuvx -p 3.12 pytest\n"
+    assert layering.tools_key_text(a) == layering.tools_key_text(b) != \
+        layering.tools_key_text(c)
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    for name in ("python3.11", "python3-config", "python3.11-config", "pythonista"):
+        (tmp_path / "usr/bin" / name).write_text("x")
+    os.symlink("python3.11", tmp_path / "usr/bin/python3")
+    assert layering.pythons(tmp_path, "/usr/local/bin:/usr/bin") == \
+        [("/usr/bin/python3", 1), ("/usr/bin/python3.11", 1)]

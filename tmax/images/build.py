@@ -495,7 +495,8 @@ class ImageBuilds:
             # same tools, base and Pythons (pip lines install against the image's own
             # packages: those stay the task's)
             shared = not plan.verifier.pip and plan.verifier_image is None
-            key = digest_of(layering.TOOLS_FORMAT, plan.verifier.digest_text(), base.digest,
+            key = digest_of(layering.TOOLS_FORMAT,
+                            layering.tools_key_text(plan.verifier.digest_text()), base.digest,
                             json.dumps(found)) if shared else ""
             own.append(self.store.publish_layer(built[1], f"tools-{key}" if key else ""))
         rel = f"sif/{plan.digest}.layers"

@@ -25,7 +25,7 @@ from tmax.images.types import DEFAULT_PATH, BuildError
 
 TOOLS_TOP = ".tmax"
 """The top-level folder of the verifier tools (``tmax.images.verifier_tools.ROOT``'s)."""
-TOOLS_FORMAT = "tools-layer 1"
+TOOLS_FORMAT = "tools-layer 2"
 """In the key of a shared tools layer (``layers/tools-<key>.sqfs``): a new way of making
 them is a new key."""
 
@@ -292,17 +292,21 @@ def split(image: Path, base: Path, work: Path, out: Path, timeout: float,
     return layers
 
 
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+"""The names uv looks for a Python by (python3-config and the like are not)."""
+
+
 def pythons(image: Path, path: str) -> list[tuple[str, int]]:
-    """(path, size) of each ``python*`` program in the folders of ``path`` (the image's
-    PATH) of an unpacked root, links followed inside the root: what the verifier tools'
-    build step can find of the image."""
+    """(path, size) of each Python (``PYTHON_NAME``) in the folders of ``path`` (the
+    image's PATH) of an unpacked root, links followed inside the root: what the verifier
+    tools' build step can find of the image."""
     found = []
     for folder in dict.fromkeys(path.split(":")):
         here = image / folder.lstrip("/")
         if not folder.startswith("/") or not here.is_dir() or here.is_symlink():
             continue
         for entry in sorted(os.listdir(here)):
-            if entry.startswith("python"):
+            if PYTHON_NAME.fullmatch(entry):
                 target, hops = here / entry, 0
                 while target.is_symlink() and hops < 8:
                     link = os.readlink(target)
@@ -313,6 +317,14 @@ def pythons(image: Path, path: str) -> list[tuple[str, int]]:
                     else -1
                 found.append((f"{folder}/{entry}", size))
     return found
+
+
+def tools_key_text(script: str) -> str:
+    """The tools' build step as their shared layer's key reads it: the line numbers in its
+    messages (``tests/test.sh:21: ...``, where a step failed) left out, so tasks whose
+    scripts differ only in where the same lines sit share one layer (its ``unmet`` notes
+    then name the first task's lines)."""
+    return re.sub(r"(tests/[^\s:'\"]+):\d+:", r"\1:", script)
 
 
 def base_root(base_sif: Path, cache_dir: Path) -> Path:

@@ -1,6 +1,7 @@
 """Bytes of image stores: total, per task beyond shared layers, and what N tasks would take.
 
-    python benchmarks/store_bytes.py STORE [STORE...] [--tasks 13000] [--out FILE.json]
+    python benchmarks/store_bytes.py STORE [STORE...] [--tasks 13000] [--only TASKS_DIR]...
+        [--out FILE.json]
 
 For each store (a ``tmax images`` store folder): the bytes of every distinct file its
 manifest names (task images, layers, bases, separate verifiers), each task's own bytes
@@ -25,15 +26,21 @@ def nearest_rank(values: list[int], q: float) -> int:
         if ordered else 0
 
 
-def measure(root: Path, n_tasks: int) -> dict:
+def measure(root: Path, n_tasks: int, only: Path | None = None) -> dict:
     manifest = ImageStore(root).read()
+    if only is not None:  # the tasks of one folder, and the bases they use
+        names = {p.name for p in only.iterdir() if p.is_dir()}
+        manifest.tasks = {k: v for k, v in manifest.tasks.items() if k in names}
+        manifest.bases = {k: v for k, v in manifest.bases.items()
+                          if k in {e.base for e in manifest.tasks.values()}}
     files = {rel: size for e in manifest.tasks.values() for rel, size, _ in e.files()} | \
         {b.sif: b.size for b in manifest.bases.values()}
     own = own_bytes(manifest)
     shared = sum(files.values()) - sum(own.values())
     mean_own = statistics.fmean(own.values()) if own else 0.0
     return {
-        "store": str(root), "tasks": len(manifest.tasks), "bases": len(manifest.bases),
+        "store": str(root) + (f" (tasks of {only})" if only else ""),
+        "tasks": len(manifest.tasks), "bases": len(manifest.bases),
         "layered_tasks": sum(1 for e in manifest.tasks.values() if e.layers),
         "total_bytes": sum(files.values()), "shared_bytes": shared,
         "own_bytes_median": statistics.median(own.values()) if own else 0,
@@ -48,9 +55,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stores", nargs="+", type=Path)
     parser.add_argument("--tasks", type=int, default=13000)
+    parser.add_argument("--only", type=Path, action="append", default=[],
+                        help="count only the tasks named by this folder's subfolders (and "
+                             "their bases), once per --only, for each store")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results = [measure(s, args.tasks) for s in args.stores]
+    results = [measure(s, args.tasks, only) for s in args.stores
+               for only in (args.only or [None])]
     for r in results:
         mb = 2**20
         print(f"{r['store']}: {r['tasks']} tasks ({r['layered_tasks']} layered), "

@@ -44,6 +44,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,23 +93,61 @@ done
 """
 
 
+PRISTINE_CACHE_GB = float(os.environ.get("SANDFLEET_PRISTINE_CACHE_GB", "20"))
+"""What the pristine squashfs files of a node's runtime may take: past it, those unused for
+an hour or more go, least recently used first (a node sees thousands of task images)."""
+
+
+def trim_cache(cache: Path, limit_bytes: float, min_age_s: float = 3600) -> list[Path]:
+    """Remove the least recently used ``*.sqfs`` of ``cache`` (and their listings, the
+    files named ``<key>.*``) until the rest fit ``limit_bytes``; one used (its mtime
+    refreshed) within ``min_age_s`` stays: a verify may be about to bind it."""
+    found = []
+    for path in cache.glob("*.sqfs"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        found.append((st.st_mtime, st.st_size, path))
+    total, removed, now = sum(size for _, size, _ in found), [], time.time()
+    for mtime, size, path in sorted(found):
+        if total <= limit_bytes:
+            break
+        if now - mtime < min_age_s:
+            continue
+        for sibling in cache.glob(f"{path.stem}.*"):
+            sibling.unlink(missing_ok=True)
+        total -= size
+        removed.append(path)
+    return removed
+
+
+def _used(dest: Path) -> Path:
+    os.utime(dest)  # (``trim_cache`` keeps what was used last)
+    return dest
+
+
 def pristine_squashfs(cache: Path, image: Path) -> Path:
     """The SIF's squashfs partition as a file of its own in ``cache``, made once per image
-    version (keyed by path, size and mtime)."""
+    version (keyed by path, size and mtime); a layered image's layers merged."""
     if layers.is_layered(image):  # the layers merged, once per node and image version
         key = hashlib.sha1(json.dumps(layers.identity(image)).encode()).hexdigest()[:16]
         dest = cache / f"{key}.sqfs"
         with _MERGING_LOCK:
             lock = _MERGING.setdefault(dest, threading.Lock())
         with lock:  # one merge per image (``merge_ahead``'s, or this call's)
-            return dest if dest.exists() else layers.flatten(image, dest)
+            if dest.exists():
+                return _used(dest)
+            layers.flatten(image, dest)
+        trim_cache(cache, PRISTINE_CACHE_GB * 2**30)
+        return dest
     part = sif.read_partition(image)
     st = image.stat()
     key = hashlib.sha1(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}:{part.offset}"
                        .encode()).hexdigest()[:16]
     dest = cache / f"{key}.sqfs"
     if dest.exists():
-        return dest
+        return _used(dest)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     with open(image, "rb") as src, open(tmp, "wb") as out:
@@ -119,6 +158,7 @@ def pristine_squashfs(cache: Path, image: Path) -> Path:
                 raise OSError(f"{image}: short read copying its squashfs")
             offset, left = offset + n, left - n
     os.replace(tmp, dest)
+    trim_cache(cache, PRISTINE_CACHE_GB * 2**30)
     return dest
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,21 @@ def test_an_overlay_hides_the_verifier_tools_by_a_whiteout_where_they_are(tmp_pa
     root = subprocess.run(["debugfs", "-R", "ls /", str(tmp_path / "o.img")],
                           capture_output=True, text=True, check=True).stdout
     assert "upper/.tmax/verifier" not in root
+
+
+def test_the_pristine_cache_keeps_what_was_used_last_within_its_limit(tmp_path):
+    """Oldest first, with their listings; what was used within the hour stays even past
+    the limit (a verify may be binding it)."""
+    from sandfleet.runtime.apptainer_verify import trim_cache
+
+    now = time.time()
+    for name, age_h in (("old", 5), ("mid", 3), ("new", 2), ("busy", 0.1)):
+        (tmp_path / f"{name}.sqfs").write_bytes(b"x" * 100)
+        (tmp_path / f"{name}.entries-1.json").write_text("[]")
+        os.utime(tmp_path / f"{name}.sqfs", (now - age_h * 3600,) * 2)
+    assert trim_cache(tmp_path, limit_bytes=250) == [tmp_path / "old.sqfs",
+                                                     tmp_path / "mid.sqfs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "busy.entries-1.json", "busy.sqfs", "new.entries-1.json", "new.sqfs"]
+    assert trim_cache(tmp_path, limit_bytes=0) == [tmp_path / "new.sqfs"]  # busy stays
+    assert trim_cache(tmp_path, limit_bytes=1000) == []

@@ -127,9 +127,9 @@ def _used(dest: Path) -> Path:
     return dest
 
 
-def pristine_squashfs(cache: Path, image: Path) -> Path:
+def pristine_squashfs(cache: Path, image: Path, nice: int = 0) -> Path:
     """The SIF's squashfs partition as a file of its own in ``cache``, made once per image
-    version (keyed by path, size and mtime); a layered image's layers merged."""
+    version (keyed by path, size and mtime); a layered image's layers merged (at ``nice``)."""
     if layers.is_layered(image):  # the layers merged, once per node and image version
         key = hashlib.sha1(json.dumps(layers.identity(image)).encode()).hexdigest()[:16]
         dest = cache / f"{key}.sqfs"
@@ -138,7 +138,7 @@ def pristine_squashfs(cache: Path, image: Path) -> Path:
         with lock:  # one merge per image (``merge_ahead``'s, or this call's)
             if dest.exists():
                 return _used(dest)
-            layers.flatten(image, dest)
+            layers.flatten(image, dest, nice=nice)
         trim_cache(cache, PRISTINE_CACHE_GB * 2**30)
         return dest
     part = sif.read_partition(image)
@@ -165,6 +165,7 @@ def pristine_squashfs(cache: Path, image: Path) -> Path:
 _MERGING: dict[Path, threading.Lock] = {}
 _MERGING_LOCK = threading.Lock()
 _AHEAD: set[Path] = set()
+_AHEAD_ONE = threading.Lock()
 
 
 def merge_ahead(cache: Path, image: Path) -> None:
@@ -177,7 +178,8 @@ def merge_ahead(cache: Path, image: Path) -> None:
 
     def merge() -> None:
         try:
-            pristine_squashfs(cache, image)
+            with _AHEAD_ONE:  # one at a time, at nice 19: the node's sandboxes come first
+                pristine_squashfs(cache, image, nice=19)
         except (OSError, sif.SifError, subprocess.SubprocessError) as e:  # verify retries
             log.warning("merging the layers of %s ahead of its verify: %s", image, e)
 

@@ -191,18 +191,19 @@ def _apply(layer: Path, root: Path) -> None:
             os.rename(src, dest)
 
 
-def flatten(image: Path | str, out: Path, *, timeout: float = 1800) -> Path:
+def flatten(image: Path | str, out: Path, *, timeout: float = 1800, nice: int = 0) -> Path:
     """One squashfs file holding the image's merged root (what a sandbox of it sees before
     anything is written), for readers that take one file (Apptainer's verifier binds
     folders of the pristine image from it). Atomic; needs unsquashfs and mksquashfs (as
     an ordinary user, files keep that user's ids, and devices are left out)."""
     found = read(image)
     out.parent.mkdir(parents=True, exist_ok=True)
+    low = ["nice", "-n", str(nice)] if nice else []  # (a merge ahead of need: at nice 19)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         root = Path(tmp) / "root"
         for i, layer in enumerate(reversed(found)):  # the base first
             dest = root if i == 0 else Path(tmp) / f"layer{i}"
-            proc = subprocess.run(["unsquashfs", "-o", str(layer.offset), "-n", "-q",
+            proc = subprocess.run([*low, "unsquashfs", "-o", str(layer.offset), "-n", "-q",
                                    "-no-progress", "-d", str(dest), str(layer.path)],
                                   capture_output=True, text=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL, check=False)
@@ -211,7 +212,7 @@ def flatten(image: Path | str, out: Path, *, timeout: float = 1800) -> Path:
             if i:
                 _apply(dest, root)
         tmp_out = Path(tmp) / "merged.sqfs"
-        proc = subprocess.run(["mksquashfs", str(root), str(tmp_out), "-noappend", "-quiet",
+        proc = subprocess.run([*low, "mksquashfs", str(root), str(tmp_out), "-noappend", "-quiet",
                                "-no-progress", "-comp", "gzip", "-Xcompression-level", "1"],
                               capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL, check=False)

@@ -57,6 +57,7 @@ def roots(tmp_path):
     os.symlink("edited", image / "etc/link")                       # link retargeted
     write(image / "app/new.txt", "new\n", mode=0o755)               # added
     write(image / ".tmax/verifier/bin/uv", "#!/bin/sh\n", mode=0o755)  # the tools' layer
+    write(image / ".tmax/verifier/unmet", "tests/test.sh:3: apt-get install gcc\n")  # own
     return base, image
 
 
@@ -66,6 +67,7 @@ def test_the_diff_lists_exactly_what_the_task_changed(roots):
     assert sorted(d.whiteouts) == ["etc/motd", "etc/old name", "usr/share/doc/a"]
     assert set(d.entries) == {
         ".tmax", ".tmax/verifier", ".tmax/verifier/bin", ".tmax/verifier/bin/uv",
+        ".tmax/verifier/unmet",
         "app", "app/new.txt", "etc", "etc/edited", "etc/mode", "etc/owner", "etc/link",
         "opt", "opt/thing", "opt/thing/inside", "usr", "usr/share", "usr/share/doc"}
     assert d.entries.index("opt") < d.entries.index("opt/thing") < \
@@ -101,7 +103,11 @@ def test_layers_over_the_base_merge_back_into_the_image(roots, tmp_path):
     assert (task.name, tools.name) == ("task.sqfs", "tools.sqfs")
     listing = subprocess.run(["unsquashfs", "-lls", "-n", "-d", "", str(task)],
                              capture_output=True, text=True, check=True).stdout
-    assert "/.tmax" not in listing and "/etc/same" not in listing  # own changes only
+    assert "/etc/same" not in listing and "/.tmax/verifier/bin" not in listing  # own only
+    assert "/.tmax/verifier/unmet" in listing  # what this task's build could not prepare
+    tools_listing = subprocess.run(["unsquashfs", "-lls", "-n", "-d", "", str(tools)],
+                                   capture_output=True, text=True, check=True).stdout
+    assert "/.tmax/verifier/bin/uv" in tools_listing and "unmet" not in tools_listing
     assert layers.whiteouts(layers.Layer(task, 0, task.stat().st_size)) == \
         ["etc/motd", "etc/old name", "usr/share/doc/a"]
     base_sqfs = tmp_path / "base.sqfs"

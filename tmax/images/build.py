@@ -495,9 +495,10 @@ class ImageBuilds:
             # same tools, base and Pythons (pip lines install against the image's own
             # packages: those stay the task's)
             shared = not plan.verifier.pip and plan.verifier_image is None
-            key = digest_of(layering.TOOLS_FORMAT,
-                            layering.tools_key_text(plan.verifier.digest_text()), base.digest,
-                            json.dumps(found)) if shared else ""
+            tools = dataclasses.replace(plan.verifier, apt=(), apt_where=())  # (those go to
+            # the task's own layer; the Pythons they add are in ``found``)
+            key = digest_of(layering.TOOLS_FORMAT, layering.tools_key_text(tools.digest_text()),
+                            base.digest, json.dumps(found)) if shared else ""
             own.append(self.store.publish_layer(built[1], f"tools-{key}" if key else ""))
         rel = f"sif/{plan.digest}.layers"
         layers.write(self.store.path(rel), [self.store.path(la.path) for la in own] +

@@ -25,7 +25,10 @@ from tmax.images.types import DEFAULT_PATH, BuildError
 
 TOOLS_TOP = ".tmax"
 """The top-level folder of the verifier tools (``tmax.images.verifier_tools.ROOT``'s)."""
-TOOLS_FORMAT = "tools-layer 2"
+TOOLS_UNMET = ".tmax/verifier/unmet"
+"""What this task's build could not prepare (``tmax.images.verifier_tools``): in its own
+layer, never in a tools layer other tasks share."""
+TOOLS_FORMAT = "tools-layer 3"
 """In the key of a shared tools layer (``layers/tools-<key>.sqfs``): a new way of making
 them is a new key."""
 
@@ -275,8 +278,8 @@ def split(image: Path, base: Path, work: Path, out: Path, timeout: float,
     ``owned``: the owners and modes of both as recorded (``owners``), for roots unpacked
     by an ordinary user."""
     d = diff(image, base, owned)
-    tools = [e for e in d.entries if e.split("/")[0] == TOOLS_TOP]
-    own = [e for e in d.entries if e.split("/")[0] != TOOLS_TOP]
+    tools = [e for e in d.entries if e.split("/")[0] == TOOLS_TOP and e != TOOLS_UNMET]
+    own = [e for e in d.entries if e.split("/")[0] != TOOLS_TOP or e == TOOLS_UNMET]
     layers = []
     for name, entries, whiteouts in (("task", own, d.whiteouts), ("tools", tools, [])):
         if name == "tools" and not entries:

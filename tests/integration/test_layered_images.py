@@ -88,8 +88,8 @@ def test_the_tools_layer_is_the_verifiers_alone(make, runtime, tmp_path, with_to
     """(On Apptainer the tools of a single-file image were not hidden either: its overlay's
     whiteout was made in the wrong folder.)"""
     a = make(image=with_tools if kind == "layered" else one_file_with_tools)
-    seen = run(runtime, a, ["sh", "-c", "ls -A /.tmax/verifier; cat /.tmax/verifier/bin/mark; "
-                                        f"cat {LAYER_MARK}"])
+    peek = f"ls -A /.tmax/verifier; cat /.tmax/verifier/bin/mark; cat {LAYER_MARK}"
+    seen = run(runtime, a, ["sh", "-c", peek])
     assert "echo 1" not in seen.output and "layered" in seen.output  # hidden, layers there
     result, reward = verify(runtime, a, tmp_path,
                             "/.tmax/verifier/bin/mark > /logs/verifier/reward.txt")

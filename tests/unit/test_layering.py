@@ -137,7 +137,7 @@ def test_equal_layers_are_equal_files(roots, tmp_path):
 
 
 def test_owners_reads_modes_and_ids_as_the_squashfs_records_them(roots, tmp_path):
-    base, image = roots
+    _, image = roots
     out = tmp_path / "image.sqfs"
     (image / "app/new.txt").chmod(0o4751)
     layering.pack_layer(image, [], out, timeout=120)

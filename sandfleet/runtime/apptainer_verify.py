@@ -164,7 +164,7 @@ def pristine_squashfs(cache: Path, image: Path, nice: int = 0) -> Path:
 
 _MERGING: dict[Path, threading.Lock] = {}
 _MERGING_LOCK = threading.Lock()
-_AHEAD: set[Path] = set()
+_AHEAD: set[tuple[Path, Path]] = set()
 _AHEAD_ONE = threading.Lock()
 
 
@@ -172,9 +172,9 @@ def merge_ahead(cache: Path, image: Path) -> None:
     """Make a layered image's merged squashfs (``pristine_squashfs``) in a thread of its
     own, while the agent works: a sandbox's first verify then finds it made (a merge of a
     base's 300 MB root takes seconds). Nothing for a SIF (its partition is copied out)."""
-    if not layers.is_layered(image) or image in _AHEAD:
+    if not layers.is_layered(image) or (cache, image) in _AHEAD:
         return
-    _AHEAD.add(image)  # (a file replaced at this path: its verify merges it)
+    _AHEAD.add((cache, image))  # (a file replaced at this path: its verify merges it)
 
     def merge() -> None:
         try:

@@ -89,6 +89,28 @@ def test_lease_runs_a_persistent_shell_and_releases(shared, client, base_sif, tm
 
 
 @pytest.mark.sandbox
+def test_a_lease_of_a_layered_image_runs_and_is_graded_over_its_layers(client, layered_base,
+                                                                      tmp_path):
+    """A task image as builds store it (a layers file: a task layer over the base SIF),
+    through the controller and a worker: the agent sees the layer, not what it removes;
+    the verifier grades the agent's files over the image."""
+    from tests.conftest import LAYER_MARK
+
+    with client.lease(layered_base, ttl_s=60) as lease:
+        assert lease.run(f"cat {LAYER_MARK}; ls /etc/motd").output.startswith("layered\n")
+        lease.run("echo done > /root/answer")
+        tests = tmp_path / "tests"
+        tests.mkdir()
+        (tests / "test.sh").write_text(
+            f'[ "$(cat /root/answer)" = done ] && grep -q layered {LAYER_MARK} && '
+            "! [ -e /etc/motd ] && echo 1 > /logs/verifier/reward.txt\n")
+        result, logs = lease.verify(tests, ["sh", "/tests/test.sh"], timeout=60,
+                                    dest=tmp_path / "logs")
+        assert result.exit_code == 0, result.output
+        assert (logs / "reward.txt").read_text() == "1\n"
+
+
+@pytest.mark.sandbox
 def test_missing_image_is_an_infra_error(client, tmp_path):
     with pytest.raises(ImageMissing):
         client.acquire(tmp_path / "nope.sif", wait_s=10)

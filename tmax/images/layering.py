@@ -15,6 +15,7 @@ import re
 import stat
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -346,6 +347,10 @@ def split_sif(image_sif: Path, base_sif: Path, cache_dir: Path, out: Path,
     cache; the image's unpacked root removed after), and its ``pythons`` on ``path``."""
     build = cache_dir / "build"
     build.mkdir(parents=True, exist_ok=True)
+    for old in build.glob("layers-*"):  # left by killed builds: none runs for 6 h
+        if time.time() - old.stat().st_mtime > 6 * 3600:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(old)], timeout=600,
+                           check=False)
     work = Path(tempfile.mkdtemp(prefix="layers-", dir=build))
     try:
         user = os.geteuid() != 0

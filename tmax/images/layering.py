@@ -10,6 +10,7 @@ is named by the sha256 of its bytes, so equal layers are one file in the store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -348,7 +349,9 @@ def split_sif(image_sif: Path, base_sif: Path, cache_dir: Path, out: Path,
     build = cache_dir / "build"
     build.mkdir(parents=True, exist_ok=True)
     for old in build.glob("layers-*"):  # left by killed builds: none runs for 6 h
-        if time.time() - old.stat().st_mtime > 6 * 3600:
+        with contextlib.suppress(FileNotFoundError):  # (another build's clean-up first)
+            if time.time() - old.stat().st_mtime <= 6 * 3600:
+                continue
             subprocess.run(["rm", "-rf", "--one-file-system", str(old)], timeout=600,
                            check=False)
     work = Path(tempfile.mkdtemp(prefix="layers-", dir=build))

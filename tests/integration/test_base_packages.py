@@ -179,7 +179,7 @@ def test_the_fixed_bases_hold_what_their_images_hold(base_store, fixed_bases):
 ])
 def test_dockerfiles_the_real_images_build_build_over_the_stand_ins(
         tmp_path, base_store, fixed_bases, name, dockerfile):
-    from sandfleet.runtime import sif
+    from sandfleet import layers
     from tests.conftest import link_base, store_with_base
     from tmax.images.build import ImageBuilds
     from tmax.images.builders import LocalBuilder
@@ -196,5 +196,5 @@ def test_dockerfiles_the_real_images_build_build_over_the_stand_ins(
     log = Path(result.log).read_text() if result.log and Path(result.log).is_file() else ""
     assert result.status == "built", f"{result.error}\n{log[-3000:]}"
     if name.startswith("ruby"):
-        root = sif.extract(store.path(store.read().tasks[task.task_id].sif), tmp_path / "root")
-        assert (root / "two.txt").read_text().strip() in ("2", "[2]")
+        two = layers.cat(store.path(store.read().tasks[task.task_id].sif), "two.txt")
+        assert (two or "").strip() in ("2", "[2]")

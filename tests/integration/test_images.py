@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,19 +31,39 @@ REPO = Path(__file__).resolve().parents[2]
 TABLE = REPO / "configs" / "base-images.yaml"
 
 
-def list_sif(sif: Path) -> str:
-    """`unsquashfs -l` of the image's root."""
-    part = read_partition(sif)
-    return subprocess.run(["unsquashfs", "-l", "-o", str(part.offset), str(sif)],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
+_ENTRY = re.compile(r"^\S{10} \S+ +\S+(?:, +\S+)? \S+ \S+ (.*)$")
+
+
+def list_sif(sif: Path, option: str = "-l") -> str:
+    """`unsquashfs -l` (or ``option``: -lln) of the image's root: a SIF's, or a layered
+    image's as a sandbox sees it (each path from the topmost layer that has it, none that
+    a layer above removes)."""
+    from sandfleet import layers
+
+    seen: dict[str, str] = {}
+    hidden: list[str] = []
+    for layer in layers.read(sif):
+        out = subprocess.run(["unsquashfs", option, "-o", str(layer.offset), str(layer.path)],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        gone = [f"squashfs-root/{w}" for w in layers.whiteouts(layer)]
+        for line in out.splitlines():
+            m = _ENTRY.match(line) if option != "-l" else None
+            path = (m.group(1).split(" -> ")[0] if m else line)
+            if path in seen or path in gone or \
+                    any(path == h or path.startswith(h + "/") for h in hidden):
+                continue
+            seen[path] = line
+        hidden += gone
+    return "\n".join(seen[p] for p in sorted(seen)) + "\n"
 
 
 def cat_sif(sif: Path, path: str, tmp: Path) -> str:
-    part = read_partition(sif)
-    out = tmp / "cat"
-    subprocess.run(["unsquashfs", "-o", str(part.offset), "-d", str(out), "-no-progress", "-q",
-                    str(sif), path.lstrip("/")], check=True, timeout=120, capture_output=True)
-    return (out / path.lstrip("/")).read_text()
+    """The text of file ``path`` of the image as built (a SIF, or a layered image)."""
+    from sandfleet import layers
+
+    text = layers.cat(sif, path.lstrip("/"))
+    assert text is not None, f"{path} is not a file of {sif}"
+    return text
 
 
 # --------------------------------------------------------------------------- definitions
@@ -138,6 +159,8 @@ def builds(image_store, tmp_path):
 
 @pytest.mark.slow
 def test_local_build_makes_a_real_sif_with_the_task_layer(builds, tmp_path):
+    """With --single-file (``layered=False``): one whole SIF per task."""
+    builds.layered = False
     task = load_task(EXAMPLES / "log-rotation-script")
     result = builds.build(task, check=False)
     assert result.status == "built", result.error
@@ -228,6 +251,8 @@ def test_two_concurrent_builders_build_once(builds, tmp_path):
 
 @pytest.mark.slow
 def test_verify_catches_corruption_and_truncation(builds, tmp_path):
+    """Of a single-file image (a layer's: test_layered_images)."""
+    builds.layered = False
     builds.build(load_task(EXAMPLES / "hello-world-file"), check=False)
     entry = builds.store.read().tasks["hello-world-file"]
     sif = builds.store.path(entry.sif)
@@ -256,7 +281,7 @@ def test_missing_or_stale_image_at_run_time_is_image_missing(builds, tmp_path):
     assert builds.store.task_image("hello-world-file", result.digest).digest == result.digest
     with pytest.raises(ImageMissing, match="out of date"):
         builds.store.task_image("hello-world-file", "f" * 32)
-    os.unlink(builds.store.path(f"sif/{result.digest}.sif"))
+    os.unlink(builds.store.path(builds.store.read().tasks["hello-world-file"].sif))
     with pytest.raises(ImageMissing, match="no such file"):
         builds.store.task_image("hello-world-file", result.digest)
 

@@ -126,8 +126,7 @@ def run_case(name: str, who: str, shared, user, tmp_path, image: Path | None = N
     if user is None:  # already an ordinary user
         runtime = ApptainerRuntime(tmp_path / "state", owner="t", allow_host_root=True)
         return apptainer_cases.CASES[name](runtime, image)
-    state = root / f"{name}-state"
-    state.mkdir()
+    state = Path(tempfile.mkdtemp(prefix=f"{name}-state-", dir=root))  # (a case may run twice)
     os.chown(state, user.pw_uid, user.pw_gid)
     python, env = user_python()
     proc = as_user(user, [python, "-m", "tests.apptainer_cases", name, str(image),
